@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make demo` and `make test` (both idempotent).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-fast test-emulated bench selftest docs wheel clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[cpu,test,plot,example]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m example_rcnn.demo
+
+# Full suite on the NumPy backend, then the op suite again through the emulated CUDA kernels.
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+	MX_ROI_BACKEND=emulated-cuda $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/ops
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) -m mx_roi.bench
+
+selftest: $(STAMP)
+	$(PY) -m mx_roi.selftest
+
+docs: $(STAMP)
+	$(PY) -m mx_roi.viz.regenerate docs
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

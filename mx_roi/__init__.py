@@ -1,0 +1,17 @@
+"""mx_roi: ROIPooling, ROIAlign, PSROIPooling and PSROIAlign for MXNet as custom ops.
+
+``import mx_roi`` registers the four ops (``mx.nd.Custom(data, rois, op_type='ROIAlign',
+...)``) and exposes :mod:`mx_roi.nd`, :mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the
+built-ins' signatures.
+"""
+import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
+
+from . import errors, params, geometry, registry  # noqa: F401
+
+errors.install()
+from . import operators  # noqa: F401  (registers the four ops)
+from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
+from . import nd, sym  # noqa: F401
+
+__version__ = "0.1.0"
+OP_TYPES = tuple(op.name for op in operators.ALL_OPS)

@@ -1,0 +1,50 @@
+"""Generate the ``mx_roi.nd.*`` and ``mx_roi.sym.*`` functions from the op registry.
+
+Each function has the built-in's calling convention (``data``, ``rois``, then the op's
+parameters by name), validates the parameters through the op's struct (a bad value
+fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` through
+:func:`mx_roi.onednn.call_custom`, which protects the node from the oneDNN hazard.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .registry import REGISTERED
+
+__all__ = ["make_function", "populate"]
+
+
+def _call_custom(F, op_type, inputs, **kwargs):
+    try:  # TODO(onednn): replaced by mx_roi.onednn.call_custom once it lands
+        from .onednn import call_custom
+    except ImportError:
+        return F.Custom(*inputs, op_type=op_type, **kwargs)
+    return call_custom(F, op_type, inputs, **kwargs)
+
+
+def make_function(F, op_cls):
+    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, **params)``."""
+    fields = dataclasses.fields(op_cls.param_cls)
+
+    def fn(data=None, rois=None, name=None, **kwargs):
+        if data is None or rois is None:
+            raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
+        param = op_cls.param_cls.from_kwargs(**kwargs)
+        extra = {"name": name} if name is not None else {}
+        return _call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
+
+    fn.__name__ = fn.__qualname__ = op_cls.name
+    params = "\n".join(f"    {f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"
+                       if f.default is not dataclasses.MISSING else
+                       f"    {f.name} : required. {f.metadata.get('doc', '')}" for f in fields)
+    fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
+                  f"'{op_cls.name}')``.\n\n{(op_cls.__doc__ or '').strip()}\n\n"
+                  "Parameters\n----------\ndata : (N, C, H, W)\nrois : (R, 5) "
+                  f"(batch_index, x1, y1, x2, y2)\n{params}\n")
+    return fn
+
+
+def populate(namespace: dict, F) -> None:
+    """Fill a module namespace with one function per registered op."""
+    for name, op_cls in REGISTERED.items():
+        namespace[name] = make_function(F, op_cls)

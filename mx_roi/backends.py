@@ -1,0 +1,97 @@
+"""Where an op's kernels run: NumPy, the CUDA kernels on a GPU, or those kernels emulated.
+
+A backend moves MXNet NDArrays in and out of its array type, validates the inputs,
+builds the op's geometry tables once per call and calls the op's kernels
+(``forward_numpy``/``backward_numpy`` or the CUDA launchers).  Selection:
+
+* a GPU context -> ``cuda`` (CuPy raw kernels);
+* a CPU context -> ``numpy``, unless ``MX_ROI_BACKEND=emulated-cuda`` is set, which runs
+  the very same CUDA sources compiled for the host through the same launch glue.
+"""
+from __future__ import annotations
+
+import os
+
+import mxnet as mx
+import numpy as np
+
+from .geometry import compute_dtype
+
+__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("numpy", "emulated-cuda", "cuda")
+
+
+def select(ctx) -> str:
+    """Backend name for an MXNet context (string like ``'cpu(0)'`` or a Context)."""
+    device = getattr(ctx, "device_type", str(ctx))
+    if str(device).startswith("gpu"):
+        return "cuda"
+    choice = os.environ.get("MX_ROI_BACKEND", "numpy").strip().lower() or "numpy"
+    if choice not in ("numpy", "emulated-cuda"):
+        raise ValueError(f"MX_ROI_BACKEND={choice!r}: expected 'numpy' or 'emulated-cuda'")
+    return choice
+
+
+_INSTANCES = {}
+
+
+def get(name: str):
+    if name not in _INSTANCES:
+        if name == "numpy":
+            _INSTANCES[name] = NumpyBackend()
+        else:
+            from .cuda.backend import CudaBackend  # imported lazily: needs a compiler or CuPy
+            _INSTANCES[name] = CudaBackend(emulated=(name == "emulated-cuda"))
+    return _INSTANCES[name]
+
+
+def read_numpy(nd) -> np.ndarray:
+    """An NDArray's values as a NumPy array (one copy, default layout)."""
+    return nd.asnumpy()
+
+
+def write_numpy(dst, req: str, value: np.ndarray) -> None:
+    """Store ``value`` into NDArray ``dst`` according to ``req`` (write/inplace/add/null)."""
+    if req == "null":
+        return
+    value = np.ascontiguousarray(value, dtype=dst.dtype)
+    if req == "add":
+        value = value + dst.asnumpy()
+    elif req not in ("write", "inplace"):
+        raise ValueError(f"unknown req {req!r}")
+    dst[:] = value
+
+
+class NumpyBackend:
+    """Runs ``op.forward_numpy``/``op.backward_numpy`` on NumPy arrays in the compute dtype."""
+
+    name = "numpy"
+
+    def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
+        data, rois = read_numpy(data_nd), read_numpy(rois_nd)
+        op.check_inputs(data.shape, data.dtype, rois, np)
+        if req == "null":
+            return None
+        if rois.shape[0] == 0:
+            return None
+        geo = op.geometry(rois, data.shape[2], data.shape[3], np)
+        out, saved = op.forward_numpy(geo, data.astype(compute_dtype(data.dtype), copy=False))
+        write_numpy(out_nd, req, out)
+        return saved if keep else None
+
+    def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
+        if req == "null":
+            return
+        shape = in_grad_nd.shape
+        cdt = compute_dtype(in_grad_nd.dtype)
+        rois = read_numpy(rois_nd)
+        if rois.shape[0] == 0:
+            write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
+            return
+        geo = op.geometry(rois, shape[2], shape[3], np)
+        grad = read_numpy(grad_nd).astype(cdt, copy=False)
+        if saved is None and op.backward_needs_data:
+            data = read_numpy(data_nd).astype(cdt, copy=False)
+            _, saved = op.forward_numpy(geo, data)
+        write_numpy(in_grad_nd, req, op.backward_numpy(geo, grad, shape, saved))

@@ -1,0 +1,243 @@
+"""Box -> bins -> sample points: the geometry of every op, written once.
+
+Every backend (NumPy, the CUDA kernels, their host emulation) and the pictures in
+:mod:`mx_roi.viz` consume the *tables* built here; no kernel re-derives a bin or a
+sample point.  Functions take an array module ``xp`` (``numpy`` or ``cupy``) so the
+GPU path builds the same tables on the device.
+
+Arithmetic follows MXNet 1.9.1's C++ kernels operation by operation, in the
+*compute dtype* (float32 for float16/float32 data, float64 for float64 data), so that
+a sample landing exactly on a boundary lands on the same side as in the built-in.
+
+Shapes: ``R`` rois, ``P``/``Q`` pooled height/width, ``G`` the largest per-bin sample
+count along an axis (tables are padded to it; entries past a bin's count have weight 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import numpy as np
+
+__all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "SampleGrid",
+           "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index", "bilinear_axis", "MAX_SAMPLES_PER_AXIS"]
+
+#: Guard against boxes so large that the per-axis sample tables would not fit in memory.
+MAX_SAMPLES_PER_AXIS = 1 << 22
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """float64 stays float64; float16 and float32 are computed in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def c_round(v, xp=np):
+    """C ``round()``: half away from zero (``np.round`` rounds half to even)."""
+    t = xp.trunc(v)
+    return t + xp.where(xp.abs(v - t) >= 0.5, xp.sign(v), 0).astype(v.dtype)
+
+
+def batch_index(rois, xp=np):
+    """``int(rois[:, 0])`` as C truncates it; negative means a padding roi.  (R,) int32."""
+    return xp.trunc(rois[:, 0]).astype(np.int32)
+
+
+def _scale(spatial_scale, dtype):
+    # MXNet stores spatial_scale as a C float, then converts it to the data type.
+    return dtype.type(np.float32(spatial_scale))
+
+
+@dataclass
+class IntBins:
+    """Integer bins of the pooling ops; ``[start, end)`` clipped to the map.
+
+    Attributes
+    ----------
+    batch : (R,) int32
+    hstart, hend : (R, P) int32
+    wstart, wend : (R, Q) int32
+    """
+
+    batch: Any
+    hstart: Any
+    hend: Any
+    wstart: Any
+    wend: Any
+
+
+def _int_bins(start, size, pooled, limit, xp, cdt, offset_in_float):
+    """Bins ``floor(i*bin)``..``ceil((i+1)*bin)`` of one axis, clipped to ``[0, limit]``."""
+    i = xp.arange(pooled, dtype=cdt)
+    bin_size = size / cdt.type(pooled)
+    if offset_in_float:  # PSROIPooling: floor(i*bin + start)
+        lo = xp.floor(i[None, :] * bin_size[:, None] + start[:, None]).astype(np.int32)
+        hi = xp.ceil((i[None, :] + 1) * bin_size[:, None] + start[:, None]).astype(np.int32)
+    else:  # ROIPooling: floor(i*bin) + start, start an int
+        lo = xp.floor(i[None, :] * bin_size[:, None]).astype(np.int32) + start[:, None]
+        hi = xp.ceil((i[None, :] + 1) * bin_size[:, None]).astype(np.int32) + start[:, None]
+    return xp.clip(lo, 0, limit).astype(np.int32), xp.clip(hi, 0, limit).astype(np.int32)
+
+
+def roi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> IntBins:
+    """Fast R-CNN bins: coordinates scaled then C-rounded, end inclusive (+1).
+
+    Parameters
+    ----------
+    rois : (R, 5) array, (batch, x1, y1, x2, y2) in image coordinates
+    """
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    x1, y1, x2, y2 = (c_round(r[:, k] * s, xp).astype(np.int32) for k in (1, 2, 3, 4))
+    # Malformed (reversed) rois are forced to 1x1, as in Caffe.
+    roi_h = xp.maximum(y2 - y1 + 1, 1).astype(cdt)
+    roi_w = xp.maximum(x2 - x1 + 1, 1).astype(cdt)
+    hs, he = _int_bins(y1, roi_h, pooled_size[0], height, xp, cdt, False)
+    ws, we = _int_bins(x1, roi_w, pooled_size[1], width, xp, cdt, False)
+    return IntBins(batch_index(rois, xp), hs, he, ws, we)
+
+
+def psroi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> IntBins:
+    """R-FCN bins: raw coordinates C-rounded *then* scaled, end ``round(x2)+1``, size >= 0.1."""
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    x1, y1 = c_round(r[:, 1], xp) * s, c_round(r[:, 2], xp) * s
+    x2, y2 = (c_round(r[:, 3], xp) + 1) * s, (c_round(r[:, 4], xp) + 1) * s
+    tenth = cdt.type(0.1)  # "Force too small ROIs to be 1x1" -- in fact 0.1 (R-FCN)
+    roi_h, roi_w = xp.maximum(y2 - y1, tenth), xp.maximum(x2 - x1, tenth)
+    hs, he = _int_bins(y1, roi_h, pooled_size[0], height, xp, cdt, True)
+    ws, we = _int_bins(x1, roi_w, pooled_size[1], width, xp, cdt, True)
+    return IntBins(batch_index(rois, xp), hs, he, ws, we)
+
+
+def group_index(pooled: int, group_size: int, xp=np, dtype=np.float32):
+    """Position-sensitive group cell of each bin: ``floor(i*G/P)`` clipped to ``[0, G-1]``.
+
+    Returns (P,) int32.  The input channel of output channel ``c`` at bin (p, q) is
+    ``(c*G + gh[p])*G + gw[q]`` (R-FCN).
+    """
+    cdt = np.dtype(dtype)
+    i = xp.arange(pooled, dtype=cdt)
+    g = xp.floor(i * cdt.type(group_size) / cdt.type(pooled)).astype(np.int32)
+    return xp.clip(g, 0, group_size - 1).astype(np.int32)
+
+
+@dataclass
+class SampleAxis:
+    """Bilinear sample points of the bins along one axis, and their two taps.
+
+    Attributes
+    ----------
+    count : (R, P) int32   samples in each bin along this axis (>= 0)
+    coord : (R, P, G)      sample coordinate in feature-map cells (for pictures)
+    low, high : (R, P, G) int32   the two taps (rows or columns)
+    w_low, w_high : (R, P, G)     their weights; 0 for out-of-map samples and padding
+    """
+
+    count: Any
+    coord: Any
+    low: Any
+    high: Any
+    w_low: Any
+    w_high: Any
+
+    @property
+    def size(self) -> int:
+        return int(self.coord.shape[2])
+
+
+@dataclass
+class SampleGrid:
+    """All sample points of a sampling op; a sample's weight is ``wy * wx`` per tap.
+
+    Attributes
+    ----------
+    batch : (R,) int32
+    y, x : SampleAxis      along height (P bins) and width (Q bins)
+    divisor : (R, P, Q)    what the avg mode divides a bin's sum by (>= 1)
+    """
+
+    batch: Any
+    y: SampleAxis
+    x: SampleAxis
+    divisor: Any
+
+
+def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
+    """Taps and weights of sample coordinates along one axis of length ``limit``.
+
+    MXNet/Detectron rule: a coordinate below -1 or above ``limit`` gives weight 0;
+    otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps to the last cell.
+    Returns ``low, high, w_low, w_high`` with the shape of ``coord``.
+    """
+    cdt = coord.dtype
+    outside = (coord < cdt.type(valid_lo)) | (coord > cdt.type(limit))
+    c = xp.where(coord <= 0, cdt.type(0), coord) if clamp_low else coord
+    low = xp.trunc(xp.where(outside, cdt.type(0), c)).astype(np.int32)
+    last = low >= limit - 1
+    low = xp.where(last, limit - 1, low).astype(np.int32)
+    high = xp.where(last, low, low + 1).astype(np.int32)
+    c = xp.where(last, low.astype(cdt), c)
+    frac = (c - low.astype(cdt)).astype(cdt)
+    w_high = xp.where(outside, cdt.type(0), frac).astype(cdt)
+    w_low = xp.where(outside, cdt.type(0), cdt.type(1) - frac).astype(cdt)
+    return low, high, w_low, w_high
+
+
+def _axis_from_coords(coord, count, limit, xp, **rule) -> SampleAxis:
+    g = xp.arange(coord.shape[2], dtype=np.int32)
+    live = g[None, None, :] < count[:, :, None]
+    low, high, w_low, w_high = bilinear_axis(coord, limit, xp, **rule)
+    zero = coord.dtype.type(0)
+    return SampleAxis(count.astype(np.int32), coord,
+                      xp.where(live, low, 0).astype(np.int32),
+                      xp.where(live, high, 0).astype(np.int32),
+                      xp.where(live, w_low, zero), xp.where(live, w_high, zero))
+
+
+def _check_samples(n):
+    if n > MAX_SAMPLES_PER_AXIS:
+        raise ValueError(f"rois: a box needs {n} sample points along one axis (more than "
+                         f"{MAX_SAMPLES_PER_AXIS}); check the coordinates and spatial_scale")
+
+
+def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, height, width,
+                   xp=np) -> SampleGrid:
+    """Sample points of ROIAlign (Mask R-CNN; MXNet ``contrib.ROIAlign``, Detectron).
+
+    ``aligned`` shifts the box by half a pixel (Detectron2).  Without it a box is
+    clamped to at least 1x1 cells (MXNet's backward-compatible rule); with it the size
+    is used as is, so a zero-size or reversed box samples nothing (MXNet aborts there).
+    ``sample_ratio <= 0`` samples ``ceil(roi_size / pooled_size)`` points per bin side.
+    """
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    offset = cdt.type(0.5 if aligned else 0.0)
+    x1, y1, x2, y2 = (r[:, k] * s - offset for k in (1, 2, 3, 4))
+    axes = []
+    for start, end, pooled, limit in ((y1, y2, pooled_size[0], height),
+                                      (x1, x2, pooled_size[1], width)):
+        size = end - start
+        if not aligned:
+            size = xp.maximum(size, cdt.type(1))
+        bin_size = size / cdt.type(pooled)
+        if sample_ratio > 0:
+            grid = xp.full(size.shape, sample_ratio, dtype=np.int32)
+        else:
+            grid = xp.maximum(xp.ceil(size / cdt.type(pooled)), 0).astype(np.int32)
+        i = xp.arange(pooled, dtype=cdt)
+        # y = start + p*bin + (iy + .5) * bin / grid   (operation order as in Caffe2/MXNet)
+        first = start[:, None] + i[None, :] * bin_size[:, None]
+        gmax = max(int(grid.max()) if grid.size else 0, 1)
+        _check_samples(gmax * pooled)
+        g = xp.arange(gmax, dtype=cdt) + cdt.type(0.5)
+        safe_grid = xp.maximum(grid, 1).astype(cdt)
+        coord = first[:, :, None] + (g[None, None, :] * bin_size[:, None, None]) \
+            / safe_grid[:, None, None]
+        count = xp.broadcast_to(grid[:, None], (grid.shape[0], pooled))
+        axes.append(_axis_from_coords(coord.astype(cdt), count, limit, xp))
+    ay, ax = axes
+    divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
+    return SampleGrid(batch_index(rois, xp), ay, ax, divisor)

@@ -1,0 +1,247 @@
+"""Typed parameter structs for the four RoI operators.
+
+MXNet hands a ``CustomOpProp`` every keyword argument as a *string* (``"(7, 7)"``,
+``"0.0625"``, ``"False"``), and ``bool("False")`` is ``True``.  Each struct here is a
+frozen dataclass whose ``from_kwargs`` parses such strings (or plain Python values),
+validates them and raises ``ValueError`` naming the parameter and the bad value.
+``to_kwargs`` gives back the strings to pass to ``mx.nd.Custom``/``mx.sym.Custom``.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+__all__ = ["ROIPoolingParam", "ROIAlignParam", "PSROIPoolingParam", "PSROIAlignParam",
+           "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_choice"]
+
+
+def _fail(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"parameter '{name}': expected {expected}, got {value!r}")
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """Parse ``True/False/1/0/true/false/yes/no`` (strings or values) into a bool."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise _fail(name, value, "a boolean (True/False/1/0)")
+
+
+def parse_int(name: str, value: Any) -> int:
+    """Parse an integer; ``"7"``, ``7`` and ``7.0`` are accepted, ``"7.5"`` is not."""
+    if isinstance(value, bool):
+        raise _fail(name, value, "an integer")
+    if isinstance(value, int):
+        return int(value)
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise _fail(name, value, "an integer") from None
+    if not math.isfinite(number) or number != int(number):
+        raise _fail(name, value, "an integer")
+    return int(number)
+
+
+def parse_float(name: str, value: Any) -> float:
+    """Parse a finite float."""
+    if isinstance(value, bool):
+        raise _fail(name, value, "a number")
+    try:
+        number = float(str(value).strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise _fail(name, value, "a number") from None
+    if not math.isfinite(number):
+        raise _fail(name, value, "a finite number")
+    return number
+
+
+def parse_size2(name: str, value: Any) -> Tuple[int, int]:
+    """Parse ``7``, ``"7"``, ``"(7, 7)"``, ``"[7,5]"``, ``(7,)`` into ``(h, w)``."""
+    parsed = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            parsed = ast.literal_eval(text) if text else None
+        except (ValueError, SyntaxError):
+            raise _fail(name, value, "an int or a (height, width) tuple") from None
+    if isinstance(parsed, (list, tuple)):
+        items = list(parsed)
+    else:
+        items = [parsed]
+    if len(items) == 1:
+        items = items * 2
+    if len(items) != 2:
+        raise _fail(name, value, "an int or a (height, width) tuple")
+    try:
+        size = tuple(parse_int(name, item) for item in items)
+    except ValueError:
+        raise _fail(name, value, "an int or a (height, width) tuple") from None
+    return size  # type: ignore[return-value]
+
+
+def parse_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
+    return text
+
+
+def _param(parser, default=dataclasses.MISSING, doc=""):
+    """A dataclass field carrying the string parser used by ``from_kwargs``."""
+    return field(default=default, metadata={"parser": parser, "doc": doc})
+
+
+class _ParamBase:
+    """Shared ``from_kwargs``/``to_kwargs``/validation for the op parameter structs."""
+
+    op_name = ""
+
+    @classmethod
+    def field_names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        """Build the struct from keyword arguments as MXNet passes them (strings)."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, raw in kwargs.items():
+            if key not in known:
+                raise ValueError(f"{cls.op_name}: unknown parameter '{key}' (= {raw!r}); "
+                                 f"known parameters: {', '.join(known)}")
+            values[key] = known[key].metadata["parser"](key, raw)
+        missing = [name for name, f in known.items()
+                   if name not in values and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{cls.op_name}: missing required parameter(s) "
+                             + ", ".join(f"'{m}'" for m in missing))
+        return cls(**values)
+
+    def to_kwargs(self) -> Dict[str, str]:
+        """The parameters as the strings ``mx.nd.Custom``/``mx.sym.Custom`` carry."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(tuple(value)) if isinstance(value, tuple) else str(value)
+        return out
+
+    def _check_positive(self, name, values):
+        for v in (values if isinstance(values, tuple) else (values,)):
+            if v <= 0:
+                raise _fail(name, getattr(self, name), "positive value(s)")
+
+
+def _size2(name, value):
+    return parse_size2(name, value)
+
+
+def _mode(name, value):
+    return parse_choice(name, value, ("avg", "max"))
+
+
+def _legacy_align(name, value):
+    text = str(value).strip().lower()
+    return parse_choice(name, "" if text in ("none", "") else text, ("", "caffe"))
+
+
+def _legacy_psalign(name, value):
+    text = str(value).strip().lower()
+    return parse_choice(name, "" if text in ("none", "") else text, ("", "rfcn"))
+
+
+@dataclass(frozen=True)
+class ROIPoolingParam(_ParamBase):
+    """Parameters of ``ROIPooling`` (Fast R-CNN max pooling over quantised bins)."""
+
+    op_name = "ROIPooling"
+    pooled_size: Tuple[int, int] = _param(_size2, doc="(h, w) of the output")
+    spatial_scale: float = _param(parse_float, doc="image -> feature map scale, e.g. 1/16")
+    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
+
+    def __post_init__(self):
+        self._check_positive("pooled_size", self.pooled_size)
+        self._check_positive("spatial_scale", self.spatial_scale)
+
+
+@dataclass(frozen=True)
+class ROIAlignParam(_ParamBase):
+    """Parameters of ``ROIAlign`` (bilinear sampling, average or max per bin)."""
+
+    op_name = "ROIAlign"
+    pooled_size: Tuple[int, int] = _param(_size2, doc="(h, w) of the output")
+    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
+    sample_ratio: int = _param(parse_int, -1, "samples per bin side; <=0 adaptive")
+    aligned: bool = _param(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
+    pool_mode: str = _param(_mode, "avg", "'avg' or 'max' over the sample points")
+    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
+    legacy: str = _param(_legacy_align, "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
+
+    def __post_init__(self):
+        self._check_positive("pooled_size", self.pooled_size)
+        self._check_positive("spatial_scale", self.spatial_scale)
+
+
+@dataclass(frozen=True)
+class PSROIPoolingParam(_ParamBase):
+    """Parameters of ``PSROIPooling`` (R-FCN position-sensitive average pooling)."""
+
+    op_name = "PSROIPooling"
+    pooled_size: Tuple[int, int] = _param(_size2, doc="output bins per side")
+    output_dim: int = _param(parse_int, doc="output channels")
+    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
+    group_size: int = _param(parse_int, 0, "position-sensitive grid; 0 = pooled_size")
+    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
+
+    def __post_init__(self):
+        self._check_positive("pooled_size", self.pooled_size)
+        self._check_positive("output_dim", self.output_dim)
+        self._check_positive("spatial_scale", self.spatial_scale)
+        _check_group(self)
+
+    @property
+    def groups(self) -> int:
+        return self.group_size or self.pooled_size[0]
+
+
+@dataclass(frozen=True)
+class PSROIAlignParam(_ParamBase):
+    """Parameters of ``PSROIAlign`` (position-sensitive ROIAlign, average)."""
+
+    op_name = "PSROIAlign"
+    pooled_size: Tuple[int, int] = _param(_size2, doc="output bins per side")
+    output_dim: int = _param(parse_int, doc="output channels")
+    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
+    sample_ratio: int = _param(parse_int, -1, "samples per bin side; <=0 adaptive")
+    aligned: bool = _param(parse_bool, False, "half-pixel offset")
+    group_size: int = _param(parse_int, 0, "position-sensitive grid; 0 = pooled_size")
+    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
+    legacy: str = _param(_legacy_psalign, "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
+    sample_num: int = _param(parse_int, 2, "legacy='rfcn': interior samples per bin side")
+
+    def __post_init__(self):
+        self._check_positive("pooled_size", self.pooled_size)
+        self._check_positive("output_dim", self.output_dim)
+        self._check_positive("spatial_scale", self.spatial_scale)
+        self._check_positive("sample_num", self.sample_num)
+        _check_group(self)
+
+    @property
+    def groups(self) -> int:
+        return self.group_size or self.pooled_size[0]
+
+
+def _check_group(p):
+    if p.group_size < 0:
+        raise _fail("group_size", p.group_size, "0 (= pooled_size) or a positive int")
+    if p.group_size == 0 and p.pooled_size[0] != p.pooled_size[1]:
+        raise _fail("group_size", p.group_size,
+                    f"an explicit value for the non-square pooled_size {p.pooled_size}")

@@ -1,0 +1,175 @@
+"""Turn an op definition into a registered MXNet ``CustomOp`` + ``CustomOpProp``.
+
+An op is described once by a subclass of :class:`RoIOp` in ``operators/`` (its shape
+rule, geometry and per-backend kernels); :func:`register` generates the two MXNet
+classes for it, so the four ops share one copy of the plumbing: parameter parsing,
+shape/type inference with errors that reach the caller, input validation, backend
+dispatch, ``req`` handling and saving what the backward needs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Tuple, Type
+
+import mxnet as mx
+import numpy as np
+
+from . import backends
+from .errors import recording
+
+__all__ = ["RoIOp", "register", "REGISTERED", "get_op"]
+
+REGISTERED: Dict[str, Type["RoIOp"]] = {}
+
+_DTYPES = (np.float16, np.float32, np.float64)
+
+
+class RoIOp:
+    """Definition of one RoI operator; subclasses live in ``operators/``.
+
+    Subclasses set ``name`` (the ``op_type``), ``param_cls`` and ``cuda_source`` and
+    implement :meth:`out_channels`, :meth:`geometry` and the backend kernels
+    ``forward_<backend>``/``backward_<backend>`` (see :mod:`mx_roi.backends`).
+    """
+
+    name = ""
+    param_cls: type = None
+    cuda_source = ""
+    #: whether the backward reads the input data (max modes) besides rois and out_grad
+    backward_needs_data = False
+
+    def __init__(self, param):
+        self.param = param
+
+    # ---- shapes -------------------------------------------------------------------
+    def out_channels(self, channels: int) -> int:
+        """Output channels for ``channels`` input channels; raise ValueError if invalid."""
+        return channels
+
+    def out_shape(self, data_shape, rois_shape) -> Tuple[int, ...]:
+        """(R, C_out, P, Q) for data (N, C, H, W) and rois (R, 5); ValueError naming the problem."""
+        if len(data_shape) != 4:
+            raise ValueError(f"{self.name}: data must be 4-D (N, C, H, W), got shape "
+                             f"{tuple(data_shape)}")
+        if len(rois_shape) != 2 or rois_shape[1] != 5:
+            raise ValueError(f"{self.name}: rois must have shape (R, 5) = (batch_index, x1, y1, "
+                             f"x2, y2), got {tuple(rois_shape)}")
+        ph, pw = self.param.pooled_size
+        return (rois_shape[0], self.out_channels(data_shape[1]), ph, pw)
+
+    def uses_argmax(self) -> bool:
+        return self.backward_needs_data
+
+    # ---- geometry ---------------------------------------------------------------
+    def geometry(self, rois, height: int, width: int, xp):
+        raise NotImplementedError
+
+    # ---- validation -------------------------------------------------------------
+    def check_inputs(self, data_shape, data_dtype, rois, xp):
+        """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N."""
+        if np.dtype(data_dtype) != np.dtype(rois.dtype):
+            raise TypeError(f"{self.name}: data and rois must have the same dtype, got data "
+                            f"{np.dtype(data_dtype).name} and rois {np.dtype(rois.dtype).name}")
+        if np.dtype(data_dtype).type not in _DTYPES:
+            raise TypeError(f"{self.name}: dtype {np.dtype(data_dtype).name} is not supported "
+                            "(float16, float32, float64)")
+        if rois.shape[0] == 0:
+            return
+        finite = xp.isfinite(rois)
+        if not bool(finite.all()):
+            r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
+            raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
+                             f"{_row(rois, r)}; coordinates must be finite")
+        batch = xp.trunc(rois[:, 0])
+        bad = batch >= data_shape[0]
+        if bool(bad.any()):
+            r = int(xp.argwhere(bad)[0, 0])
+            raise ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
+                             f"data holds only {data_shape[0]} image(s) (valid: 0..{data_shape[0] - 1};"
+                             " a negative index marks a padding roi)")
+
+
+def _row(rois, r):
+    try:
+        return [float(v) for v in rois[r].tolist()]
+    except Exception:  # pragma: no cover - only for messages
+        return "?"
+
+
+def _string_kwargs_to_param(op_cls, kwargs):
+    return op_cls.param_cls.from_kwargs(**kwargs)
+
+
+def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
+    """Register ``op_cls`` with MXNet under ``op_cls.name`` (generating both classes)."""
+
+    class _Op(mx.operator.CustomOp):
+        def __init__(self, op: RoIOp, backend_name: str):
+            super().__init__()
+            self.op = op
+            self.backend = backends.get(backend_name)
+            self.saved = None
+
+        @recording
+        def forward(self, is_train, req, in_data, out_data, aux):
+            self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
+                                              out_data[0], keep=is_train)
+
+        @recording
+        def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+            saved, self.saved = self.saved, None
+            self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
+                                  in_grad[0], saved)
+            if req[1] not in ("null",):
+                self.assign(in_grad[1], req[1], mx.nd.zeros_like(in_grad[1]))
+
+    _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
+
+    class _Prop(mx.operator.CustomOpProp):
+        @recording
+        def __init__(self, **kwargs):
+            super().__init__(need_top_grad=True)
+            self.op = op_cls(_string_kwargs_to_param(op_cls, kwargs))
+
+        def list_arguments(self):
+            return ["data", "rois"]
+
+        def list_outputs(self):
+            return ["output"]
+
+        @recording
+        def infer_shape(self, in_shape):
+            data_shape, rois_shape = in_shape
+            out = self.op.out_shape(data_shape, rois_shape)
+            return [data_shape, rois_shape], [out], []
+
+        @recording
+        def infer_type(self, in_type):
+            dtype = in_type[0]
+            if in_type[1] is not None and np.dtype(in_type[1]) != np.dtype(dtype):
+                raise TypeError(f"{op_cls.name}: data and rois must have the same dtype, got "
+                                f"data {np.dtype(dtype).name} and rois {np.dtype(in_type[1]).name}")
+            return [dtype, dtype], [dtype], []
+
+        def declare_backward_dependency(self, out_grad, in_data, out_data):
+            deps = [out_grad[0], in_data[1]]
+            if self.op.backward_needs_data:
+                deps.append(in_data[0])
+            return deps
+
+        def create_operator(self, ctx, in_shapes, in_dtypes):
+            return _Op(self.op, backends.select(ctx))
+
+    _Prop.__name__ = _Prop.__qualname__ = f"{op_cls.__name__}Prop"
+    mx.operator.register(op_cls.name)(_Prop)
+    op_cls.CustomOp, op_cls.CustomOpProp = _Op, _Prop
+    REGISTERED[op_cls.name] = op_cls
+    return op_cls
+
+
+def get_op(name: str) -> Type[RoIOp]:
+    return REGISTERED[name]
+
+
+def env_backend() -> str:
+    return os.environ.get("MX_ROI_BACKEND", "").strip().lower()

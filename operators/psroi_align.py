@@ -1,0 +1,37 @@
+"""PSROIAlign: position-sensitive ROIAlign (average of bilinear samples per bin).
+
+Semantics of ``mx.nd.contrib.ROIAlign(..., position_sensitive=True)`` generalised to a
+``group_size`` different from ``pooled_size`` the way PSROIPooling does it: output
+channel ``c`` at bin (p, q) reads input channel ``(c*G + gh)*G + gw``.  The gradient is
+the true gradient of this forward (the R-FCN-PSROIAlign layer's backward is not).
+"""
+from __future__ import annotations
+
+from mx_roi import geometry, kernels_numpy as K
+from mx_roi.params import PSROIAlignParam
+from mx_roi.registry import register
+
+from .psroi_pooling import PositionSensitive
+
+
+@register
+class PSROIAlign(PositionSensitive):
+    name = "PSROIAlign"
+    param_cls = PSROIAlignParam
+    cuda_source = "psroi_align.cu"
+
+    def geometry(self, rois, height, width, xp):
+        p = self.param
+        if p.legacy == "rfcn":
+            return geometry.rfcn_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_num,
+                                            height, width, xp)
+        return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
+                                       p.aligned, height, width, xp)
+
+    def forward_numpy(self, geo, data):
+        sep = K.separable(geo, data.shape[2], data.shape[3])
+        return K.avg_forward(sep, data, self.param.output_dim, self.channel_map()), None
+
+    def backward_numpy(self, geo, grad, data_shape, saved):
+        sep = K.separable(geo, data_shape[2], data_shape[3])
+        return K.avg_backward(sep, grad, data_shape, self.channel_map())

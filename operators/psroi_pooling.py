@@ -1,0 +1,68 @@
+"""PSROIPooling: position-sensitive average pooling over quantised bins (R-FCN, Dai 2016).
+
+Semantics of ``mx.nd.contrib.PSROIPooling`` (its CUDA kernel; MXNet 1.9.1's CPU kernel is
+an empty stub): corners C-rounded *before* scaling, end ``round(x2) + 1``, size at least
+0.1, ``floor``/``ceil`` bins clipped to the map, mean over the bin (0 if empty).  Output
+channel ``c`` at bin (p, q) reads input channel ``(c*G + gh)*G + gw`` with
+``gh = floor(p*G/P)``: the input must have ``output_dim * group_size**2`` channels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mx_roi import geometry, kernels_numpy as K
+from mx_roi.params import PSROIPoolingParam
+from mx_roi.registry import RoIOp, register
+
+
+def channel_map(output_dim, pooled_size, group_size, xp=np):
+    """(C_out, P, Q) int32: the input channel each output bin reads (R-FCN)."""
+    gh = geometry.group_index(pooled_size[0], group_size, xp)
+    gw = geometry.group_index(pooled_size[1], group_size, xp)
+    c = xp.arange(output_dim, dtype=np.int32)[:, None, None]
+    return ((c * group_size + gh[None, :, None]) * group_size + gw[None, None, :]).astype(
+        np.int32)
+
+
+class PositionSensitive(RoIOp):
+    """Shared channel rule of the two position-sensitive ops."""
+
+    def out_channels(self, channels):
+        p = self.param
+        need = p.output_dim * p.groups * p.groups
+        if channels != need:
+            raise ValueError(f"{self.name}: data has {channels} channels but output_dim * "
+                             f"group_size^2 = {p.output_dim} * {p.groups}^2 = {need} are "
+                             "required")
+        return p.output_dim
+
+    def channel_map(self, xp=np):
+        p = self.param
+        return channel_map(p.output_dim, p.pooled_size, p.groups, xp)
+
+
+@register
+class PSROIPooling(PositionSensitive):
+    name = "PSROIPooling"
+    param_cls = PSROIPoolingParam
+    cuda_source = "psroi_pooling.cu"
+
+    def geometry(self, rois, height, width, xp):
+        p = self.param
+        return geometry.psroi_pooling_bins(rois, p.pooled_size, p.spatial_scale, height, width,
+                                           xp)
+
+    @staticmethod
+    def _separable(bins, height, width, dtype):
+        ay = K.indicator_matrix(bins.hstart, bins.hend, height)
+        ax = K.indicator_matrix(bins.wstart, bins.wend, width)
+        area = (bins.hend - bins.hstart)[:, :, None] * (bins.wend - bins.wstart)[:, None, :]
+        return bins.batch, ay, ax, np.maximum(area, 1).astype(dtype)
+
+    def forward_numpy(self, bins, data):
+        sep = self._separable(bins, data.shape[2], data.shape[3], data.dtype)
+        return K.avg_forward(sep, data, self.param.output_dim, self.channel_map()), None
+
+    def backward_numpy(self, bins, grad, data_shape, saved):
+        sep = self._separable(bins, data_shape[2], data_shape[3], grad.dtype)
+        return K.avg_backward(sep, grad, data_shape, self.channel_map())

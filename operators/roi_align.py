@@ -1,0 +1,46 @@
+"""ROIAlign: bilinear samples averaged (or maxed) per bin (Mask R-CNN, He et al. 2017).
+
+Semantics of ``mx.nd.contrib.ROIAlign`` (Caffe2/Detectron) for ``pool_mode='avg'``;
+``pool_mode='max'`` takes the maximum over the same sample points (out-of-map samples
+count as 0) and routes the gradient to the four taps of the winning sample.
+Differences from the built-in: a zero-size or reversed box with ``aligned=True`` samples
+nothing and gives 0 (MXNet aborts the process), a negative batch index gives 0.
+"""
+from __future__ import annotations
+
+from mx_roi import geometry, kernels_numpy as K
+from mx_roi.params import ROIAlignParam
+from mx_roi.registry import RoIOp, register
+
+
+@register
+class ROIAlign(RoIOp):
+    name = "ROIAlign"
+    param_cls = ROIAlignParam
+    cuda_source = "roi_align.cu"
+
+    @property
+    def is_max(self) -> bool:
+        return self.param.pool_mode == "max" or self.param.legacy == "caffe"
+
+    @property
+    def backward_needs_data(self) -> bool:
+        return self.is_max
+
+    def geometry(self, rois, height, width, xp):
+        p = self.param
+        if p.legacy == "caffe":
+            return geometry.caffe_align_grid(rois, p.pooled_size, p.spatial_scale, height, width,
+                                             xp)
+        return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
+                                       p.aligned, height, width, xp)
+
+    def forward_numpy(self, geo, data):
+        if self.is_max:
+            return K.max_forward(geo, data, data.shape[1])
+        return K.avg_forward(K.separable(geo, *data.shape[2:]), data, data.shape[1]), None
+
+    def backward_numpy(self, geo, grad, data_shape, saved):
+        if self.is_max:
+            return K.max_backward(geo, grad, data_shape, saved)
+        return K.avg_backward(K.separable(geo, *data_shape[2:]), grad, data_shape)

@@ -1,0 +1,27 @@
+"""Packaging for mx_roi: RoI operators for MXNet as Python custom ops."""
+from setuptools import setup
+
+# mxnet 1.9.1 uses ``np.bool`` (removed in numpy 1.24), so numpy is pinned below 1.24.
+NUMPY = "numpy<1.24"
+
+setup(
+    name="mx_roi",
+    version="0.1.0",
+    description="ROIPooling, ROIAlign, PSROIPooling and PSROIAlign for MXNet as custom operators "
+                "(NumPy on CPU, CuPy raw CUDA kernels on GPU)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.8",
+    packages=["mx_roi", "mx_roi.cuda", "mx_roi.operators", "example_rcnn"],
+    package_dir={"mx_roi.operators": "operators"},
+    package_data={"mx_roi.operators": ["*.cu", "*.cuh"], "mx_roi.cuda": ["*.h"]},
+    install_requires=[NUMPY],
+    extras_require={
+        "cpu": ["mxnet==1.9.1", NUMPY],
+        "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
+        "plot": ["matplotlib"],
+        "example": ["tqdm", "Pillow", "matplotlib"],
+        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "wheel", "tqdm", "Pillow",
+                 "matplotlib"],
+    },
+)
