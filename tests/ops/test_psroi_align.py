@@ -1,0 +1,72 @@
+"""PSROIAlign against the reference and ``mx.nd.contrib.ROIAlign(position_sensitive=True)``
+(equal when group_size == pooled_size and the pool is square)."""
+import mxnet as mx
+import numpy as np
+
+from tests import reference as ref
+from tests.ops.base import RoIOpTester
+from tests.ops.test_roi_align import positive_size
+
+
+class TestPSROIAlign(RoIOpTester):
+    op_type = "PSROIAlign"
+    builtin = staticmethod(mx.nd.contrib.ROIAlign)
+
+    @classmethod
+    def param_cases(cls):
+        return [
+            dict(pooled_size=3, output_dim=2, spatial_scale=0.0625, sample_ratio=-1,
+                 aligned=False, group_size=0),
+            dict(pooled_size=(2, 2), output_dim=1, spatial_scale=1.0, sample_ratio=2,
+                 aligned=True, group_size=2),
+            dict(pooled_size=3, output_dim=1, spatial_scale=0.5, sample_ratio=1,
+                 aligned=False, group_size=2),
+            dict(pooled_size=2, output_dim=2, spatial_scale=0.25, sample_ratio=-1,
+                 aligned=True, group_size=0),
+            dict(pooled_size=2, output_dim=1, spatial_scale=0.7, sample_ratio=3,
+                 aligned=False, group_size=3),
+        ]
+
+    def groups(self, params):
+        PH, _ = self.pooled(params)
+        return int(params.get("group_size", 0)) or PH
+
+    def in_channels(self, params, c):
+        return params["output_dim"] * self.groups(params) ** 2
+
+    def out_channels(self, params, c):
+        return params["output_dim"]
+
+    def non_square_cases(self):
+        base = dict(self.param_cases()[0])
+        return [dict(base, pooled_size=(2, 3), group_size=2),
+                dict(base, pooled_size=(3, 1), group_size=1),
+                dict(base, pooled_size=(1, 4), group_size=3)]
+
+    def reference_forward(self, data, rois, pooled_size, output_dim, spatial_scale,
+                          sample_ratio=-1, aligned=False, group_size=0, deterministic=False,
+                          legacy="", sample_num=2):
+        assert legacy == ""
+        return ref.psroi_align_forward(data, rois, pooled_size, output_dim, spatial_scale,
+                                       sample_ratio, aligned, group_size)
+
+    def reference_backward(self, data, rois, grad, pooled_size, output_dim, spatial_scale,
+                           sample_ratio=-1, aligned=False, group_size=0, deterministic=False,
+                           legacy="", sample_num=2):
+        assert legacy == ""
+        return ref.psroi_align_backward(data, rois, grad, pooled_size, output_dim,
+                                        spatial_scale, sample_ratio, aligned, group_size)
+
+    def builtin_params(self, params):
+        PH, PW = self.pooled(params)
+        if PH != PW or self.groups(params) != PH:
+            return None
+        return dict(pooled_size=(PH, PW), spatial_scale=params["spatial_scale"],
+                    sample_ratio=params["sample_ratio"], aligned=params["aligned"],
+                    position_sensitive=True)
+
+    def builtin_ok(self, rois, params):
+        ok = rois[:, 0] >= 0
+        if params["aligned"]:
+            ok &= positive_size(rois, params["spatial_scale"], True)
+        return ok
