@@ -212,7 +212,10 @@ def train(args):
     mod.init_params(initializer(), arg_params=arg_params, aux_params=aux_params,
                     allow_missing=not args.resume or begin_epoch == 0, force_init=True)
 
-    iters_per_epoch = len(it) if not args.max_iters else min(len(it), args.max_iters)
+    # every worker must run the same number of synchronous steps
+    iters_per_epoch = (len(dataset) // nworkers) // args.batch_size
+    if args.max_iters:
+        iters_per_epoch = min(iters_per_epoch, args.max_iters)
     steps = [int(s) * iters_per_epoch for s in args.lr_steps.split(",") if s.strip()]
     opt_params = dict(learning_rate=args.lr, wd=args.wd,
                       rescale_grad=1.0 / (len(ctx) * nworkers), clip_gradient=5.0)
@@ -272,7 +275,7 @@ def train(args):
         arg, aux = mod.get_params()
         os.makedirs(args.out, exist_ok=True)
         mx.nd.save(os.path.join(args.out, "worker%d-final.params" % rank), arg)
-        kv.barrier() if hasattr(kv, "barrier") else None
+        kv._barrier()
     return dict(config=cfg, history=history, train_time=train_time, out=args.out,
                 wall_time=time.time() - t_start, epochs=args.epochs)
 
