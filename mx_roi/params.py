@@ -118,13 +118,19 @@ class _ParamBase:
             if key not in known:
                 raise ValueError(f"{cls.op_name}: unknown parameter '{key}' (= {raw!r}); "
                                  f"known parameters: {', '.join(known)}")
-            values[key] = known[key].metadata["parser"](key, raw)
+            try:
+                values[key] = known[key].metadata["parser"](key, raw)
+            except ValueError as exc:
+                raise ValueError(f"{cls.op_name}: {exc}") from None
         missing = [name for name, f in known.items()
                    if name not in values and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"{cls.op_name}: missing required parameter(s) "
                              + ", ".join(f"'{m}'" for m in missing))
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{cls.op_name}: {exc}") from None
 
     def to_kwargs(self) -> Dict[str, str]:
         """The parameters as the strings ``mx.nd.Custom``/``mx.sym.Custom`` carry."""

@@ -126,12 +126,21 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
     _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
 
     class _Prop(mx.operator.CustomOpProp):
-        @recording
         def __init__(self, **kwargs):
             super().__init__(need_top_grad=True)
-            self.op = op_cls(_string_kwargs_to_param(op_cls, kwargs))
+            # MXNet calls this constructor outside any try/except: an exception escaping
+            # here kills the process.  Keep the error and raise it from the first
+            # protected callback (list_arguments), which MXNet turns into an MXNetError.
+            self.op, self.param_error = None, None
+            try:
+                self.op = op_cls(_string_kwargs_to_param(op_cls, kwargs))
+            except Exception as exc:  # noqa: BLE001
+                self.param_error = exc
 
+        @recording
         def list_arguments(self):
+            if self.param_error is not None:
+                raise self.param_error
             return ["data", "rois"]
 
         def list_outputs(self):
