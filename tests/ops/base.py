@@ -501,3 +501,63 @@ class RoIOpTester:
         assert_close(exe.grad_dict["data"].asnumpy(),
                      self.reference_backward(data, rois, grad, **case), np.float32,
                      "symbolic data grad")
+
+
+# --------------------------------------------------------------------------- isolation
+def run_forked(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` in a forked child process and re-raise its failure here.
+
+    A Python exception raised while MXNet constructs a ``CustomOpProp`` (bad parameters)
+    can crash the whole interpreter (MXNet 1.9.1 ignores the exception of its ``creator``
+    ctypes callback and goes on with an unfilled struct); in a child, such a crash fails
+    one test instead of killing the run.  MXNet's atfork handlers make fork safe.
+    """
+    import json
+    import os
+    import traceback
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            fn(*args, **kwargs)
+            res = {"ok": True}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            res = {"ok": False, "type": type(exc).__name__,
+                   "tb": "".join(traceback.format_exception(type(exc), exc,
+                                                            exc.__traceback__))[-6000:]}
+        try:
+            os.write(w, json.dumps(res).encode())
+            os.close(w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    data = b"".join(chunks).decode()
+    if not data:
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        pytest.fail(f"the interpreter died inside {fn.__name__}(*{args!r}, **{kwargs!r}) (exit code {code}, "
+                    f"signal {sig}); see the captured stderr for MXNet's report",
+                    pytrace=False)
+    res = json.loads(data)
+    if not res["ok"]:
+        pytest.fail(f"in forked child: {res['type']}\n{res['tb']}", pytrace=False)
+
+
+def forked(fn):
+    """Decorator: run the test in a forked child (see :func:`run_forked`)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        run_forked(fn, *args, **kwargs)
+    return wrapper
