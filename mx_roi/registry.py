@@ -120,8 +120,9 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             saved, self.saved = self.saved, None
             self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
                                   in_grad[0], saved)
-            if req[1] not in ("null",):
-                self.assign(in_grad[1], req[1], mx.nd.zeros_like(in_grad[1]))
+            # rois get no gradient: zeros for write, nothing to add for add
+            if req[1] in ("write", "inplace") and in_grad[1].size:
+                in_grad[1][:] = 0
 
     _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
 
