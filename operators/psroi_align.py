@@ -10,6 +10,7 @@ from __future__ import annotations
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIAlignParam
 from mx_roi.registry import register
+from mx_roi.cuda.tables import sample_grid_args
 
 from .psroi_pooling import PositionSensitive
 
@@ -35,3 +36,33 @@ class PSROIAlign(PositionSensitive):
     def backward_numpy(self, geo, grad, data_shape, saved):
         sep = K.separable(geo, data_shape[2], data_shape[3])
         return K.avg_backward(sep, grad, data_shape, self.channel_map())
+
+    # ---- CUDA (operators/psroi_align.cu; see mx_roi.cuda.backend) ----------------------
+    def forward_cuda(self, launch, geo, data):
+        """Average of each bin's samples of input channel channel_map[c, p, q]."""
+        L = launch
+        data = L.elements(data)
+        _, Cin, H, W = data.shape
+        R, P, Q = geo.divisor.shape
+        C = self.param.output_dim
+        out = L.empty((R, C, P, Q))
+        n = out.size
+        tables, (gy, gx) = sample_grid_args(L, geo)
+        cmap = L.ints(self.channel_map(L.xp))
+        L.forward("psroi_align_forward", n, data, tables[0], cmap, *tables[1:],
+                  *[L.i32(v) for v in (C, Cin, H, W, P, Q)], gy, gx, out, L.i64(n))
+        return out, None
+
+    def backward_cuda(self, launch, geo, grad, data_shape, saved):
+        L = launch
+        grad = L.elements(grad)
+        _, Cin, H, W = data_shape
+        R, P, Q = geo.divisor.shape
+        C = self.param.output_dim
+        n = grad.size
+        tables, (gy, gx) = sample_grid_args(L, geo)
+        cmap = L.ints(self.channel_map(L.xp))
+        buf = L.grad_buffer(data_shape, grad)
+        L.backward("psroi_align_backward", n, grad, tables[0], cmap, *tables[1:],
+                   *[L.i32(v) for v in (C, Cin, H, W, P, Q)], gy, gx, buf, L.scale, L.i64(n))
+        return L.grad_value(buf)

@@ -13,6 +13,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIPoolingParam
 from mx_roi.registry import RoIOp, register
+from mx_roi.cuda.tables import int_bins_args
 
 
 def channel_map(output_dim, pooled_size, group_size, xp=np):
@@ -66,3 +67,35 @@ class PSROIPooling(PositionSensitive):
     def backward_numpy(self, bins, grad, data_shape, saved):
         sep = self._separable(bins, data_shape[2], data_shape[3], grad.dtype)
         return K.avg_backward(sep, grad, data_shape, self.channel_map())
+
+    # ---- CUDA (operators/psroi_pooling.cu; see mx_roi.cuda.backend) --------------------
+    def forward_cuda(self, launch, bins, data):
+        """Mean over each integer bin of input channel channel_map[c, p, q]."""
+        L = launch
+        data = L.elements(data)
+        _, Cin, H, W = data.shape
+        R, P = bins.hstart.shape
+        Q = bins.wstart.shape[1]
+        C = self.param.output_dim
+        out = L.empty((R, C, P, Q))
+        n = out.size
+        (batch,), edges = int_bins_args(L, bins)
+        cmap = L.ints(self.channel_map(L.xp))
+        L.forward("psroi_pooling_forward", n, data, batch, cmap, *edges,
+                  *[L.i32(v) for v in (C, Cin, H, W, P, Q)], out, L.i64(n))
+        return out, None
+
+    def backward_cuda(self, launch, bins, grad, data_shape, saved):
+        L = launch
+        grad = L.elements(grad)
+        _, Cin, H, W = data_shape
+        R, P = bins.hstart.shape
+        Q = bins.wstart.shape[1]
+        C = self.param.output_dim
+        n = grad.size
+        (batch,), edges = int_bins_args(L, bins)
+        cmap = L.ints(self.channel_map(L.xp))
+        buf = L.grad_buffer(data_shape, grad)
+        L.backward("psroi_pooling_backward", n, grad, batch, cmap, *edges,
+                   *[L.i32(v) for v in (C, Cin, H, W, P, Q)], buf, L.scale, L.i64(n))
+        return L.grad_value(buf)

@@ -8,9 +8,12 @@ nothing and gives 0 (MXNet aborts the process), a negative batch index gives 0.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIAlignParam
 from mx_roi.registry import RoIOp, register
+from mx_roi.cuda.tables import sample_grid_args
 
 
 @register
@@ -44,3 +47,43 @@ class ROIAlign(RoIOp):
         if self.is_max:
             return K.max_backward(geo, grad, data_shape, saved)
         return K.avg_backward(K.separable(geo, *data_shape[2:]), grad, data_shape)
+
+    # ---- CUDA (operators/roi_align.cu; see mx_roi.cuda.backend) ------------------------
+    def forward_cuda(self, launch, geo, data):
+        """Average (or max + argmax) of each bin's samples, read from the SampleGrid."""
+        L = launch
+        data = L.elements(data)
+        _, C, H, W = data.shape
+        R, P, Q = geo.divisor.shape
+        out = L.empty((R, C, P, Q))
+        n = out.size
+        dims = [L.i32(v) for v in (C, H, W, P, Q)]
+        if self.is_max:
+            tables, (gy, gx) = sample_grid_args(L, geo, with_divisor=False)
+            arg = L.empty((R, C, P, Q), np.int32)
+            L.forward("roi_align_forward_max", n, data, *tables, *dims, gy, gx, out, arg,
+                      L.i64(n))
+            return out, arg
+        tables, (gy, gx) = sample_grid_args(L, geo)
+        L.forward("roi_align_forward_avg", n, data, *tables, *dims, gy, gx, out, L.i64(n))
+        return out, None
+
+    def backward_cuda(self, launch, geo, grad, data_shape, saved):
+        """Input gradient (compute dtype): bins' gradients to their samples' taps."""
+        L = launch
+        grad = L.elements(grad)
+        _, C, H, W = data_shape
+        R, P, Q = geo.divisor.shape
+        n = grad.size
+        dims = [L.i32(v) for v in (C, H, W, P, Q)]
+        buf = L.grad_buffer(data_shape, grad)
+        if self.is_max:
+            tables, (gy, gx) = sample_grid_args(L, geo, with_count=False, with_divisor=False)
+            L.backward("roi_align_backward_max", n, grad, *tables,
+                       L.xp.ascontiguousarray(saved, dtype=np.int32), *dims, gy, gx, buf,
+                       L.scale, L.i64(n))
+        else:
+            tables, (gy, gx) = sample_grid_args(L, geo)
+            L.backward("roi_align_backward_avg", n, grad, *tables, *dims, gy, gx, buf, L.scale,
+                       L.i64(n))
+        return L.grad_value(buf)

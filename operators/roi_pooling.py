@@ -13,6 +13,7 @@ import numpy as np
 from mx_roi import geometry
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
+from mx_roi.cuda.tables import int_bins_args
 
 
 @register
@@ -81,3 +82,33 @@ class ROIPooling(RoIOp):
         total = np.bincount(idx, weights=grad[ok].astype(np.float64), minlength=N * C * H * W)
         del R
         return total.reshape(data_shape).astype(grad.dtype)
+
+    # ---- CUDA (operators/roi_pooling.cu; see mx_roi.cuda.backend) ----------------------
+    def forward_cuda(self, launch, bins, data):
+        """Max of every integer bin and its argmax ``h * W + w`` (int32, -1 if empty)."""
+        L = launch
+        data = L.elements(data)
+        _, C, H, W = data.shape
+        R, P = bins.hstart.shape
+        Q = bins.wstart.shape[1]
+        out = L.empty((R, C, P, Q))
+        arg = L.empty((R, C, P, Q), np.int32)
+        n = out.size
+        (batch,), edges = int_bins_args(L, bins)
+        L.forward("roi_pooling_forward", n, data, batch, *edges,
+                  *[L.i32(v) for v in (C, H, W, P, Q)], out, arg, L.i64(n))
+        return out, arg
+
+    def backward_cuda(self, launch, bins, grad, data_shape, arg):
+        L = launch
+        grad = L.elements(grad)
+        _, C, H, W = data_shape
+        R, P = bins.hstart.shape
+        Q = bins.wstart.shape[1]
+        n = grad.size
+        (batch,), _ = int_bins_args(L, bins)
+        buf = L.grad_buffer(data_shape, grad)
+        L.backward("roi_pooling_backward", n, grad, batch,
+                   L.xp.ascontiguousarray(arg, dtype=np.int32),
+                   *[L.i32(v) for v in (C, H, W, P, Q)], buf, L.scale, L.i64(n))
+        return L.grad_value(buf)

@@ -1,0 +1,216 @@
+"""The CUDA kernel sources of the four ops, their instantiations and parameter lists.
+
+One place says what gets compiled and how, for every consumer: the CuPy ``RawModule``
+on a GPU, the host (g++) emulation and the NVRTC compile test all call
+:func:`module_source`, so they compile the same text with the same name expressions.
+
+* The sources are ``operators/<op>.cu`` (shipped in the wheel as package data of
+  ``mx_roi.operators``); ``#include "roi_common.cuh"`` is inlined, so the compiled text
+  is self-contained and needs no include path of ours.
+* Each ``__global__`` kernel is a template: ``<T, A>`` (forward) or ``<T, A, O>``
+  (backward) with ``(T, A)`` one of :data:`TYPE_PAIRS` and ``O`` either ``A`` (plain
+  atomics) or ``unsigned long long`` (deterministic fixed-point accumulation).
+* :func:`kernel_signatures` parses every kernel's parameter list from the source; the
+  launch glue checks each launch's arguments against it (:mod:`mx_roi.cuda.loader`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+__all__ = ["OPERATORS_DIR", "HEADER", "SOURCES", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
+           "Param", "Signature", "read_source", "module_source", "name_expressions",
+           "kernel_signatures", "instantiate", "expression", "ctype_of", "cuda_include_dirs"]
+
+OPERATORS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "operators")
+HEADER = "roi_common.cuh"
+SOURCES = ("roi_pooling.cu", "roi_align.cu", "psroi_pooling.cu", "psroi_align.cu")
+
+#: (element type, accumulator/table type) of every instantiation.
+TYPE_PAIRS = (("float", "float"), ("double", "double"), ("__half", "float"))
+#: Accumulator of the deterministic backward (fixed point, see mx_roi.cuda.backend).
+FIXED = "unsigned long long"
+
+#: C type -> NumPy dtype of kernel parameters.
+CTYPES: Dict[str, np.dtype] = {
+    "float": np.dtype(np.float32), "double": np.dtype(np.float64),
+    "__half": np.dtype(np.float16), "int": np.dtype(np.int32),
+    "unsigned int": np.dtype(np.uint32), "long long": np.dtype(np.int64),
+    "unsigned long long": np.dtype(np.uint64),
+}
+
+#: Options of every CUDA compile (CuPy RawModule and the NVRTC test).  ``--fmad=false``
+#: keeps ``a*b + c*d`` as two roundings, like the NumPy backend and the host emulation
+#: (ties in the max modes then break identically on every backend).
+NVRTC_OPTIONS = ("--std=c++11", "--fmad=false")
+
+
+def ctype_of(dtype) -> str:
+    """The C type of a NumPy dtype (float16 -> ``__half``)."""
+    dtype = np.dtype(dtype)
+    for name, dt in CTYPES.items():
+        if dt == dtype:
+            return name
+    raise TypeError(f"no CUDA type for dtype {dtype}")
+
+
+def _operators_dir() -> str:
+    try:  # installed wheel: mx_roi.operators is the operators/ directory
+        import mx_roi.operators as ops
+        here = os.path.dirname(os.path.abspath(ops.__file__))
+        if os.path.exists(os.path.join(here, HEADER)):
+            return here
+    except ImportError:  # pragma: no cover
+        pass
+    return OPERATORS_DIR
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(filename: str) -> str:
+    """Text of ``operators/<filename>`` with ``#include "roi_common.cuh"`` inlined."""
+    if filename not in SOURCES:
+        raise ValueError(f"unknown kernel source {filename!r}; expected one of {SOURCES}")
+    base = _operators_dir()
+    with open(os.path.join(base, filename), encoding="utf-8") as f:
+        text = f.read()
+    with open(os.path.join(base, HEADER), encoding="utf-8") as f:
+        header = f.read()
+    include = f'#include "{HEADER}"'
+    if include not in text:
+        raise ValueError(f"{filename}: expected {include}")
+    return text.replace(include, f"// ---- {HEADER} (inlined) ----\n{header}\n"
+                                 f"// ---- end of {HEADER} ----", 1)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: C type (template names substituted), pointer or not."""
+
+    name: str
+    ctype: str       # base type, e.g. "float", "int", "unsigned long long"
+    pointer: bool
+    decl: str        # full C declaration type, e.g. "const float*"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return CTYPES[self.ctype]
+
+    def describe(self) -> str:
+        return f"{self.decl} {self.name}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    kernel: str
+    template: Tuple[str, ...]
+    params: Tuple[Param, ...]
+
+
+_KERNEL_RE = re.compile(
+    r"template\s*<([^>]*)>\s*__global__\s+void\s+(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", " ", text)
+
+
+def _parse_param(text: str, subst: Dict[str, str]) -> Param:
+    text = " ".join(text.replace("*", " * ").split())
+    tokens = text.split(" ")
+    name = tokens[-1]
+    words = [subst.get(t, t) for t in tokens[:-1] if t != "__restrict__"]
+    pointer = "*" in words
+    base = " ".join(w for w in words if w not in ("const", "*"))
+    if base not in CTYPES:
+        raise ValueError(f"kernel parameter {text!r}: unsupported type {base!r}")
+    decl = " ".join(words).replace(" *", "*")
+    return Param(name, base, pointer, decl)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_signatures(filename: str) -> Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]]:
+    """``{kernel: (template parameter names, raw parameter declarations)}`` of a source."""
+    out = {}
+    for m in _KERNEL_RE.finditer(_strip_comments(read_source(filename))):
+        tparams = tuple(p.strip().split()[-1] for p in m.group(1).split(","))
+        params = tuple(" ".join(p.split()) for p in m.group(3).split(","))
+        out[m.group(2)] = (tparams, params)
+    if not out:
+        raise ValueError(f"{filename}: no templated __global__ kernels found")
+    return out
+
+
+def expression(kernel: str, targs) -> str:
+    """Name expression ``kernel<float, float>`` (as NVRTC/CuPy spell it)."""
+    return f"{kernel}<{', '.join(targs)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def instantiate(filename: str, expr: str) -> Signature:
+    """The concrete signature of the name expression ``expr`` of ``filename``."""
+    m = re.fullmatch(r"\s*(\w+)\s*<(.*)>\s*", expr)
+    if not m:
+        raise ValueError(f"bad name expression {expr!r}")
+    kernel, targs = m.group(1), tuple(" ".join(a.split()) for a in m.group(2).split(","))
+    sigs = kernel_signatures(filename)
+    if kernel not in sigs:
+        raise KeyError(f"{filename} has no kernel {kernel!r} (has: {', '.join(sigs)})")
+    tparams, raw = sigs[kernel]
+    if len(tparams) != len(targs):
+        raise ValueError(f"{expr}: {kernel} takes {len(tparams)} template arguments")
+    subst = dict(zip(tparams, targs))
+    return Signature(kernel, targs, tuple(_parse_param(p, subst) for p in raw))
+
+
+@functools.lru_cache(maxsize=None)
+def name_expressions(filename: str) -> Tuple[str, ...]:
+    """Every instantiation compiled for ``filename``: each kernel x :data:`TYPE_PAIRS`
+    (x ``O`` in {A, unsigned long long} for the three-parameter backward kernels)."""
+    exprs: List[str] = []
+    for kernel, (tparams, _) in kernel_signatures(filename).items():
+        for t, a in TYPE_PAIRS:
+            if len(tparams) == 2:
+                exprs.append(expression(kernel, (t, a)))
+            elif len(tparams) == 3:
+                exprs.extend(expression(kernel, (t, a, o)) for o in (a, FIXED))
+            else:
+                raise ValueError(f"{filename}: {kernel} has {len(tparams)} template params")
+    return tuple(exprs)
+
+
+def cuda_include_dirs() -> List[str]:
+    """Directories with ``cuda_fp16.h`` from the pip wheels (nvidia-cuda-runtime-cu11,
+    nvidia-cuda-nvrtc-cu11), if installed; CuPy adds its CUDA include path itself."""
+    dirs = []
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels
+        for root in list(getattr(nvidia, "__path__", [])):
+            for sub in ("cuda_runtime", "cuda_nvrtc"):
+                inc = os.path.join(root, sub, "include")
+                if os.path.exists(os.path.join(inc, "cuda_fp16.h")):
+                    dirs.append(inc)
+    except ImportError:
+        pass
+    return dirs
+
+
+def module_source(filename: str):
+    """``(code, name_expressions, options)`` for compiling ``filename`` with NVRTC."""
+    options = NVRTC_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
+    return read_source(filename), name_expressions(filename), options
+
+
+def source_hash(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()[:24]

@@ -1,0 +1,33 @@
+// PSROIAlign kernels: ROIAlign's average over bilinear samples, output channel c at
+// bin (p, q) reading input channel channel_map[c, p, q] (C_out, P, Q) int.
+// Table driven (SampleGrid), see roi_common.cuh.
+#include "roi_common.cuh"
+
+template <typename T, typename A>
+__global__ void psroi_align_forward(
+    const T* data, const int* batch, const int* channel_map,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, T* out,
+    long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    mx_roi::align_avg_forward_item<T, A>(i, data, batch, channel_map, y_count, y_low, y_high,
+                                         y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
+                                         divisor, C, Cin, H, W, P, Q, Gy, Gx, out);
+  }
+}
+
+template <typename T, typename A, typename O>
+__global__ void psroi_align_backward(
+    const T* grad, const int* batch, const int* channel_map,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
+    double scale, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    mx_roi::align_avg_backward_item<T, A, O>(i, grad, batch, channel_map, y_count, y_low,
+                                             y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
+                                             x_wh, divisor, C, Cin, H, W, P, Q, Gy, Gx, bottom,
+                                             scale);
+  }
+}

@@ -1,0 +1,92 @@
+// ROIAlign kernels (average and max over the bilinear samples of each bin).
+// Table driven: the SampleGrid of mx_roi.geometry.roi_align_grid (or any legacy grid)
+// gives every bin's sample count, taps and weights; see roi_common.cuh.
+// Output and argmax are (R, C, P, Q); argmax holds the winning sample iy*Gx+ix or -1.
+#include "roi_common.cuh"
+
+template <typename T, typename A>
+__global__ void roi_align_forward_avg(
+    const T* data, const int* batch,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, T* out,
+    long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    mx_roi::align_avg_forward_item<T, A>(i, data, batch, (const int*)0, y_count, y_low, y_high,
+                                         y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
+                                         divisor, C, C, H, W, P, Q, Gy, Gx, out);
+  }
+}
+
+template <typename T, typename A, typename O>
+__global__ void roi_align_backward_avg(
+    const T* grad, const int* batch,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
+    double scale, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    mx_roi::align_avg_backward_item<T, A, O>(i, grad, batch, (const int*)0, y_count, y_low,
+                                             y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
+                                             x_wh, divisor, C, C, H, W, P, Q, Gy, Gx, bottom,
+                                             scale);
+  }
+}
+
+// Max over the same samples, iy-major, strict '>' (the first maximum wins); a bin
+// without samples (or a roi with a negative batch index) gives 0 and argmax -1.
+template <typename T, typename A>
+__global__ void roi_align_forward_max(
+    const T* data, const int* batch,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    int C, int H, int W, int P, int Q, int Gy, int Gx, T* out, int* argmax, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+    const int b = batch[it.r];
+    A best = 0;
+    int arg = -1;
+    if (b >= 0) {
+      const T* plane = data + mx_roi::plane_offset(b, it.c, C, H, W);
+      const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
+      const long long yb = (it.r * P + it.p) * (long long)Gy;
+      const long long xb = (it.r * Q + it.q) * (long long)Gx;
+      for (int iy = 0; iy < ny; ++iy) {
+        for (int ix = 0; ix < nx; ++ix) {
+          const A v = mx_roi::sample_value(
+              plane, W, mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh, x_low,
+                                          x_high, x_wl, x_wh));
+          if (arg < 0 || v > best) {
+            best = v;
+            arg = iy * Gx + ix;
+          }
+        }
+      }
+    }
+    out[i] = mx_roi::Traits<T>::store(best);
+    argmax[i] = arg;
+  }
+}
+
+// The whole gradient of a bin goes to the four taps of its winning sample.
+template <typename T, typename A, typename O>
+__global__ void roi_align_backward_max(
+    const T* grad, const int* batch,
+    const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const int* argmax, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
+    double scale, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    const int a = argmax[i];
+    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+    const int b = batch[it.r];
+    if (a < 0 || b < 0) continue;
+    const A g = (A)mx_roi::Traits<T>::load(grad[i]);
+    const long long yb = (it.r * P + it.p) * (long long)Gy;
+    const long long xb = (it.r * Q + it.q) * (long long)Gx;
+    mx_roi::sample_backward(bottom + mx_roi::plane_offset(b, it.c, C, H, W), W,
+                            mx_roi::sample_at(yb, xb, a / Gx, a % Gx, y_low, y_high, y_wl,
+                                              y_wh, x_low, x_high, x_wl, x_wh),
+                            g, scale);
+  }
+}

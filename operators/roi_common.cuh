@@ -1,0 +1,179 @@
+// Shared device code of the mx_roi CUDA kernels (operators/*.cu).
+//
+// The kernels are *table driven*: the Python side builds the op's geometry tables
+// (mx_roi/geometry.py: IntBins or SampleGrid) and the kernels only read them, so no
+// kernel re-derives a bin or a sample point.  Every kernel is a template on
+//   T  the element type of data/output/out-grad (float, double, __half),
+//   A  the accumulation/table type (float for float and __half, double for double),
+//   O  (backward only) the gradient accumulator: A (atomicAdd in A) or
+//      unsigned long long (deterministic mode: fixed-point atomics, see grad_add).
+//
+// The same text compiles with NVRTC (CuPy RawModule) and, for the host emulation,
+// with g++ through mx_roi/cuda/host_shim.h (which defines MX_ROI_HOST_SHIM).
+#pragma once
+#ifndef MX_ROI_HOST_SHIM
+#include <cuda_fp16.h>
+#endif
+
+// Grid-stride loop with a 64-bit index: tensors may exceed 2^31 elements.
+#define MX_ROI_KERNEL_LOOP(i, n)                                                   \
+  for (long long i = (long long)blockIdx.x * (long long)blockDim.x + threadIdx.x;  \
+       i < (n); i += (long long)blockDim.x * (long long)gridDim.x)
+
+namespace mx_roi {
+
+// ---- element type -> accumulator type ------------------------------------------
+template <typename T>
+struct Traits {
+  typedef T acc;
+  static __device__ __forceinline__ T load(T v) { return v; }
+  static __device__ __forceinline__ T store(T v) { return v; }
+};
+
+template <>
+struct Traits<__half> {
+  typedef float acc;
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float v) { return __float2half(v); }
+};
+
+// ---- output index (r, c, p, q) of a flat (R, C, P, Q) index -----------------------
+struct Item {
+  long long r;
+  int c, p, q;
+};
+
+__device__ __forceinline__ Item unravel(long long i, int C, int P, int Q) {
+  Item it;
+  it.q = (int)(i % Q);
+  long long t = i / Q;
+  it.p = (int)(t % P);
+  t /= P;
+  it.c = (int)(t % C);
+  it.r = t / C;
+  return it;
+}
+
+// Input channel read by output channel c at bin (p, q): channel_map[c, p, q] for the
+// position-sensitive ops (null: the identity, c).
+__device__ __forceinline__ int in_channel(const int* channel_map, const Item& it, int P, int Q) {
+  return channel_map ? channel_map[((long long)it.c * P + it.p) * Q + it.q] : it.c;
+}
+
+// Offset of the (b, ch) plane of an (N, C, H, W) tensor, 64-bit.
+__device__ __forceinline__ long long plane_offset(int b, int ch, int C, int H, int W) {
+  return ((long long)b * C + ch) * ((long long)H * W);
+}
+
+// ---- gradient accumulation ---------------------------------------------------------
+// Plain atomics (order of additions, hence the last bits, vary from run to run) ...
+__device__ __forceinline__ void grad_add(float* dst, float v, double) { atomicAdd(dst, v); }
+__device__ __forceinline__ void grad_add(double* dst, double v, double) { atomicAdd(dst, v); }
+// ... or fixed point: round(v * scale) added as a 64-bit integer.  Integer addition is
+// associative, so the result does not depend on the order (deterministic mode).
+__device__ __forceinline__ void grad_add(unsigned long long* dst, double v, double scale) {
+  atomicAdd(dst, (unsigned long long)__double2ll_rn(v * scale));
+}
+
+// ---- one bilinear sample of a SampleGrid ---------------------------------------------
+// Taps (yl|yh, xl|xh) and weights of sample iy of bin (r, p) along y and ix of bin
+// (r, q) along x.  Tables: low/high (R, P, G) int, w_low/w_high (R, P, G) A.
+template <typename A>
+struct Sample {
+  int yl, yh, xl, xh;
+  A w1, w2, w3, w4;  // wy_low*wx_low, wy_low*wx_high, wy_high*wx_low, wy_high*wx_high
+};
+
+template <typename A>
+__device__ __forceinline__ Sample<A> sample_at(long long ybase, long long xbase, int iy, int ix,
+                                               const int* y_low, const int* y_high,
+                                               const A* y_wl, const A* y_wh,
+                                               const int* x_low, const int* x_high,
+                                               const A* x_wl, const A* x_wh) {
+  Sample<A> s;
+  const long long ky = ybase + iy, kx = xbase + ix;
+  s.yl = y_low[ky];
+  s.yh = y_high[ky];
+  s.xl = x_low[kx];
+  s.xh = x_high[kx];
+  const A wyl = y_wl[ky], wyh = y_wh[ky], wxl = x_wl[kx], wxh = x_wh[kx];
+  s.w1 = wyl * wxl;
+  s.w2 = wyl * wxh;
+  s.w3 = wyh * wxl;
+  s.w4 = wyh * wxh;
+  return s;
+}
+
+// value = (w1*v(yl,xl) + w2*v(yl,xh)) + w3*v(yh,xl) + w4*v(yh,xh), in A
+// (the operation order of mx_roi.kernels_numpy.sample_values / MXNet / Caffe2).
+template <typename T, typename A>
+__device__ __forceinline__ A sample_value(const T* plane, int W, const Sample<A>& s) {
+  typedef Traits<T> Tr;
+  const A v1 = Tr::load(plane[(long long)s.yl * W + s.xl]);
+  const A v2 = Tr::load(plane[(long long)s.yl * W + s.xh]);
+  const A v3 = Tr::load(plane[(long long)s.yh * W + s.xl]);
+  const A v4 = Tr::load(plane[(long long)s.yh * W + s.xh]);
+  return (s.w1 * v1 + s.w2 * v2) + s.w3 * v3 + s.w4 * v4;
+}
+
+// Gradient g of one sample to its four taps.
+template <typename A, typename O>
+__device__ __forceinline__ void sample_backward(O* plane, int W, const Sample<A>& s, A g,
+                                                double scale) {
+  grad_add(plane + (long long)s.yl * W + s.xl, g * s.w1, scale);
+  grad_add(plane + (long long)s.yl * W + s.xh, g * s.w2, scale);
+  grad_add(plane + (long long)s.yh * W + s.xl, g * s.w3, scale);
+  grad_add(plane + (long long)s.yh * W + s.xh, g * s.w4, scale);
+}
+
+// ---- average over the samples of a bin (ROIAlign avg, PSROIAlign) --------------------
+// out[i] = sum over iy < y_count[r,p], ix < x_count[r,q] of sample_value / divisor[r,p,q]
+template <typename T, typename A>
+__device__ __forceinline__ void align_avg_forward_item(
+    long long i, const T* data, const int* batch, const int* channel_map,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, T* out) {
+  const Item it = unravel(i, C, P, Q);
+  const int b = batch[it.r];
+  A sum = 0;
+  if (b >= 0) {
+    const T* plane = data + plane_offset(b, in_channel(channel_map, it, P, Q), Cin, H, W);
+    const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
+    const long long yb = (it.r * P + it.p) * (long long)Gy;
+    const long long xb = (it.r * Q + it.q) * (long long)Gx;
+    for (int iy = 0; iy < ny; ++iy) {
+      for (int ix = 0; ix < nx; ++ix) {
+        sum += sample_value(plane, W, sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh,
+                                                x_low, x_high, x_wl, x_wh));
+      }
+    }
+    sum = sum / divisor[(it.r * P + it.p) * Q + it.q];
+  }
+  out[i] = Traits<T>::store(sum);
+}
+
+template <typename T, typename A, typename O>
+__device__ __forceinline__ void align_avg_backward_item(
+    long long i, const T* grad, const int* batch, const int* channel_map,
+    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+    const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
+    double scale) {
+  const Item it = unravel(i, C, P, Q);
+  const int b = batch[it.r];
+  if (b < 0) return;
+  const A g = (A)Traits<T>::load(grad[i]) / divisor[(it.r * P + it.p) * Q + it.q];
+  O* plane = bottom + plane_offset(b, in_channel(channel_map, it, P, Q), Cin, H, W);
+  const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
+  const long long yb = (it.r * P + it.p) * (long long)Gy;
+  const long long xb = (it.r * Q + it.q) * (long long)Gx;
+  for (int iy = 0; iy < ny; ++iy) {
+    for (int ix = 0; ix < nx; ++ix) {
+      sample_backward(plane, W, sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh, x_low,
+                                          x_high, x_wl, x_wh), g, scale);
+    }
+  }
+}
+
+}  // namespace mx_roi

@@ -1,0 +1,48 @@
+// ROIPooling kernels: max over the integer bins of mx_roi.geometry.IntBins
+// ([hstart, hend) x [wstart, wend), already clipped to the map).  Row-major scan with
+// strict '>' (the first maximum wins); an empty bin or a negative batch index gives 0
+// and argmax -1; argmax is h*W + w within the (b, c) plane.
+#include "roi_common.cuh"
+
+template <typename T, typename A>
+__global__ void roi_pooling_forward(
+    const T* data, const int* batch, const int* hstart, const int* hend, const int* wstart,
+    const int* wend, int C, int H, int W, int P, int Q, T* out, int* argmax, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+    const int b = batch[it.r];
+    const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
+    const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
+    A best = 0;
+    int arg = -1;
+    if (b >= 0 && he > hs && we > ws) {
+      const T* plane = data + mx_roi::plane_offset(b, it.c, C, H, W);
+      for (int h = hs; h < he; ++h) {
+        for (int w = ws; w < we; ++w) {
+          const int k = h * W + w;
+          const A v = mx_roi::Traits<T>::load(plane[k]);
+          if (arg < 0 || v > best) {
+            best = v;
+            arg = k;
+          }
+        }
+      }
+    }
+    out[i] = mx_roi::Traits<T>::store(best);
+    argmax[i] = arg;
+  }
+}
+
+template <typename T, typename A, typename O>
+__global__ void roi_pooling_backward(
+    const T* grad, const int* batch, const int* argmax, int C, int H, int W, int P, int Q,
+    O* bottom, double scale, long long n) {
+  MX_ROI_KERNEL_LOOP(i, n) {
+    const int a = argmax[i];
+    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+    const int b = batch[it.r];
+    if (a < 0 || b < 0) continue;
+    mx_roi::grad_add(bottom + mx_roi::plane_offset(b, it.c, C, H, W) + a,
+                     (A)mx_roi::Traits<T>::load(grad[i]), scale);
+  }
+}
