@@ -1,5 +1,10 @@
 """Invalid inputs give an MXNetError (or ValueError for bad parameters) whose message
-names the problem, and the next valid call still works."""
+names the problem, and the next valid call still works.
+
+Bad *parameters* are tested in a forked child (``@forked``): MXNet 1.9.1 crashes the
+interpreter when a ``CustomOpProp`` constructor raises, and one such bug must fail one
+test, not kill the run.  Bad *inputs* go through shape/type inference and forward, where
+MXNet turns exceptions into MXNetErrors, so they run in-process."""
 import re
 
 import numpy as np
@@ -62,7 +67,6 @@ def _next_call_works(op_type):
 
 @op_param
 @pytest.mark.parametrize("bad_batch", [2.0, 2.5, 7.0])
-@forked
 def test_batch_index_out_of_range(op_type, bad_batch):
     params, x, rois = _inputs(op_type)
     rois[1, 0] = bad_batch
@@ -72,7 +76,6 @@ def test_batch_index_out_of_range(op_type, bad_batch):
 
 
 @op_param
-@forked
 def test_batch_index_out_of_range_backward(op_type):
     params, x, rois = _inputs(op_type)
     rois[2, 0] = 5
@@ -84,7 +87,6 @@ def test_batch_index_out_of_range_backward(op_type):
 @op_param
 @pytest.mark.parametrize("where", [0, 1, 4])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-@forked
 def test_non_finite_coordinates(op_type, where, value):
     params, x, rois = _inputs(op_type)
     rois[1, where] = value
@@ -95,7 +97,6 @@ def test_non_finite_coordinates(op_type, where, value):
 
 @op_param
 @pytest.mark.parametrize("shape", [(3, 4), (3, 6), (3,), (3, 5, 1)])
-@forked
 def test_rois_wrong_shape(op_type, shape):
     params, x, _ = _inputs(op_type)
     rois = np.zeros(shape, np.float32)
@@ -105,7 +106,6 @@ def test_rois_wrong_shape(op_type, shape):
 
 
 @op_param
-@forked
 def test_data_not_4d(op_type):
     params, x, rois = _inputs(op_type)
     with pytest.raises(ERRORS, match="data"):
@@ -115,7 +115,6 @@ def test_data_not_4d(op_type):
 
 @pytest.mark.parametrize("op_type", ["PSROIPooling", "PSROIAlign"])
 @pytest.mark.parametrize("channels", [7, 9, 2, 18])
-@forked
 def test_ps_channel_count(op_type, channels):
     params, x, rois = _inputs(op_type, C=channels)
     with pytest.raises(ERRORS, match="channel"):
@@ -124,7 +123,6 @@ def test_ps_channel_count(op_type, channels):
 
 
 @pytest.mark.parametrize("op_type", ["PSROIPooling", "PSROIAlign"])
-@forked
 def test_ps_channel_count_group_size(op_type):
     """With group_size=3, output_dim=2 the data needs 18 channels, not 8."""
     params, x, rois = _inputs(op_type)
@@ -137,7 +135,6 @@ def test_ps_channel_count_group_size(op_type):
 @pytest.mark.parametrize("dtypes", [(np.float32, np.float64), (np.float64, np.float32),
                                     (np.float16, np.float32)],
                          ids=["f32-f64", "f64-f32", "f16-f32"])
-@forked
 def test_dtype_mismatch(op_type, dtypes):
     params, x, rois = _inputs(op_type)
     with pytest.raises(ERRORS, match="dtype"):
@@ -206,7 +203,6 @@ def test_bad_params(k):
 
 
 @op_param
-@forked
 def test_negative_batch_index_is_not_an_error(op_type):
     params, x, rois = _inputs(op_type)
     rois[:, 0] = [-1, 0, -3]
