@@ -241,3 +241,144 @@ def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, heig
     ay, ax = axes
     divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
     return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
+
+
+# --------------------------------------------------------------------------- legacy modes
+# Two layers of old forks, expressed purely through the SampleGrid tables so that every
+# backend (NumPy, CUDA, emulated CUDA) runs them with its generic max / avg kernel.
+
+
+def _caffe_axis(start, end, pooled, limit, xp, cdt, first_tap_is_ceil) -> SampleAxis:
+    """One axis of the Caffe ``ROIAlignForward`` kernel (float bins, unit-step points).
+
+    ``first_tap_is_ceil`` puts ``ceil`` in ``low`` (the y axis: the kernel sums the taps
+    top-left, top-right, bottom-left, bottom-right with ``y_top = ceil(h)``), so the generic
+    kernel's ``(w1*v(yl,xl) + w2*v(yl,xh)) + w3*v(yh,xl) + w4*v(yh,xh)`` adds them in the
+    kernel's order.  ``low``/``high`` are then not ordered: they are simply tap 1 and tap 2.
+    """
+    one, zero = cdt.type(1), cdt.type(0)
+    size = (end - start) + one                     # roi_width = x2*s - x1*s + 1 (no clamp)
+    bin_size = size / cdt.type(pooled)
+    i = xp.arange(pooled, dtype=cdt)
+    lo = i[None, :] * bin_size[:, None]
+    hi = (i[None, :] + one) * bin_size[:, None]
+    lim = cdt.type(limit)
+    lo = xp.minimum(xp.maximum(lo + start[:, None], zero), lim).astype(cdt)
+    hi = xp.minimum(xp.maximum(hi + start[:, None], zero), lim).astype(cdt)
+    # for (h = hstart; h < hend; h += 1.): accumulate in the compute dtype, step by step
+    # (hstart + k differs in the last bit once the sum crosses a power of two).
+    coords, lives = [], []
+    cur = lo
+    live = cur < hi
+    while bool(live.any()):
+        coords.append(cur)
+        lives.append(live)
+        cur = (cur + one).astype(cdt)
+        live = live & (cur < hi)
+        _check_samples(len(coords))
+    if not coords:  # every bin empty: one padding sample
+        coords, lives = [lo], [xp.zeros(lo.shape, dtype=bool)]
+    coord = xp.stack(coords, axis=2).astype(cdt)      # (R, P, G)
+    alive = xp.stack(lives, axis=2)
+    count = alive.sum(axis=2).astype(np.int32)
+    fl_i = xp.floor(coord)
+    ce_i = xp.ceil(coord)
+    fl, ce = fl_i.astype(np.int32), ce_i.astype(np.int32)
+    # weights exactly as written: (1 - w + x_left) and (1 - x_right + w)
+    w_fl = ((one - coord) + fl_i).astype(cdt)
+    w_ce = ((one - ce_i) + coord).astype(cdt)
+    if first_tap_is_ceil:
+        t1, t2, w1, w2 = ce, fl, w_ce, w_fl
+    else:
+        t1, t2, w1, w2 = fl, ce, w_fl, w_ce
+    # a tap is used only if inside [0, limit-1]; otherwise weight 0 (index kept valid)
+    in1 = alive & (t1 >= 0) & (t1 <= limit - 1)
+    in2 = alive & (t2 >= 0) & (t2 <= limit - 1)
+    t1 = xp.where(in1, t1, 0).astype(np.int32)
+    t2 = xp.where(in2, t2, 0).astype(np.int32)
+    w1 = xp.where(in1, w1, zero).astype(cdt)
+    w2 = xp.where(in2, w2, zero).astype(cdt)
+    return SampleAxis(count, coord, t1, t2, w1, w2)
+
+
+def caffe_align_grid(rois, pooled_size, spatial_scale, height, width, xp=np) -> SampleGrid:
+    """Sample points of the old Caffe/MXNet-fork ``ROIAlign`` (``legacy='caffe'``, max mode).
+
+    Kernel ``ROIAlignForward`` of caffe-faster-rcnn's ``roi_align_layer.cu`` (ported to
+    MXNet by forks): float box ``x1*s .. x2*s`` with size ``x2*s - x1*s + 1`` (no clamp: a
+    reversed box gives empty bins), bins ``[p*bin + start, (p+1)*bin + start)`` clipped to
+    ``[0, height]``, points ``hstart, hstart+1, ...`` while ``< hend`` (sequential float
+    accumulation), taps ``floor``/``ceil`` each kept only inside the map with weights
+    ``1 - w + floor(w)`` and ``1 - ceil(w) + w`` -- so an integer coordinate gives both
+    (identical) taps weight 1 and counts the value twice per axis.  A bin with no point is 0.
+
+    Tables: ``y.low`` is the *ceil* row (``y_top``) and ``y.high`` the floor row, so the
+    generic sample sum adds the four taps in the kernel's order; ``x.low`` is the floor
+    column.  ``divisor`` = number of points (unused by the max kernel).
+    """
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    x1, y1, x2, y2 = (r[:, k] * s for k in (1, 2, 3, 4))
+    ay = _caffe_axis(y1, y2, pooled_size[0], height, xp, cdt, True)
+    ax = _caffe_axis(x1, x2, pooled_size[1], width, xp, cdt, False)
+    divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
+    return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
+
+
+def _rfcn_axis(start, end, pooled, sample_num, limit, xp, cdt) -> SampleAxis:
+    """One axis of R-FCN-PSROIAlign's ``PSROIAlignForward`` (interior points, clipped bins)."""
+    zero = cdt.type(0)
+    size = xp.maximum(end - start, cdt.type(0.1))     # "force too small ROIs": 0.1
+    bin_size = size / cdt.type(pooled)
+    i = xp.arange(pooled, dtype=cdt)
+    last = cdt.type(limit - 1)
+    lo = xp.minimum(xp.maximum(i[None, :] * bin_size[:, None] + start[:, None], zero), last)
+    hi = xp.minimum(xp.maximum((i[None, :] + cdt.type(1)) * bin_size[:, None] + start[:, None],
+                               zero), last)
+    step = bin_size / cdt.type(sample_num + 1)
+    k = xp.arange(1, sample_num + 1, dtype=cdt)
+    # cur = hstart + i * sample_h, i = 1..sample_num; skipped once cur >= hend.  The kernel
+    # "continue"s per point, but cur grows with i, so the kept points are a prefix: a count.
+    coord = (lo[:, :, None] + k[None, None, :] * step[:, None, None]).astype(cdt)
+    count = (coord < hi[:, :, None]).sum(axis=2).astype(np.int32)
+    # bilinear_interpolate: outside if < -0.5 or > limit - 0.5 (never reached here: points
+    # lie in [0, limit-1)), clamp <= 0 to 0, low = (int), snap at limit-1.
+    low, high, w_low, w_high = bilinear_axis(coord, limit, xp, valid_lo=-0.5)
+    outside = coord > cdt.type(limit - 0.5)
+    g = xp.arange(sample_num, dtype=np.int32)
+    live = (g[None, None, :] < count[:, :, None]) & ~outside
+    return SampleAxis(count, coord,
+                      xp.where(live, low, 0).astype(np.int32),
+                      xp.where(live, high, 0).astype(np.int32),
+                      xp.where(live, w_low, zero).astype(cdt),
+                      xp.where(live, w_high, zero).astype(cdt))
+
+
+def rfcn_align_grid(rois, pooled_size, spatial_scale, sample_num, height, width,
+                    xp=np) -> SampleGrid:
+    """Sample points of R-FCN-PSROIAlign (``legacy='rfcn'``, average mode).
+
+    Kernel ``PSROIAlignForward`` of afantideng/R-FCN-PSROIAlign: box ``x1*s .. (x2+1)*s``,
+    size at least 0.1, bins clipped to ``[0, height-1]`` (so a map one cell high gives 0),
+    ``sample_num`` interior points ``hstart + i*bin/(sample_num+1)``, ``i = 1..sample_num``,
+    dropped when ``>= hend``; MXNet/Detectron bilinear rule (clamp at 0, snap at the last
+    cell); the sum is divided by ``sample_num**2`` whatever the number of points kept.
+    """
+    if int(sample_num) < 1:
+        raise ValueError(f"sample_num must be >= 1, got {sample_num}")
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    one = cdt.type(1)
+    x1, y1 = r[:, 1] * s, r[:, 2] * s
+    x2, y2 = (r[:, 3] + one) * s, (r[:, 4] + one) * s
+    n = int(sample_num)
+    ay = _rfcn_axis(y1, y2, pooled_size[0], n, height, xp, cdt)
+    ax = _rfcn_axis(x1, x2, pooled_size[1], n, width, xp, cdt)
+    R, P, Q = ay.count.shape[0], ay.count.shape[1], ax.count.shape[1]
+    divisor = xp.full((R, P, Q), n * n, dtype=cdt)
+    return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
+
+
+__all__ += ["caffe_align_grid", "rfcn_align_grid"]
