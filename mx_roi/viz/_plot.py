@@ -1,0 +1,249 @@
+"""Drawing (matplotlib is imported inside the functions, never at import time)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+from ._coords import (PIXEL_CENTRE, is_align, is_position_sensitive, make_op,
+                      sampling_coords)
+
+__all__ = ["plot_sampling", "plot_aligned_comparison", "new_figure", "RC"]
+
+#: rcParams used for every picture (fonts bundled with matplotlib; stable SVG ids).
+RC = {"font.family": "DejaVu Sans", "font.size": 9, "svg.hashsalt": "mx_roi",
+      "path.simplify": False, "axes.titlesize": 10}
+
+_BIN_COLOURS = ("#1f77b4", "#ff7f0e")        # checkerboard of bins
+_MAP_FILL = "#f4f4f4"
+
+
+def new_figure(ncols=1, size=(6.0, 5.0)):
+    """A Figure on an Agg canvas (no pyplot, no GUI backend) and its Axes."""
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = Figure(figsize=(size[0] * ncols, size[1]))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, ncols, k + 1) for k in range(ncols)]
+    return fig, axes
+
+
+def _group_colour(cell, groups):
+    import matplotlib
+    cmap = matplotlib.colormaps["tab20"] if groups * groups > 10 else matplotlib.colormaps["tab10"]
+    return cmap(int(cell) % cmap.N)
+
+
+def _title(op) -> str:
+    p = op.param
+    parts = [f"pooled_size={tuple(p.pooled_size)}", f"spatial_scale={p.spatial_scale:g}"]
+    if hasattr(p, "sample_ratio"):
+        parts.append(f"sample_ratio={p.sample_ratio}")
+    if hasattr(p, "aligned"):
+        parts.append(f"aligned={p.aligned}")
+    if getattr(p, "pool_mode", "avg") == "max":
+        parts.append("pool_mode='max'")
+    if is_position_sensitive(op):
+        parts.append(f"output_dim={p.output_dim}, group_size={p.groups}")
+    import textwrap
+    return op.name + "\n" + "\n".join(textwrap.wrap(", ".join(parts), 58))
+
+
+def _draw_map(ax, c):
+    from matplotlib.patches import Rectangle
+    H, W = (int(v) for v in c["feature_shape"])
+    ax.add_patch(Rectangle((0, 0), W, H, facecolor=_MAP_FILL, edgecolor="black", lw=1.0,
+                           zorder=0, gid="feature_map"))
+    if H <= 200 and W <= 200:
+        ax.vlines(np.arange(1, W), 0, H, colors="#bbbbbb", lw=0.5, zorder=1)
+        ax.hlines(np.arange(1, H), 0, W, colors="#bbbbbb", lw=0.5, zorder=1)
+
+
+def _draw_roi(ax, c):
+    from matplotlib.patches import Rectangle
+    x1, y1, x2, y2 = c["roi_scaled"]
+    ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, ls="--", lw=1.5,
+                           edgecolor="black", zorder=6, gid="roi_scaled",
+                           label="roi × spatial_scale (input)"))
+
+
+def _draw_pooling(ax, op, c):
+    from matplotlib.patches import Rectangle
+    P, Q = (int(v) for v in c["pooled_size"])
+    ps = is_position_sensitive(op)
+    first = True
+    for k, (h0, h1, w0, w1) in enumerate(c["cells"]):
+        p, q = divmod(k, Q)
+        if c["empty"][p, q]:
+            continue
+        if ps:
+            colour = _group_colour(c["group_cell"][p, q], c["group_size"])
+        else:
+            colour = _BIN_COLOURS[(p + q) % 2]
+        ax.add_patch(Rectangle((w0, h0), w1 - w0, h1 - h0, facecolor=colour, alpha=0.22,
+                               edgecolor=colour, lw=1.6, zorder=3, gid=f"cells_{p}_{q}",
+                               label="quantised cells of a bin" if first else None))
+        first = False
+        label = f"ch {c['channel_map'][p, q]}" if ps else f"{p},{q}"
+        ax.text((w0 + w1) / 2, (h0 + h1) / 2, label, ha="center", va="center", fontsize=8,
+                zorder=8, color="black" if not ps else colour, fontweight="bold" if ps else None,
+                bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.7))
+    n_empty = int(c["empty"].sum())
+    if n_empty:
+        ax.text(0.01, 0.01, f"{n_empty} empty bin(s) -> output 0", transform=ax.transAxes,
+                fontsize=8, color="firebrick", va="bottom")
+
+
+def _draw_align(ax, op, c):
+    from matplotlib.patches import Rectangle
+    P, Q = (int(v) for v in c["pooled_size"])
+    ps = is_position_sensitive(op)
+    by, bx = c["bin_y"], c["bin_x"]
+    if by is not None:
+        first = True
+        for p in range(P):
+            for q in range(Q):
+                y0, y1 = by[p] + PIXEL_CENTRE
+                x0, x1 = bx[q] + PIXEL_CENTRE
+                if ps:
+                    colour = _group_colour(c["group_cell"][p, q], c["group_size"])
+                    ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=colour,
+                                           alpha=0.18, edgecolor="none", zorder=2))
+                    ax.text((x0 + x1) / 2, y0 + 0.02 * (y1 - y0), f"ch {c['channel_map'][p, q]}",
+                            ha="center", va="top", fontsize=8, color=colour, zorder=8,
+                            fontweight="bold",
+                            bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none",
+                                      alpha=0.7))
+                ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
+                                       edgecolor="tab:blue", lw=1.2, zorder=4,
+                                       gid=f"bin_{p}_{q}", label="bins" if first else None))
+                first = False
+    s = np.asarray(c["samples"], dtype=np.float64)
+    inside = ~c["outside"]
+    if ps:
+        colours = [_group_colour(c["group_cell"][p, q], c["group_size"])
+                   for p, q in c["sample_bin"][inside]]
+    else:
+        colours = "tab:blue"
+    ax.scatter(s[inside, 1] + PIXEL_CENTRE, s[inside, 0] + PIXEL_CENTRE, s=14, c=colours,
+               edgecolors="black", linewidths=0.4, zorder=7, gid="samples",
+               label="bilinear sample points")
+    if (~inside).any():
+        ax.scatter(s[~inside, 1] + PIXEL_CENTRE, s[~inside, 0] + PIXEL_CENTRE, s=22,
+                   marker="x", c="firebrick", zorder=7, gid="samples_outside",
+                   label="off the map: weight 0")
+    if c.get("tap_sample") is not None:
+        p, q, iy, ix = (int(v) for v in c["tap_sample"])
+        k = int(np.flatnonzero((c["sample_index"] == c["tap_sample"]).all(axis=1))[0])
+        sy, sx = s[k] + PIXEL_CENTRE
+        taps = c["taps"] + PIXEL_CENTRE
+        for (ty, tx), wgt in zip(taps, c["tap_weights"]):
+            ax.plot([sx, tx], [sy, ty], color="crimson", lw=0.8, zorder=8)
+        ax.scatter(taps[:, 1], taps[:, 0], s=40, marker="s", facecolors="none",
+                   edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps",
+                   label=f"4 taps of sample {(p, q, iy, ix)}")
+        seen = {}
+        for (ty, tx), wgt in zip(taps, c["tap_weights"]):
+            key = (float(ty), float(tx))
+            seen[key] = seen.get(key, 0.0) + float(wgt)
+        for (ty, tx), wgt in seen.items():
+            right, below = tx >= sx, ty >= sy      # put the label away from the sample
+            ax.text(tx + (0.12 if right else -0.12), ty + (0.12 if below else -0.12),
+                    f"{wgt:.2f}", fontsize=7, color="crimson", zorder=10,
+                    ha="left" if right else "right", va="top" if below else "bottom",
+                    bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
+        ax.scatter([sx], [sy], s=30, c="crimson", zorder=9, gid="tap_sample")
+
+
+def _limits(ax, c):
+    H, W = (int(v) for v in c["feature_shape"])
+    xs = [0.0, float(W)]
+    ys = [0.0, float(H)]
+    x1, y1, x2, y2 = c["roi_scaled"]
+    xs += [x1, x2]
+    ys += [y1, y2]
+    if "samples" in c and len(c["samples"]):
+        ys += list(c["samples"][:, 0] + PIXEL_CENTRE)
+        xs += list(c["samples"][:, 1] + PIXEL_CENTRE)
+    pad = 0.4
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_ylim(max(ys) + pad, min(ys) - pad)    # image convention: row 0 at the top
+    ax.set_aspect("equal")
+
+
+def _ticks(ax, c):
+    H, W = (int(v) for v in c["feature_shape"])
+    step_w = max(1, int(np.ceil(W / 16)))
+    step_h = max(1, int(np.ceil(H / 16)))
+    ax.set_xticks(np.arange(0, W, step_w) + 0.5, [str(v) for v in range(0, W, step_w)])
+    ax.set_yticks(np.arange(0, H, step_h) + 0.5, [str(v) for v in range(0, H, step_h)])
+    ax.tick_params(length=0, labelsize=7)
+    ax.set_xlabel("feature-map column")
+    ax.set_ylabel("feature-map row")
+
+
+def plot_sampling(op, feature_shape, roi, ax=None, *, tap_sample: Optional[Sequence[int]] = None,
+                  channel: int = 0, legend: bool = True, **params) -> Dict[str, Any]:
+    """Draw where ``op`` reads the feature map for one ``roi``.
+
+    Parameters
+    ----------
+    op : op instance (``mx_roi.ROIAlign(param)``), op class, or op name ("ROIAlign");
+        with a class or a name the op parameters are given as keywords (``**params``,
+        e.g. ``pooled_size=7, spatial_scale=0.0625``).
+    feature_shape : (H, W) of the feature map, or None for one just containing the box.
+    roi : (batch, x1, y1, x2, y2) or (x1, y1, x2, y2) in image coordinates.
+    ax : matplotlib Axes to draw into; None makes a new Agg figure.
+    tap_sample : (p, q, iy, ix), the sample of an align op whose 4 taps are drawn
+        (default: the first sample of the middle bin).
+    channel : output channel whose input channels the PS ops label.
+
+    Returns
+    -------
+    dict of NumPy arrays: what was drawn, copied from ``op.geometry(...)`` (see
+    :func:`mx_roi.viz.sampling_coords`), plus ``"ax"`` and ``"figure"``.  The same dict is
+    attached to the Axes as ``ax.mx_roi_coords``.
+
+    Picture frame: cell (h, w) is the unit square [w, w+1] x [h, h+1]; a sample
+    coordinate ``c`` (pixel centres at integers, as in the tables) is drawn at ``c + 0.5``.
+    """
+    op = make_op(op, **params)
+    c = sampling_coords(op, feature_shape, roi, tap_sample=tap_sample, channel=channel)
+    if ax is None:
+        fig, (ax,) = new_figure()
+    _draw_map(ax, c)
+    _draw_roi(ax, c)
+    if is_align(op):
+        _draw_align(ax, op, c)
+    else:
+        _draw_pooling(ax, op, c)
+    _limits(ax, c)
+    _ticks(ax, c)
+    ax.set_title(_title(op))
+    if legend:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7,
+                  frameon=False)
+    c["ax"] = ax
+    c["figure"] = ax.figure
+    ax.mx_roi_coords = c
+    return c
+
+
+def plot_aligned_comparison(op, feature_shape, roi, axes=None, **params):
+    """``aligned=False`` and ``aligned=True`` side by side (ROIAlign or PSROIAlign).
+
+    ``op`` as in :func:`plot_sampling` (an instance's own ``aligned`` is overridden).
+    Returns ``{False: coords, True: coords}``; ``result["figure"]`` is the figure.
+    """
+    import dataclasses
+    base = make_op(op, **params)
+    if not hasattr(base.param, "aligned"):
+        raise ValueError(f"{base.name} has no 'aligned' parameter")
+    if axes is None:
+        fig, axes = new_figure(ncols=2)
+    out: Dict[Any, Any] = {}
+    for ax, aligned in zip(axes, (False, True)):
+        one = type(base)(dataclasses.replace(base.param, aligned=aligned))
+        out[aligned] = plot_sampling(one, feature_shape, roi, ax=ax)
+    out["figure"] = axes[0].figure
+    return out
