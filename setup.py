@@ -21,7 +21,7 @@ setup(
         "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
         "plot": ["matplotlib"],
         "example": ["tqdm", "Pillow", "matplotlib"],
-        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "wheel", "tqdm", "Pillow",
+        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11", "wheel", "tqdm", "Pillow",
                  "matplotlib"],
     },
 )

@@ -1,0 +1,142 @@
+"""NVRTC through ctypes: compile the kernels to PTX without a GPU or a driver.
+
+Used by ``tests/test_cuda_compile.py`` and ``python -m mx_roi.selftest`` to prove that every
+kernel and every instantiated template (float, double, __half; plain and fixed-point
+backward) compiles for the supported architectures with exactly the code, name
+expressions and options that :class:`mx_roi.cuda.loader.KernelModule` hands to
+``cupy.RawModule``.  ``libnvrtc`` comes from the ``nvidia-cuda-nvrtc-cu11`` wheel (or
+``$MX_ROI_NVRTC``); ``cuda_fp16.h`` from the ``nvidia-cuda-runtime-cu11`` wheel.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from . import source as S
+
+__all__ = ["NvrtcError", "find_library", "load", "version", "supported_archs", "compile_ptx",
+           "compile_source", "CompileResult"]
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+def find_library() -> Optional[str]:
+    env = os.environ.get("MX_ROI_NVRTC")
+    if env:
+        return env
+    try:
+        import nvidia
+        roots = list(getattr(nvidia, "__path__", []))
+    except ImportError:
+        roots = []
+    for root in roots:
+        hits = sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")))
+        hits = [h for h in hits if "builtins" not in h]
+        if hits:
+            return hits[0]
+    return None
+
+
+_LIB = None
+
+
+def load():
+    global _LIB
+    if _LIB is None:
+        path = find_library()
+        if not path:
+            raise NvrtcError("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu11 "
+                             "(or set MX_ROI_NVRTC to the library)")
+        lib = ctypes.CDLL(path)
+        P = ctypes.c_void_p
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(P), ctypes.c_char_p, ctypes.c_char_p,
+                                           ctypes.c_int, P, P]
+        lib.nvrtcAddNameExpression.argtypes = [P, ctypes.c_char_p]
+        lib.nvrtcCompileProgram.argtypes = [P, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcGetProgramLogSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetProgramLog.argtypes = [P, ctypes.c_char_p]
+        lib.nvrtcGetPTXSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetPTX.argtypes = [P, ctypes.c_char_p]
+        lib.nvrtcGetLoweredName.argtypes = [P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(P)]
+        _LIB = lib
+    return _LIB
+
+
+def _check(lib, status, what):
+    if status != 0:
+        raise NvrtcError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}")
+
+
+def version():
+    lib = load()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def supported_archs() -> List[int]:
+    lib = load()
+    n = ctypes.c_int()
+    if not hasattr(lib, "nvrtcGetNumSupportedArchs"):  # pragma: no cover (NVRTC < 11.2)
+        return []
+    _check(lib, lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+    arr = (ctypes.c_int * n.value)()
+    _check(lib, lib.nvrtcGetSupportedArchs(arr), "nvrtcGetSupportedArchs")
+    return list(arr)
+
+
+@dataclass
+class CompileResult:
+    ptx: str
+    lowered: Dict[str, str]   # name expression -> mangled kernel name
+    log: str
+
+
+def compile_ptx(code: str, name: str, name_expressions: Sequence[str],
+                options: Sequence[str]) -> CompileResult:
+    """Compile ``code`` to PTX; raise :class:`NvrtcError` with the log on failure."""
+    lib = load()
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0,
+                                       None, None), "nvrtcCreateProgram")
+    try:
+        for expr in name_expressions:
+            _check(lib, lib.nvrtcAddNameExpression(prog, expr.encode()),
+                   f"nvrtcAddNameExpression({expr})")
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        if status != 0:
+            raise NvrtcError(f"compiling {name} with {' '.join(options)} failed "
+                             f"({lib.nvrtcGetErrorString(status).decode()}):\n{log}")
+        lowered = {}
+        for expr in name_expressions:
+            out = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
+                   f"nvrtcGetLoweredName({expr})")
+            lowered[expr] = out.value.decode()
+        _check(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+        ptx = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        return CompileResult(ptx.value.decode(errors="replace"), lowered, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_source(filename: str, arch: int) -> CompileResult:
+    """Compile ``operators/<filename>`` for ``compute_<arch>`` exactly as the RawModule
+    does (same code, name expressions and options) plus ``--gpu-architecture``."""
+    code, exprs, options = S.module_source(filename)
+    return compile_ptx(code, filename, exprs,
+                       tuple(options) + (f"--gpu-architecture=compute_{arch}",))
