@@ -21,7 +21,8 @@ setup(
         "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
         "plot": ["matplotlib"],
         "example": ["tqdm", "Pillow", "matplotlib"],
-        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11", "wheel", "tqdm", "Pillow",
-                 "matplotlib"],
+        # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels
+        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",
+                 "wheel", "tqdm", "Pillow", "matplotlib"],
     },
 )
