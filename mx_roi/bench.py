@@ -420,6 +420,8 @@ def sweep(workloads: List[Workload], inputs: Inputs, boxes_list, repeat, directi
             entry["boxes"].append(n)
             entry["ours_ms"].append(res["ours_ms"])
             entry["builtin_ms"].append(res["builtin_ms"])
+            if res["check"] is not None and not res["check"]["ok"]:
+                entry.setdefault("failed_boxes", []).append(n)
             print(f"  sweep {w.key:<22} {n:>5} boxes: ours {res['ours_ms']:9.2f} ms"
                   + (f", builtin {res['builtin_ms']:9.2f} ms" if res["builtin_ms"] else ""),
                   flush=True)
@@ -433,7 +435,7 @@ def plot(sweep_result, path, direction, machine):
     import matplotlib.pyplot as plt
 
     keys = list(sweep_result)
-    cols = 3
+    cols = min(3, len(keys))
     rows = int(math.ceil(len(keys) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
@@ -566,7 +568,23 @@ def machine_info(ctx_name: str) -> dict:
         platform=platform.platform(), python=platform.python_version(),
         mxnet=mx.__version__, numpy=np.__version__, mx_roi=getattr(mx_roi, "__version__", "?"),
         mxnet_features=features, env=env, ctx=ctx_name, num_gpus=num_gpus,
-        gpus=_gpu_names() if ctx_name == "gpu" else [], loadavg=_loadavg())
+        gpus=_gpu_names() if ctx_name == "gpu" else [], loadavg=_loadavg(),
+        git=_git_commit())
+
+
+def _git_commit() -> Optional[str]:
+    """The mx_roi checkout's commit (``+dirty`` with local changes), if it is a git tree."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, timeout=10,
+                              capture_output=True, text=True)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                "mx_roi"], cwd=root, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return None
 
 
 def _loadavg():
@@ -587,7 +605,7 @@ def format_header(m: dict, args) -> str:
         f"CPU: {m['cpu']}, {m['cpu_count']} logical cores ({m['cpu_affinity']} usable); "
         f"{m['platform']}; load average at start {m['loadavg']}",
         f"python {m['python']}, mxnet {m['mxnet']} ({', '.join(feats)}), numpy {m['numpy']}, "
-        f"mx_roi {m['mx_roi']}",
+        f"mx_roi {m['mx_roi']} (git {m['git'] or '?'})",
         f"thread/env settings: {env}",
         f"workload: data ({BATCH}, C, {FEAT_H}, {FEAT_W}) float32 = {IMAGE_H}x{IMAGE_W} image "
         f"at stride {STRIDE}; seeded random proposals; median of {args.repeat} interleaved "
@@ -702,6 +720,9 @@ def main(argv=None) -> int:
         rows.extend(new)
 
     overhead = bench_overhead(inputs, workloads, args.repeat)
+    if args.memory and args.ctx == "gpu":
+        print("--memory measures host RSS; skipped with --ctx gpu", flush=True)
+        args.memory = False
     memory = bench_memory(workloads, args.quick, args.ctx) if args.memory else None
     sweep_result = None
     if args.plot:
@@ -715,7 +736,10 @@ def main(argv=None) -> int:
     gm_fwd = geomean([r["ratio"] for r in rows if r["direction"] == "fwd"
                       and r["ratio"] is not None
                       and not (r["check"] and r["check"]["builtin_all_zero"])])
-    failures = [r for r in rows if r["check"] is not None and not r["check"]["ok"]]
+    failures = [f"{r['key']} {r['direction']}" for r in rows
+                if r["check"] is not None and not r["check"]["ok"]]
+    for key, e in (sweep_result or {}).items():
+        failures += [f"{key} {args.plot_direction} ({n} boxes)" for n in e.get("failed_boxes", [])]
 
     print()
     print(format_header(machine, args))
@@ -747,8 +771,8 @@ def main(argv=None) -> int:
     print()
     print(f"total bench time {elapsed:.1f} s")
     if failures:
-        print("ERROR: ours and the built-in disagree on: "
-              + ", ".join(f"{r['key']} {r['direction']}" for r in failures), file=sys.stderr)
+        print("ERROR: ours and the built-in disagree on: " + ", ".join(failures),
+              file=sys.stderr)
 
     if args.json:
         payload = dict(machine=machine,
@@ -760,7 +784,7 @@ def main(argv=None) -> int:
                                    rtol=RTOL, atol=ATOL),
                        results=rows, geomean_fwd_bwd_ratio=gm, geomean_fwd_ratio=gm_fwd,
                        overhead=overhead, memory=memory, sweep=sweep_result,
-                       failures=[f"{r['key']} {r['direction']}" for r in failures],
+                       failures=failures,
                        total_seconds=elapsed)
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
