@@ -1,0 +1,266 @@
+"""The CUDA kernels, compiled for the host (``emulated-cuda``), against the NumPy backend.
+
+The emulation compiles the very ``operators/*.cu`` text that CuPy compiles on a GPU (with
+``mx_roi/cuda/host_shim.h``), and launches it through the same checked launch call, so
+these tests prove the kernels, their table reading and the argument marshalling without
+a GPU.  Both backends are driven directly (``backend.forward/backward`` on NDArrays) to
+cover ``req`` write/add/null; ``tests/ops`` runs the whole op suite through
+``mx.nd.Custom`` with ``MX_ROI_BACKEND=emulated-cuda`` as well.
+"""
+import os
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import mx_roi  # noqa: F401
+from mx_roi import geometry
+from mx_roi.backends import NumpyBackend
+from mx_roi.cuda import loader
+from mx_roi.cuda import source as S
+from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.registry import get_op
+from tests.ops.base import adversarial_rois, make_data, random_rois
+
+TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-11}
+
+CASES = [
+    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
+    ("ROIPooling", dict(pooled_size=(3, 3), spatial_scale=1.0)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.0625, sample_ratio=-1)),
+    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=1.0, sample_ratio=2, aligned=True)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1, aligned=True,
+                      pool_mode="max")),
+    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=0.25, sample_ratio=1,
+                      pool_mode="max")),
+    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
+    ("PSROIPooling", dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0,
+                          group_size=3)),
+    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
+    ("PSROIAlign", dict(pooled_size=3, output_dim=1, spatial_scale=1.0, sample_ratio=-1,
+                        aligned=True, group_size=2)),
+]
+if hasattr(geometry, "caffe_align_grid"):  # legacy tables: same kernels, other geometry
+    CASES.append(("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, legacy="caffe")))
+if hasattr(geometry, "rfcn_align_grid"):
+    CASES.append(("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5,
+                                     legacy="rfcn", sample_num=2)))
+
+DTYPES = (np.float16, np.float32, np.float64)
+EMU = CudaBackend(emulated=True)
+REF = NumpyBackend()
+
+
+def _ids(cases):
+    return [f"{name}-{i}" for i, (name, _) in enumerate(cases)]
+
+
+def make_op(name, params):
+    cls = get_op(name)
+    return cls(cls.param_cls.from_kwargs(**params))
+
+
+def problem(op, dtype, seed=0, N=2, C=3, H=9, W=10, kind="randn"):
+    rng = np.random.default_rng(seed)
+    p = op.param
+    cin = C if not hasattr(p, "output_dim") else p.output_dim * p.groups ** 2
+    data = make_data(rng, (N, cin, H, W), dtype, kind)
+    rois = np.concatenate([adversarial_rois(rng, N, H, W, p.spatial_scale, dtype=dtype),
+                           random_rois(rng, 5, N, H, W, p.spatial_scale, dtype)])
+    rois[::7, 0] = -1  # padding rois
+    out_shape = op.out_shape(data.shape, rois.shape)
+    grad = make_data(rng, out_shape, dtype)
+    return data, rois.astype(dtype), grad
+
+
+def nd(a):
+    return mx.nd.array(a, dtype=a.dtype)
+
+
+def run(backend, op, data, rois, grad, req_f="write", req_b="write", init_out=None,
+        init_grad=None):
+    """Forward + backward through ``backend``; returns (out, data grad) as NumPy."""
+    out_shape = op.out_shape(data.shape, rois.shape)
+    out = nd(init_out if init_out is not None else np.zeros(out_shape, data.dtype))
+    dgrad = nd(init_grad if init_grad is not None else np.zeros(data.shape, data.dtype))
+    x, r = nd(data), nd(rois)
+    saved = backend.forward(op, req_f, x, r, out, keep=True)
+    backend.backward(op, req_b, nd(grad), x, r, dgrad, saved)
+    return out.asnumpy(), dgrad.asnumpy()
+
+
+def close(a, b, dtype, exact=False, what=""):
+    assert a.dtype == b.dtype == np.dtype(dtype), what
+    if exact:
+        np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+        t = TOL[np.dtype(dtype)]
+        scale = max(1.0, float(np.abs(b.astype(np.float64)).max()) if b.size else 1.0)
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=t,
+                                   atol=t * scale, err_msg=what)
+
+
+def _is_max(name, params):
+    return name == "ROIPooling" or params.get("pool_mode") == "max" or \
+        params.get("legacy") == "caffe"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
+def test_emulated_vs_numpy(name, params, dtype):
+    op = make_op(name, params)
+    for kind in ("randn", "int"):
+        data, rois, grad = problem(op, dtype, kind=kind)
+        out_e, g_e = run(EMU, op, data, rois, grad)
+        out_n, g_n = run(REF, op, data, rois, grad)
+        # max modes compute every sample with the same operations: identical values
+        exact = _is_max(name, params) and np.dtype(dtype) != np.float16
+        close(out_e, out_n, dtype, exact=exact, what=f"forward [{kind}]")
+        close(g_e, g_n, dtype, what=f"data grad [{kind}]")
+        assert out_e[rois[:, 0] < 0].sum() == 0
+
+
+@pytest.mark.parametrize("name,params", CASES[::2], ids=_ids(CASES[::2]))
+def test_req_add_and_null(name, params):
+    dtype = np.float32
+    op = make_op(name, params)
+    data, rois, grad = problem(op, dtype, seed=1)
+    base_out = np.full(op.out_shape(data.shape, rois.shape), 0.5, dtype)
+    base_grad = np.full(data.shape, -0.25, dtype)
+    out_w, g_w = run(EMU, op, data, rois, grad)
+    out_a, g_a = run(EMU, op, data, rois, grad, "add", "add", base_out, base_grad)
+    close(out_a, out_w + base_out, dtype, what="forward req=add")
+    close(g_a, g_w + base_grad, dtype, what="backward req=add")
+    out_0, g_0 = run(EMU, op, data, rois, grad, "null", "null", base_out, base_grad)
+    np.testing.assert_array_equal(out_0, base_out)
+    np.testing.assert_array_equal(g_0, base_grad)
+
+
+@pytest.mark.parametrize("name,params", CASES[::2], ids=_ids(CASES[::2]))
+def test_zero_rois_no_launch(name, params, monkeypatch):
+    launched = []
+    monkeypatch.setattr(Launch, "_launch", lambda self, *a: launched.append(a))
+    op = make_op(name, params)
+    data, _, _ = problem(op, np.float32)
+    rois = np.zeros((0, 5), np.float32)
+    with mx.util.np_shape(True):
+        grad = np.zeros(op.out_shape(data.shape, rois.shape), np.float32)
+        out, g = run(EMU, op, data, rois, grad, init_grad=np.ones(data.shape, np.float32))
+    assert out.shape[0] == 0 and not g.any()
+    assert launched == []
+
+
+@pytest.mark.parametrize("name,params", CASES[::3], ids=_ids(CASES[::3]))
+def test_deterministic_fixed_point(name, params):
+    """deterministic=True accumulates in 64-bit fixed point: same bits on every run and
+    the same values as the float atomics up to rounding."""
+    op = make_op(name, params)
+    det = make_op(name, dict(params, deterministic=True))
+    for dtype in (np.float32, np.float64):
+        data, rois, grad = problem(op, dtype, seed=2)
+        rois = np.concatenate([rois] * 4)  # many rois hitting the same cells
+        grad = np.concatenate([grad] * 4)
+        _, g_float = run(EMU, op, data, rois, grad)
+        out1, g1 = run(EMU, det, data, rois, grad)
+        out2, g2 = run(EMU, det, data, rois, grad)
+        assert g1.tobytes() == g2.tobytes() and out1.tobytes() == out2.tobytes()
+        close(g1, g_float, dtype, what="fixed point vs float atomics")
+
+
+def test_deterministic_uses_fixed_point_kernels(monkeypatch):
+    seen = []
+    real = Launch._launch
+    monkeypatch.setattr(Launch, "_launch",
+                        lambda self, expr, n, args: (seen.append(expr), real(self, expr, n, args)))
+    op = make_op("ROIAlign", dict(pooled_size=2, spatial_scale=1.0, deterministic=True))
+    data, rois, grad = problem(op, np.float16)
+    run(EMU, op, data, rois, grad)
+    assert "roi_align_backward_avg<__half, float, unsigned long long>" in seen
+    # non-finite out-grad cannot be fixed point: falls back to float atomics
+    seen.clear()
+    grad[0, 0, 0, 0] = np.inf
+    run(EMU, op, data, rois, grad)
+    assert "roi_align_backward_avg<__half, float, float>" in seen
+
+
+def test_through_custom_op(monkeypatch):
+    """mx.nd.Custom picks the emulated kernels with MX_ROI_BACKEND=emulated-cuda."""
+    seen = []
+    real = Launch._launch
+    monkeypatch.setattr(Launch, "_launch",
+                        lambda self, expr, n, args: (seen.append(expr), real(self, expr, n, args)))
+    monkeypatch.setenv("MX_ROI_BACKEND", "emulated-cuda")
+    x = mx.nd.array(np.arange(50, dtype=np.float32).reshape(1, 2, 5, 5))
+    r = mx.nd.array([[0, 0, 0, 3, 3]])
+    y = mx.nd.Custom(x, r, op_type="ROIPooling", pooled_size=(2, 2), spatial_scale=1.0)
+    np.testing.assert_array_equal(y.asnumpy()[0, 0], [[6, 8], [16, 18]])
+    assert seen == ["roi_pooling_forward<float, float>"]
+
+
+# ---------------------------------------------------------------- argument checking
+def _pool_args(**over):
+    """Valid arguments of roi_pooling_forward<float, float> for a tiny problem."""
+    a = dict(data=np.zeros((1, 1, 4, 4), np.float32), batch=np.zeros(1, np.int32),
+             hstart=np.zeros((1, 2), np.int32), hend=np.full((1, 2), 2, np.int32),
+             wstart=np.zeros((1, 2), np.int32), wend=np.full((1, 2), 2, np.int32),
+             C=np.int32(1), H=np.int32(4), W=np.int32(4), P=np.int32(2), Q=np.int32(2),
+             out=np.zeros((1, 1, 2, 2), np.float32), argmax=np.zeros((1, 1, 2, 2), np.int32),
+             n=np.int64(4))
+    a.update(over)
+    return tuple(a.values())
+
+
+def _kernel(expr="roi_pooling_forward<float, float>"):
+    return loader.get_module("roi_pooling.cu", True).get(expr)
+
+
+def test_valid_launch_runs():
+    args = _pool_args()
+    args[0][...] = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    _kernel()((1,), (32,), args)
+    np.testing.assert_array_equal(args[11], [[[[5, 5], [5, 5]]]])
+    np.testing.assert_array_equal(args[12], [[[[5, 5], [5, 5]]]])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(C=1), r"argument 6 \(int C\) must be a NumPy scalar"),
+    (dict(n=4), r"argument 13 \(long long n\) must be a NumPy scalar"),
+    (dict(C=np.int64(1)), r"int C\) must have dtype int32, got int64"),
+    (dict(n=np.int32(4)), r"long long n\) must have dtype int64"),
+    (dict(data=np.zeros((1, 1, 4, 4), np.float64)), r"const float\* data\) must have dtype"),
+    (dict(argmax=np.zeros((1, 1, 2, 2), np.int64)), r"int\* argmax\) must have dtype int32"),
+    (dict(batch=np.zeros(4, np.int32)[::2]), "C-contiguous"),
+    (dict(out=[0.0] * 4), r"must be a numpy.ndarray"),
+    (dict(W=np.float32(4)), r"int W\) must have dtype int32"),
+])
+def test_argument_checker_rejects(bad, match):
+    with pytest.raises(loader.KernelArgumentError, match=match):
+        _kernel()((1,), (32,), _pool_args(**bad))
+
+
+def test_argument_checker_counts_and_scalars_of_double():
+    with pytest.raises(loader.KernelArgumentError, match="13 arguments for 14"):
+        _kernel()((1,), (32,), _pool_args()[:-1])
+    k = _kernel("roi_pooling_backward<float, float, float>")
+    sig = k.signature
+    assert [p.name for p in sig.params][-2:] == ["scale", "n"]
+    args = [np.zeros(1, np.float32), np.zeros(1, np.int32), np.full(1, -1, np.int32),
+            np.int32(1), np.int32(1), np.int32(1), np.int32(1), np.int32(1),
+            np.zeros(1, np.float32), 1.0, np.int64(1)]
+    with pytest.raises(loader.KernelArgumentError, match=r"double scale\) must be a NumPy"):
+        k((1,), (32,), tuple(args))
+    args[9] = np.float64(1.0)
+    k((1,), (32,), tuple(args))
+
+
+def test_host_library_cached(tmp_path, monkeypatch):
+    """The host build is cached by source hash under $MX_ROI_CACHE."""
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "_MODULES", {})
+    mod = loader.get_module("psroi_pooling.cu", True)
+    libs = [f for f in os.listdir(tmp_path) if f.endswith(".so")]
+    assert len(libs) == 1 and libs[0].startswith("psroi_pooling-")
+    code, index = loader.host_source("psroi_pooling.cu")
+    assert len(index) == len(S.name_expressions("psroi_pooling.cu"))
+    assert 'extern "C" void mx_roi_launch_0' in code
+    assert mod.get("psroi_pooling_forward<__half, float>").signature.params[0].ctype == "__half"
