@@ -46,9 +46,28 @@ def get(name: str):
     return _INSTANCES[name]
 
 
+class _Capsule:
+    """Adapter giving ``np.from_dlpack`` the protocol object it expects (NumPy < 1.25)."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
 def read_numpy(nd) -> np.ndarray:
-    """An NDArray's values as a NumPy array (one copy, default layout)."""
-    return nd.asnumpy()
+    """A read-only NumPy view of a CPU NDArray's memory, without a copy (DLPack).
+
+    ``to_dlpack_for_read`` waits for pending writes and converts a oneDNN-layout
+    array to the default layout first; the view keeps the NDArray alive.
+    """
+    if nd.size == 0:
+        return np.zeros(nd.shape, dtype=nd.dtype)
+    return np.from_dlpack(_Capsule(nd.to_dlpack_for_read()))
 
 
 def write_numpy(dst, req: str, value: np.ndarray) -> None:
@@ -76,7 +95,8 @@ class NumpyBackend:
         if rois.shape[0] == 0:
             return None
         geo = op.geometry(rois, data.shape[2], data.shape[3], np)
-        out, saved = op.forward_numpy(geo, data.astype(compute_dtype(data.dtype), copy=False))
+        out, saved = op.forward_numpy(geo, data.astype(compute_dtype(data.dtype), copy=False),
+                                      keep=keep)
         write_numpy(out_nd, req, out)
         return saved if keep else None
 

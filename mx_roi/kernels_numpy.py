@@ -1,11 +1,16 @@
 """NumPy kernels shared by the ops: they consume the tables of :mod:`mx_roi.geometry`.
 
+Layout: the feature map is turned channels-last once per call, (N, H, W, C), so that a
+roi's window ``F[b, h0:h1, w0:w1, :]`` is a strided 2-D view (hh, ww*C) that BLAS reads
+without a copy, and every gather pulls whole contiguous channel vectors.
+
 Bilinear average pooling is separable: for one roi the pooled map of every channel is
 ``Ay @ F @ Ax.T`` with small interpolation matrices ``Ay`` (P, H) and ``Ax`` (Q, W)
 holding each bin's summed tap weights, so a roi costs two small BLAS products over its
-window of the map; the backward is the transpose, added into the window.  Max modes
-evaluate every sample point exactly as the scalar kernels do (same operation order, so
-ties break the same way) and route the gradient to the four taps of the winning sample.
+window; the backward is the transpose, added into the window.  Max modes evaluate
+every sample point exactly as the scalar kernels do (same operation order, so ties
+break the same way) and route the gradient to the four taps of the winning sample.
+Position-sensitive ops read, per bin, only the channels of that bin's group cell.
 """
 from __future__ import annotations
 
@@ -13,8 +18,19 @@ import numpy as np
 
 from .geometry import SampleAxis, SampleGrid
 
-__all__ = ["tap_matrix", "window", "separable", "indicator_matrix", "avg_forward", "avg_backward", "sample_values",
-           "max_forward", "max_backward", "scatter_taps"]
+__all__ = ["channels_last", "tap_matrix", "window", "separable", "indicator_matrix",
+           "avg_forward", "avg_backward", "sample_values", "max_forward", "max_backward",
+           "first_equal"]
+
+
+def channels_last(data: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) -> contiguous (N, H, W, C)."""
+    return np.ascontiguousarray(data.transpose(0, 2, 3, 1))
+
+
+def channels_first(data_cl: np.ndarray) -> np.ndarray:
+    """(..., H, W, C) view back as (..., C, H, W) (no copy)."""
+    return np.moveaxis(data_cl, -1, -3)
 
 
 def tap_matrix(axis: SampleAxis, length: int, per_sample: bool = False) -> np.ndarray:
@@ -45,10 +61,6 @@ def window(mat: np.ndarray):
     return first, last
 
 
-def _channel_rows(data_b, channels):
-    return data_b if channels is None else data_b[channels]
-
-
 def separable(geo: SampleGrid, height: int, width: int):
     """The (batch, ay (R,P,H), ax (R,Q,W), divisor (R,P,Q)) form of a sample grid."""
     return geo.batch, tap_matrix(geo.y, height), tap_matrix(geo.x, width), geo.divisor
@@ -57,7 +69,15 @@ def separable(geo: SampleGrid, height: int, width: int):
 def indicator_matrix(start, end, length: int) -> np.ndarray:
     """(R, P, length) with 1 where ``start[r,p] <= i < end[r,p]`` (integer bins)."""
     i = np.arange(length)[None, None, :]
-    return ((i >= start[:, :, None]) & (i < end[:, :, None]))
+    return (i >= start[:, :, None]) & (i < end[:, :, None])
+
+
+def _windows(batch, ay, ax):
+    h0, h1 = window(ay)
+    w0, w1 = window(ax)
+    live = (batch >= 0) & (h1 > h0) & (w1 > w0)
+    return [(r, int(batch[r]), slice(int(h0[r]), int(h1[r])), slice(int(w0[r]), int(w1[r])))
+            for r in np.flatnonzero(live)]
 
 
 def avg_forward(sep, data: np.ndarray, out_channels: int, channel_map=None):
@@ -74,89 +94,109 @@ def avg_forward(sep, data: np.ndarray, out_channels: int, channel_map=None):
 
     Returns
     -------
-    (R, C_out, P, Q) array
+    (R, C_out, P, Q) array (possibly a non-contiguous view)
     """
     batch, ay, ax, divisor = sep
     R, P, _ = ay.shape
     Q = ax.shape[1]
-    ay, ax = ay.astype(data.dtype, copy=False), ax.astype(data.dtype, copy=False)
-    h0, h1 = window(ay)
-    w0, w1 = window(ax)
-    out = np.zeros((R, out_channels, P, Q), dtype=data.dtype)
-    for r in range(R):
-        b = batch[r]
-        if b < 0 or h1[r] <= h0[r] or w1[r] <= w0[r]:
-            continue
-        sy, sx = slice(h0[r], h1[r]), slice(w0[r], w1[r])
-        f = data[b, :, sy, sx]
+    dt = data.dtype
+    ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
+    dcl = channels_last(data)
+    out = np.zeros((R, P, Q, out_channels), dtype=dt)
+    if channel_map is not None:
+        gsel = _group_selector(channel_map)
+    for r, b, sy, sx in _windows(batch, ay, ax):
+        f = dcl[b, sy, sx]                                      # (hh, ww, C) view
+        hh, ww = f.shape[:2]
         if channel_map is None:
-            # (C, h, w) @ (w, Q) -> (C, h, Q);  (P, h) @ (C, h, Q) -> (C, P, Q)
-            out[r] = ay[r, :, sy] @ (f @ ax[r, :, sx].T)
+            # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
+            u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
+            out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
         else:
-            out[r] = _ps_bins(f, channel_map, ay[r, :, sy], ax[r, :, sx])
-    out /= divisor[:, None, :, :].astype(data.dtype, copy=False)
-    return out
+            out[r] = _ps_bins(f, gsel, ay[r, :, sy], ax[r, :, sx])
+    out /= divisor[:, :, :, None].astype(dt, copy=False)
+    return channels_first(out)
 
 
-def _ps_bins(f, channel_map, ay, ax):
-    """Position-sensitive bins: output (c, p, q) reads input channel channel_map[c, p, q]."""
-    C, P, Q = channel_map.shape
-    # rows: sum_h ay[p,h] f[ch,h,w] for the channel each (c,p,q) reads -> (C, P, Q, w)
-    fsel = f[channel_map]                       # (C, P, Q, h, w)
-    rows = np.einsum("ph,cpqhw->cpqw", ay, fsel)
-    return np.einsum("cpqw,qw->cpq", rows, ax)
+def _group_selector(channel_map):
+    """Split a (C_out, P, Q) channel map into per-bin channel lists: (P, Q, C_out)."""
+    return np.ascontiguousarray(channel_map.transpose(1, 2, 0))
+
+
+def _ps_bins(f, gsel, ay, ax):
+    """Position-sensitive bins of one roi: (P, Q, C_out).
+
+    ``f`` (hh, ww, C_in) window, ``gsel`` (P, Q, C_out) input channel per output bin.
+    Row step over the window's rows per bin row p, then each bin picks its channels.
+    """
+    P, Q, _ = gsel.shape
+    hh, ww, cin = f.shape
+    rows = ay @ f.reshape(hh, ww * cin)                  # (P, ww*C_in)
+    rows = rows.reshape(P, ww, cin)
+    p = np.arange(P)[:, None, None]
+    picked = rows[p, :, gsel]                            # (P, Q, C_out, ww)
+    return np.einsum("pqcw,qw->pqc", picked, ax)
 
 
 def avg_backward(sep, grad: np.ndarray, data_shape, channel_map=None):
     """Gradient of :func:`avg_forward` w.r.t. the data, (N, C, H, W)."""
     batch, ay, ax, divisor = sep
-    ay, ax = ay.astype(grad.dtype, copy=False), ax.astype(grad.dtype, copy=False)
-    h0, h1 = window(ay)
-    w0, w1 = window(ax)
-    g = grad / divisor[:, None, :, :].astype(grad.dtype, copy=False)
-    out = np.zeros(data_shape, dtype=grad.dtype)
-    for r in range(batch.shape[0]):
-        b = batch[r]
-        if b < 0 or h1[r] <= h0[r] or w1[r] <= w0[r]:
-            continue
-        sy, sx = slice(h0[r], h1[r]), slice(w0[r], w1[r])
+    dt = grad.dtype
+    ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
+    N, C, H, W = data_shape
+    g = grad / divisor[:, None, :, :].astype(dt, copy=False)
+    gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
+    out = np.zeros((N, H, W, C), dtype=dt)
+    P = gcl.shape[1]
+    if channel_map is not None:
+        gsel = _group_selector(channel_map)
+    for r, b, sy, sx in _windows(batch, ay, ax):
         a_y, a_x = ay[r, :, sy], ax[r, :, sx]
+        hh, ww = a_y.shape[1], a_x.shape[1]
         if channel_map is None:
-            # (h, P) @ (C, P, Q) @ (Q, w) -> (C, h, w)
-            out[b, :, sy, sx] += (a_y.T @ g[r]) @ a_x
+            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
+            v = a_x.T @ gcl[r]
         else:
-            contrib = g[r][:, :, :, None, None] * (a_y[None, :, None, :, None]
-                                                   * a_x[None, None, :, None, :])
-            _add_channels(out[b, :, sy, sx], channel_map, contrib)
-    return out
+            v = _ps_rows_grad(gcl[r], gsel, a_x, C)
+        out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
+    return channels_first(out)
 
 
-def _add_channels(dst, channel_map, contrib):
-    """dst[channel_map[c,p,q]] += contrib[c,p,q] for every (c, p, q) (channels may repeat)."""
-    C, P, Q = channel_map.shape
-    flat = channel_map.reshape(-1)
-    vals = contrib.reshape(C * P * Q, *contrib.shape[3:])
-    order = np.argsort(flat, kind="stable")
-    flat, vals = flat[order], vals[order]
-    starts = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])
-    sums = np.add.reduceat(vals, starts, axis=0)
-    dst[flat[starts]] += sums
+def _ps_rows_grad(g, gsel, ax, cin):
+    """Transpose of the column/channel step of :func:`_ps_bins`: (P, ww, C_in)."""
+    P, Q, cout = gsel.shape
+    ww = ax.shape[1]
+    v = np.zeros((P, ww, cin), dtype=g.dtype)
+    contrib = g[:, :, :, None] * ax[None, :, None, :]              # (P, Q, C_out, ww)
+    p = np.broadcast_to(np.arange(P)[:, None, None], gsel.shape)
+    if _unique_per_row(gsel):
+        v[p, :, gsel] += contrib
+    else:  # group_size < pooled_size: several bins of a row read one channel
+        np.add.at(v, (p, slice(None), gsel), contrib)
+    return v
 
 
-def sample_values(geo: SampleGrid, data: np.ndarray, r: int, channels=None):
-    """Every sample point of roi ``r``: (C, P, Gy, Q, Gx) values, scalar-kernel order.
+def _unique_per_row(gsel):
+    P = gsel.shape[0]
+    flat = gsel.reshape(P, -1)
+    return all(np.unique(flat[i]).size == flat.shape[1] for i in range(P))
+
+
+def sample_values(geo: SampleGrid, dcl_b: np.ndarray, r: int):
+    """Every sample point of roi ``r``: (P, Gy, Q, Gx, C) values, scalar-kernel order.
 
     value = w1*v(y_low,x_low) + w2*v(y_low,x_high) + w3*v(y_high,x_low) + w4*v(y_high,x_high)
     with w1 = wy_low*wx_low etc. (MXNet/Caffe2 order); out-of-map samples are 0.
+    ``dcl_b`` is one image channels-last, (H, W, C).
     """
-    f = data[geo.batch[r]] if channels is None else data[geo.batch[r]][channels]
     y, x = geo.y, geo.x
     yl, yh = y.low[r][:, :, None, None], y.high[r][:, :, None, None]
     xl, xh = x.low[r][None, None], x.high[r][None, None]
-    wyl, wyh = y.w_low[r][:, :, None, None], y.w_high[r][:, :, None, None]
-    wxl, wxh = x.w_low[r][None, None], x.w_high[r][None, None]
+    wyl, wyh = y.w_low[r][:, :, None, None, None], y.w_high[r][:, :, None, None, None]
+    wxl, wxh = x.w_low[r][None, None, :, :, None], x.w_high[r][None, None, :, :, None]
     w1, w2, w3, w4 = wyl * wxl, wyl * wxh, wyh * wxl, wyh * wxh
-    return (w1 * f[:, yl, xl] + w2 * f[:, yl, xh]) + w3 * f[:, yh, xl] + w4 * f[:, yh, xh]
+    f = dcl_b
+    return (w1 * f[yl, xl] + w2 * f[yl, xh]) + w3 * f[yh, xl] + w4 * f[yh, xh]
 
 
 def _live_mask(geo: SampleGrid, r: int):
@@ -165,65 +205,70 @@ def _live_mask(geo: SampleGrid, r: int):
     return gy[:, :, None, None] & gx[None, None, :, :]               # (P, Gy, Q, Gx)
 
 
-def max_forward(geo: SampleGrid, data: np.ndarray, out_channels: int):
+def max_forward(geo: SampleGrid, data: np.ndarray, out_channels: int, need_arg: bool = True):
     """Max over each bin's bilinear samples; first sample (iy-major) wins ties.
 
-    Returns the (R, C, P, Q) output and the winning sample's (R, C, P, Q) flat index
-    ``iy * Gx + ix`` (-1 where a bin has no samples).
+    Returns the (R, C, P, Q) output and the winning sample's flat index ``iy * Gx + ix``
+    as an (R, P, Q, C) array (-1 where a bin has no samples), or None without
+    ``need_arg``.
     """
     R = geo.batch.shape[0]
     P, Q = geo.divisor.shape[1:]
     Gy, Gx = geo.y.size, geo.x.size
-    out = np.zeros((R, out_channels, P, Q), dtype=data.dtype)
-    arg = np.full((R, out_channels, P, Q), -1, dtype=np.int64)
-    for r in range(R):
-        if geo.batch[r] < 0:
-            continue
-        v = sample_values(geo, data, r)                        # (C, P, Gy, Q, Gx)
+    dcl = channels_last(data)
+    out = np.zeros((R, P, Q, out_channels), dtype=data.dtype)
+    arg = np.full((R, P, Q, out_channels), -1, dtype=np.int32) if need_arg else None
+    for r in np.flatnonzero(geo.batch >= 0):
+        v = sample_values(geo, dcl[geo.batch[r]], r)               # (P, Gy, Q, Gx, C)
         live = _live_mask(geo, r)
-        v = np.where(live[None], v, -np.inf).transpose(0, 1, 3, 2, 4).reshape(
-            out_channels, P, Q, Gy * Gx)
-        a = v.argmax(axis=3)
-        best = np.take_along_axis(v, a[..., None], axis=3)[..., 0]
-        empty = ~np.isfinite(best) & (best < 0)
+        if not live.all():
+            v = np.where(live[..., None], v, -np.inf)
+        v = v.transpose(0, 2, 1, 3, 4).reshape(P, Q, Gy * Gx, out_channels)
+        best = v.max(axis=2)
+        empty = np.isneginf(best)
         out[r] = np.where(empty, 0, best)
-        arg[r] = np.where(empty, -1, a)
-    return out, arg
-
-
-def scatter_taps(geo: SampleGrid, r: int, sample_index, grad_r, dst):
-    """Add ``grad_r`` (C, P, Q) to the 4 taps of the chosen sample of each bin of roi r.
-
-    ``sample_index`` (C, P, Q) holds ``iy * Gx + ix`` or -1 (nothing); ``dst`` (C, H, W).
-    """
-    C, P, Q = sample_index.shape
-    H, W = dst.shape[1:]
-    Gx = geo.x.size
-    ok = sample_index >= 0
-    iy, ix = np.where(ok, sample_index // Gx, 0), np.where(ok, sample_index % Gx, 0)
-    p = np.arange(P)[None, :, None]
-    q = np.arange(Q)[None, None, :]
-    y, x = geo.y, geo.x
-    yl, yh = y.low[r][p, iy], y.high[r][p, iy]
-    xl, xh = x.low[r][q, ix], x.high[r][q, ix]
-    wyl, wyh = y.w_low[r][p, iy], y.w_high[r][p, iy]
-    wxl, wxh = x.w_low[r][q, ix], x.w_high[r][q, ix]
-    g = np.where(ok, grad_r, 0)
-    c = np.broadcast_to(np.arange(C)[:, None, None], (C, P, Q))
-    base = c.astype(np.int64) * (H * W)
-    idx = np.concatenate([(base + yy * W + xx).ravel() for yy, xx in
-                          ((yl, xl), (yl, xh), (yh, xl), (yh, xh))])
-    vals = np.concatenate([(g * (wy * wx)).ravel() for wy, wx in
-                           ((wyl, wxl), (wyl, wxh), (wyh, wxl), (wyh, wxh))])
-    dst += np.bincount(idx, weights=vals, minlength=C * H * W).reshape(C, H, W).astype(dst.dtype)
+        if need_arg:
+            arg[r] = np.where(empty, -1, first_equal(v, best, axis=2))
+    return channels_first(out), arg
 
 
 def max_backward(geo: SampleGrid, grad: np.ndarray, data_shape, arg: np.ndarray):
-    """Gradient of :func:`max_forward`: each bin's gradient to its winning sample's taps."""
-    out = np.zeros(data_shape, dtype=grad.dtype)
-    for r in range(geo.batch.shape[0]):
-        b = geo.batch[r]
-        if b < 0:
-            continue
-        scatter_taps(geo, r, arg[r], grad[r], out[b])
-    return out
+    """Gradient of :func:`max_forward`: each bin's gradient to its winning sample's taps.
+
+    Per roi the gradient is placed on its winning sample (a one-hot over the bin's
+    samples) and spread to the taps with the per-sample interpolation matrices, the
+    transpose of evaluating every sample: ``Ys.T @ S @ Xs`` over the roi's window.
+    """
+    N, C, H, W = data_shape
+    P, Q = geo.divisor.shape[1:]
+    Gy, Gx = geo.y.size, geo.x.size
+    dt = grad.dtype
+    ys = tap_matrix(geo.y, H, per_sample=True).astype(dt, copy=False)   # (R, P, Gy, H)
+    xs = tap_matrix(geo.x, W, per_sample=True).astype(dt, copy=False)   # (R, Q, Gx, W)
+    gcl = np.ascontiguousarray(grad.transpose(0, 2, 3, 1))              # (R, P, Q, C)
+    out = np.zeros((N, H, W, C), dtype=dt)
+    samples = np.arange(Gy * Gx, dtype=np.int32)[None, None, :, None]
+    for r, b, sy, sx in _windows(geo.batch, ys.reshape(ys.shape[0], -1, H),
+                                 xs.reshape(xs.shape[0], -1, W)):
+        one_hot = (arg[r][:, :, None, :] == samples) * gcl[r][:, :, None, :]  # (P,Q,S,C)
+        s = one_hot.reshape(P, Q, Gy, Gx, C).transpose(0, 2, 1, 3, 4).reshape(P * Gy, Q * Gx, C)
+        a_y = ys[r, :, :, sy].reshape(P * Gy, -1)                         # (P*Gy, hh)
+        a_x = xs[r, :, :, sx].reshape(Q * Gx, -1)                         # (Q*Gx, ww)
+        hh, ww = a_y.shape[1], a_x.shape[1]
+        v = a_x.T @ s                                                     # (P*Gy, ww, C)
+        out[b, sy, sx] += (a_y.T @ v.reshape(P * Gy, ww * C)).reshape(hh, ww, C)
+    return channels_first(out)
+
+
+def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray:
+    """Index of the first entry along ``axis`` equal to ``target`` (the max): int32.
+
+    Faster than ``argmax`` over a short non-last axis, and the same first-wins rule.
+    """
+    k = values.shape[axis]
+    idx = np.zeros(target.shape, dtype=np.int32)
+    lead = (slice(None),) * (axis % values.ndim)
+    for i in range(k - 1, 0, -1):
+        np.copyto(idx, i, where=values[lead + (i,)] == target)
+    np.copyto(idx, 0, where=values[lead + (0,)] == target)
+    return idx

@@ -29,7 +29,7 @@ class PSROIAlign(PositionSensitive):
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
 
-    def forward_numpy(self, geo, data):
+    def forward_numpy(self, geo, data, keep=True):
         sep = K.separable(geo, data.shape[2], data.shape[3])
         return K.avg_forward(sep, data, self.param.output_dim, self.channel_map()), None
 

@@ -38,9 +38,9 @@ class ROIAlign(RoIOp):
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
 
-    def forward_numpy(self, geo, data):
+    def forward_numpy(self, geo, data, keep=True):
         if self.is_max:
-            return K.max_forward(geo, data, data.shape[1])
+            return K.max_forward(geo, data, data.shape[1], need_arg=keep)
         return K.avg_forward(K.separable(geo, *data.shape[2:]), data, data.shape[1]), None
 
     def backward_numpy(self, geo, grad, data_shape, saved):

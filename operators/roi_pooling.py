@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mx_roi import geometry
+from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import int_bins_args
@@ -27,61 +27,61 @@ class ROIPooling(RoIOp):
         p = self.param
         return geometry.roi_pooling_bins(rois, p.pooled_size, p.spatial_scale, height, width, xp)
 
-    def forward_numpy(self, bins, data):
+    def forward_numpy(self, bins, data, keep=True):
         """Max of every bin and its argmax (``h * W + w`` in the plane, -1 if empty).
 
         Two-stage max with row-major tie breaking: per row the first column attaining
-        the bin's column maximum, then the first row attaining the maximum of those.
+        the column bin's maximum, then the first row attaining the maximum of those.
+        Returns the (R, C, P, Q) output and, with ``keep``, the (R, P, Q, C) argmax.
         """
         R = bins.batch.shape[0]
         _, C, H, W = data.shape
         P, Q = bins.hstart.shape[1], bins.wstart.shape[1]
-        out = np.zeros((R, C, P, Q), dtype=data.dtype)
-        arg = np.full((R, C, P, Q), -1, dtype=np.int64)
-        hlen = bins.hend - bins.hstart
-        wlen = bins.wend - bins.wstart
-        for r in range(R):
-            b = bins.batch[r]
-            if b < 0:
-                continue
+        dcl = K.channels_last(data)
+        out = np.zeros((R, P, Q, C), dtype=data.dtype)
+        arg = np.full((R, P, Q, C), -1, dtype=np.int32) if keep else None
+        hlen, wlen = bins.hend - bins.hstart, bins.wend - bins.wstart
+        qq, pp = np.arange(Q)[None, :, None], np.arange(P)[:, None, None]
+        cc = np.arange(C)[None, None, :]
+        for r in np.flatnonzero(bins.batch >= 0):
             kh, kw = int(hlen[r].max()), int(wlen[r].max())
             if kh <= 0 or kw <= 0:
                 continue
             h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
             w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
-            f = data[b, :, h_lo:h_hi, w_lo:w_hi]                        # (C, h, w)
-            # stage 1: per row, max over each column bin -> (C, h, Q)
-            cols = bins.wstart[r][:, None] - w_lo + np.arange(kw)[None, :]  # (Q, kw)
-            col_ok = np.arange(kw)[None, :] < wlen[r][:, None]
-            v1 = np.where(col_ok, f[:, :, np.minimum(cols, f.shape[2] - 1)], -np.inf)
-            a1 = v1.argmax(axis=3)                                       # (C, h, Q)
-            m1 = np.take_along_axis(v1, a1[..., None], axis=3)[..., 0]
-            # stage 2: over each row bin -> (C, P, Q)
-            rows = bins.hstart[r][:, None] - h_lo + np.arange(kh)[None, :]  # (P, kh)
-            row_ok = np.arange(kh)[None, :] < hlen[r][:, None]
-            rows_c = np.minimum(rows, f.shape[1] - 1)
-            v2 = np.where(row_ok[None, :, :, None], m1[:, rows_c, :], -np.inf)  # (C,P,kh,Q)
-            a2 = v2.argmax(axis=2)                                       # (C, P, Q)
-            best = np.take_along_axis(v2, a2[:, :, None, :], axis=2)[:, :, 0, :]
-            h_win = np.take_along_axis(np.broadcast_to(rows_c[None, :, :, None], v2.shape),
-                                       a2[:, :, None, :], axis=2)[:, :, 0, :]
-            w_col = np.take_along_axis(a1[:, rows_c, :], a2[:, :, None, :], axis=2)[:, :, 0, :]
-            w_win = cols[np.arange(Q)[None, None, :], w_col]
-            empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[None]
+            f = dcl[bins.batch[r], h_lo:h_hi, w_lo:w_hi]                  # (hh, ww, C)
+            # padded bin members; a short bin repeats its last member, which changes
+            # neither the max nor the first argmax
+            cols = _members(bins.wstart[r] - w_lo, wlen[r], kw, w_hi - w_lo)  # (Q, kw)
+            rows = _members(bins.hstart[r] - h_lo, hlen[r], kh, h_hi - h_lo)  # (P, kh)
+            g1 = f[:, cols]                                  # (hh, Q, kw, C)
+            m1 = g1.max(axis=2)                              # (hh, Q, C)
+            g2 = m1[rows]                                    # (P, kh, Q, C)
+            best = g2.max(axis=1)                            # (P, Q, C)
+            empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[:, :, None]
             out[r] = np.where(empty, 0, best)
-            arg[r] = np.where(empty, -1, (h_win + h_lo) * W + (w_win + w_lo))
-        return out, arg
+            if keep:
+                h_win = rows[pp, K.first_equal(g2, best, axis=1)]        # (P, Q, C)
+                # the first column of that row holding the max: kw flat gathers from g1
+                flat, base = g1.reshape(-1), ((h_win * Q + qq) * kw) * C + cc
+                col = np.zeros(best.shape, dtype=np.int32)
+                for i in range(kw - 1, -1, -1):
+                    np.copyto(col, i, where=flat[base + i * C] == best)
+                w_win = cols[qq, col]
+                arg[r] = np.where(empty, -1, (h_win + h_lo) * W + (w_win + w_lo))
+        return K.channels_first(out), arg
 
     def backward_numpy(self, bins, grad, data_shape, arg):
         """Each bin's gradient to its argmax, summed over rois in a fixed order."""
         N, C, H, W = data_shape
-        R = bins.batch.shape[0]
-        ok = (arg >= 0) & (bins.batch >= 0)[:, None, None, None]
-        plane = (bins.batch[:, None].astype(np.int64) * C + np.arange(C)[None, :]) * (H * W)
-        idx = (plane[:, :, None, None] + arg)[ok]
-        total = np.bincount(idx, weights=grad[ok].astype(np.float64), minlength=N * C * H * W)
-        del R
-        return total.reshape(data_shape).astype(grad.dtype)
+        size = N * H * W * C
+        ok = (arg >= 0) & (bins.batch >= 0)[:, None, None, None]      # (R, P, Q, C)
+        idx = (bins.batch.astype(np.int64)[:, None, None, None] * (H * W) + arg) * C \
+            + np.arange(C)
+        idx[~ok] = size                                   # a spare bin for "no gradient"
+        vals = grad.transpose(0, 2, 3, 1).ravel()
+        total = np.bincount(idx.ravel(), weights=vals, minlength=size + 1)[:size]
+        return K.channels_first(total.reshape(N, H, W, C).astype(grad.dtype))
 
     # ---- CUDA (operators/roi_pooling.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, bins, data):
@@ -112,3 +112,9 @@ class ROIPooling(RoIOp):
                    L.xp.ascontiguousarray(arg, dtype=np.int32),
                    *[L.i32(v) for v in (C, H, W, P, Q)], buf, L.scale, L.i64(n))
         return L.grad_value(buf)
+
+
+def _members(start, length, k, limit):
+    """(P, k) indices start..start+length-1, the last repeated; clipped to [0, limit-1]."""
+    i = np.minimum(np.arange(k)[None, :], np.maximum(length[:, None] - 1, 0))
+    return np.clip(start[:, None] + i, 0, limit - 1)
