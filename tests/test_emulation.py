@@ -264,3 +264,21 @@ def test_host_library_cached(tmp_path, monkeypatch):
     assert len(index) == len(S.name_expressions("psroi_pooling.cu"))
     assert 'extern "C" void mx_roi_launch_0' in code
     assert mod.get("psroi_pooling_forward<__half, float>").signature.params[0].ctype == "__half"
+
+
+def test_selftest_subprocess():
+    """``python -m mx_roi.selftest`` passes here: numpy, emulated-cuda and the NVRTC compile
+    are usable on a CPU machine, the GPU row is reported (PASS or SKIP), exit code 0."""
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    env.pop("MX_ROI_BACKEND", None)
+    res = subprocess.run([sys.executable, "-m", "mx_roi.selftest", "--quick"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines()
+            if line.split() and line.split()[0] in
+            ("numpy", "emulated-cuda", "nvrtc-compile", "cuda")}
+    assert rows["numpy"] == rows["emulated-cuda"] == rows["nvrtc-compile"] == "PASS", res.stdout
+    assert rows["cuda"] in ("PASS", "SKIP"), res.stdout
+    assert "OK: every usable backend passed" in res.stdout

@@ -1,0 +1,238 @@
+"""``python -m mx_roi.selftest``: which backends are usable here, and do they agree?
+
+For every backend this prints one row of a table -- usable or not (and why), the parity
+checks it ran and PASS/FAIL -- and exits 0 when every *usable* backend passed (a missing
+GPU is reported, not a failure):
+
+* ``numpy``          always usable; ROIPooling and ROIAlign against MXNet's built-ins;
+* ``emulated-cuda``  needs a C++ compiler (g++): the CUDA kernels compiled for the host,
+                     every op (and max mode) against the NumPy backend, forward + backward;
+* ``nvrtc-compile``  needs libnvrtc (``nvidia-cuda-nvrtc-cu11``): every kernel source and
+                     instantiation compiled to PTX (default compute_70; ``--archs``);
+* ``cuda``           needs CuPy, an MXNet GPU build and a GPU: the kernels on ``mx.gpu(0)``
+                     against the NumPy backend on the CPU, and the built-ins on the GPU.
+
+Options: ``--archs 70,80,90`` (NVRTC architectures), ``--quick`` (float32 only).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+import numpy as np
+
+__all__ = ["main", "run_checks"]
+
+CASES = (
+    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, aligned=True,
+                      pool_mode="max")),
+    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
+    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
+)
+TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
+
+
+class Skip(Exception):
+    """The backend is not usable on this machine (not a failure)."""
+
+
+def _op(name, params):
+    from .registry import get_op
+    cls = get_op(name)
+    return cls(cls.param_cls.from_kwargs(**params))
+
+
+def _problem(op, dtype, seed=0, N=2, H=9, W=11):
+    rng = np.random.default_rng(seed)
+    p = op.param
+    cin = p.output_dim * p.groups ** 2 if hasattr(p, "output_dim") else 3
+    data = rng.standard_normal((N, cin, H, W)).astype(dtype)
+    s = p.spatial_scale
+    x1 = rng.uniform(-1, W * 0.7, 8) / s
+    y1 = rng.uniform(-1, H * 0.7, 8) / s
+    rois = np.stack([rng.integers(0, N, 8), x1, y1, x1 + rng.uniform(1, W * 0.6, 8) / s,
+                     y1 + rng.uniform(1, H * 0.6, 8) / s], axis=1)
+    rois[0, 0] = -1  # a padding roi
+    rois = rois.astype(dtype)
+    grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
+    return data, rois, grad
+
+
+def _run(backend, op, data, rois, grad, ctx):
+    import mxnet as mx
+    x = mx.nd.array(data, ctx=ctx, dtype=data.dtype)
+    r = mx.nd.array(rois, ctx=ctx, dtype=rois.dtype)
+    out = mx.nd.zeros(op.out_shape(data.shape, rois.shape), ctx=ctx, dtype=data.dtype)
+    dg = mx.nd.zeros(data.shape, ctx=ctx, dtype=data.dtype)
+    saved = backend.forward(op, "write", x, r, out, keep=True)
+    backend.backward(op, "write", mx.nd.array(grad, ctx=ctx, dtype=grad.dtype), x, r, dg,
+                     saved)
+    return out.asnumpy(), dg.asnumpy()
+
+
+def _close(a, b, dtype, what):
+    t = TOL[np.dtype(dtype)]
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    err = float(np.abs(a64 - b64).max()) if a.size else 0.0
+    lim = t * max(1.0, float(np.abs(b64).max()) if b.size else 1.0)
+    if not err <= lim:
+        raise AssertionError(f"{what}: max abs difference {err:.3g} > {lim:.3g}")
+
+
+def _dtypes(quick):
+    return (np.float32,) if quick else (np.float16, np.float32, np.float64)
+
+
+def _builtin(name, params, x, r):
+    import mxnet as mx
+    if name == "ROIPooling":
+        return mx.nd.ROIPooling(x, r, pooled_size=params["pooled_size"],
+                                spatial_scale=params["spatial_scale"])
+    return mx.nd.contrib.ROIAlign(x, r, pooled_size=params["pooled_size"],
+                                  spatial_scale=params["spatial_scale"],
+                                  sample_ratio=params.get("sample_ratio", -1),
+                                  aligned=params.get("aligned", False))
+
+
+def _builtin_checks(backend, ctx, dtype=np.float32):
+    """Forward + data gradient against MXNet's built-in ROIPooling / ROIAlign (avg)."""
+    import mxnet as mx
+    from mxnet import autograd
+    n = 0
+    for name, params in CASES[:2]:
+        op = _op(name, params)
+        data, rois, grad = _problem(op, dtype, seed=1)
+        rois = rois[rois[:, 0] >= 0]
+        grad = grad[1:]
+        out, dg = _run(backend, op, data, rois, grad, ctx)
+        x = mx.nd.array(data, ctx=ctx, dtype=dtype)
+        x.attach_grad()
+        with autograd.record():
+            y = _builtin(name, params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype))
+        y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
+        _close(out, y.asnumpy(), dtype, f"{name} forward vs built-in on {ctx}")
+        _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
+        n += 1
+    return n
+
+
+def check_numpy(quick=False):
+    import mxnet as mx
+    from .backends import get
+    n = _builtin_checks(get("numpy"), mx.cpu())
+    return f"{n} ops vs MXNet built-ins (forward + grad)"
+
+
+def check_emulated(quick=False):
+    import mxnet as mx
+    from .backends import get
+    from .cuda.loader import host_compiler
+    if not host_compiler():
+        raise Skip("no C++ compiler (g++ or $CXX)")
+    emu, ref = get("emulated-cuda"), get("numpy")
+    n = 0
+    for dtype in _dtypes(quick):
+        for name, params in CASES:
+            op = _op(name, params)
+            data, rois, grad = _problem(op, dtype)
+            o1, g1 = _run(emu, op, data, rois, grad, mx.cpu())
+            o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+            what = f"{name} {params} {np.dtype(dtype).name}"
+            _close(o1, o2, dtype, f"{what} forward")
+            _close(g1, g2, dtype, f"{what} data grad")
+            n += 1
+    return f"{n} op x dtype cases vs numpy (forward + grad)"
+
+
+def check_nvrtc(quick=False, archs=(70,)):
+    from .cuda import nvrtc
+    from .cuda import source as S
+    if not nvrtc.find_library():
+        raise Skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu11)")
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = [(f, a) for a in archs for f in S.SOURCES]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # NVRTC releases the GIL
+        n = sum(len(r.lowered) for r in pool.map(lambda j: nvrtc.compile_source(*j), jobs))
+    v = nvrtc.version()
+    return (f"NVRTC {v[0]}.{v[1]}: {n} instantiations of {len(S.SOURCES)} sources for "
+            + ",".join(f"compute_{a}" for a in archs))
+
+
+def check_cuda(quick=False):
+    import mxnet as mx
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # ImportError, or CUDA libraries missing
+        raise Skip(f"CuPy not importable ({type(e).__name__}: {e})".splitlines()[0][:120])
+    if mx.context.num_gpus() == 0:
+        raise Skip("no GPU visible to MXNet (CPU build or no device)")
+    from .backends import get
+    cuda, ref = get("cuda"), get("numpy")
+    n = 0
+    for dtype in _dtypes(quick):
+        for name, params in CASES:
+            for det in (False, True):
+                op = _op(name, dict(params, deterministic=det))
+                data, rois, grad = _problem(op, dtype)
+                o1, g1 = _run(cuda, op, data, rois, grad, mx.gpu(0))
+                o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+                what = f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
+                _close(o1, o2, dtype, f"{what} forward")
+                _close(g1, g2, dtype, f"{what} data grad")
+                n += 1
+    n += _builtin_checks(cuda, mx.gpu(0))
+    return f"{n} checks vs the CPU path and the GPU built-ins"
+
+
+def run_checks(quick=False, archs=(70,)):
+    """``[(backend, status, seconds, detail)]`` with status PASS, FAIL or SKIP."""
+    rows = []
+    for name, fn, kw in (("numpy", check_numpy, {}), ("emulated-cuda", check_emulated, {}),
+                         ("nvrtc-compile", check_nvrtc, {"archs": archs}),
+                         ("cuda", check_cuda, {})):
+        t0 = time.perf_counter()
+        try:
+            detail = fn(quick=quick, **kw)
+            status = "PASS"
+        except Skip as e:
+            status, detail = "SKIP", f"not usable here: {e}"
+        except Exception as e:  # report and go on with the other backends
+            status = "FAIL"
+            detail = f"{type(e).__name__}: {e}".strip().splitlines()
+            detail = " | ".join(detail[:3])
+            traceback.print_exc(file=sys.stderr)
+        rows.append((name, status, time.perf_counter() - t0, detail))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mx_roi.selftest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="float32 only")
+    ap.add_argument("--archs", default="70", help="NVRTC architectures, e.g. 70,80,90")
+    args = ap.parse_args(argv)
+    archs = tuple(int(a) for a in args.archs.split(",") if a.strip())
+    import mx_roi  # noqa: F401  (registers the ops)
+
+    rows = run_checks(quick=args.quick, archs=archs)
+    print(f"mx_roi {mx_roi.__version__} selftest")
+    print(f"{'backend':<15} {'result':<6} {'time':>7}  detail")
+    print("-" * 79)
+    for name, status, secs, detail in rows:
+        print(f"{name:<15} {status:<6} {secs:>6.1f}s  {detail}")
+    failed = [r[0] for r in rows if r[1] == "FAIL"]
+    usable = [r[0] for r in rows if r[1] != "SKIP"]
+    print("-" * 79)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    print(f"OK: every usable backend passed ({', '.join(usable)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
