@@ -10,6 +10,8 @@
 * :class:`MultiScaleROIAlign`: FPN level assignment + pooling of every RoI at its level
   only, hybridizable.
 * :func:`roi_pooler`: a GluonCV-style factory ``roi_pooler('align', (7, 7), 1. / 16)``.
+* :func:`ops`: ``ops(F).ROIAlign(x, rois, (7, 7), 1. / 16)`` inside ``hybrid_forward``,
+  with the built-ins' positional parameter order.
 * :func:`imports`: ``SymbolBlock.imports`` that makes sure the ops are registered, and
   explains graphs that need custom ops nobody registered.
 
@@ -30,8 +32,8 @@ from mxnet.gluon import HybridBlock, SymbolBlock
 from . import api
 from .registry import REGISTERED
 
-__all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "imports", "check_symbol_json",
-           "MODES"] + list(REGISTERED)
+__all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "ops", "imports",
+           "check_symbol_json", "MODES"] + list(REGISTERED)
 
 #: ``roi_pooler``/``MultiScaleROIAlign`` modes -> op_type.
 MODES = {"pool": "ROIPooling", "align": "ROIAlign",
@@ -149,6 +151,61 @@ def roi_pooler(mode, pooled_size, spatial_scale, **kwargs) -> RoIBlock:
     ``output_dim``); other keyword arguments are the op's parameters (or ``prefix``).
     """
     return _block_class(mode)(pooled_size=pooled_size, spatial_scale=spatial_scale, **kwargs)
+
+
+#: positional parameter order of the MXNet built-ins (after data, rois)
+BUILTIN_ORDER = {
+    "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
+    "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
+                 "position_sensitive", "aligned"),
+    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # mx.sym.contrib.PSROIPooling
+                     "group_size"),
+}
+
+
+class _Ops:
+    """``ops(F).ROIAlign(data, rois, pooled_size, spatial_scale, ...)``: see :func:`ops`."""
+
+    def __init__(self, F):
+        self._F = F
+
+    def __getattr__(self, name):
+        if name not in REGISTERED:
+            raise AttributeError(f"mx_roi.gluon.ops(F) has no operator {name!r}; "
+                                 f"available: {', '.join(REGISTERED)}")
+        op_cls = REGISTERED[name]
+        order = BUILTIN_ORDER.get(name, tuple(op_cls.param_cls.field_names()))
+        F = self._F
+
+        def fn(data=None, rois=None, *args, name=None, **kwargs):
+            if len(args) > len(order):
+                raise TypeError(f"{op_cls.name}() takes at most {len(order)} positional "
+                                f"parameters after data, rois ({', '.join(order)})")
+            for key, value in zip(order, args):
+                if key in kwargs:
+                    raise TypeError(f"{op_cls.name}() got multiple values for '{key}'")
+                kwargs[key] = value
+            if kwargs.pop("position_sensitive", False) not in (False, "False", "0", 0):
+                raise ValueError("parameter 'position_sensitive': use PSROIAlign (with "
+                                 "output_dim) instead of ROIAlign(position_sensitive=True)")
+            if data is None or rois is None:
+                raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
+            param = op_cls.param_cls.from_kwargs(**kwargs)
+            extra = {"name": name} if name is not None else {}
+            return api._call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
+
+        fn.__name__ = fn.__qualname__ = name
+        fn.__doc__ = (f"``{name}`` with the built-in's positional order (data, rois, "
+                      f"{', '.join(order)}); builds Custom(op_type='{name}') on ``F``.")
+        return fn
+
+
+def ops(F):
+    """Drop-in for ``F.ROIPooling`` / ``F.contrib.ROIAlign`` / ``F.contrib.PSROIPooling``
+    inside ``hybrid_forward``: ``mx_roi.gluon.ops(F).ROIAlign(x, rois, (7, 7), 1. / 16,
+    sample_ratio=2)`` takes the built-in's positional parameter order and works for
+    ``F = mx.nd`` and ``F = mx.sym``."""
+    return _Ops(F)
 
 
 class MultiScaleROIAlign(HybridBlock):
