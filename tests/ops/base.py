@@ -481,6 +481,39 @@ class RoIOpTester:
         self.check_forward_backward(data, rois, grad, dict(case, deterministic=True),
                                     np.float32, "[deterministic=True]")
 
+    def test_inputs_not_modified(self):
+        """Forward and backward leave data, rois and the output gradient untouched."""
+        import mx_roi  # noqa: F401
+
+        case = dict(self.param_cases()[0])
+        rng = np.random.default_rng(15)
+        data, rois, grad = self.make_problem(rng, case, np.float32, "relu")
+        x = mx.nd.array(data)
+        r = mx.nd.array(rois)
+        g = mx.nd.array(grad)
+        x.attach_grad()
+        with autograd.record():
+            y = mx.nd.Custom(x, r, op_type=self.op_type, **case)
+        y.backward(g)
+        mx.nd.waitall()
+        np.testing.assert_array_equal(x.asnumpy(), data)
+        np.testing.assert_array_equal(r.asnumpy(), rois)
+        np.testing.assert_array_equal(g.asnumpy(), grad)
+
+    @dtype_param_32_64
+    def test_many_rois(self, dtype):
+        """Many random rois of all kinds in one call (vectorisation across rois)."""
+        case = dict(self.param_cases()[0])
+        rng = np.random.default_rng(16)
+        N = 3
+        rois = np.concatenate(
+            [adversarial_rois(rng, N, self.H, self.W, case["spatial_scale"], n_random=20,
+                              dtype=dtype),
+             random_rois(rng, 30, N, self.H, self.W, case["spatial_scale"], dtype)])
+        rois[rng.random(rois.shape[0]) < 0.1, 0] = -1
+        data, rois, grad = self.make_problem(rng, case, dtype, "randn", rois=rois, N=N)
+        self.check_forward_backward(data, rois, grad, case, dtype, "[many rois]")
+
     def test_symbolic_api(self):
         """The op also works inside a symbol graph (mx.sym.Custom + simple_bind)."""
         import mx_roi  # noqa: F401

@@ -208,3 +208,12 @@ def test_negative_batch_index_is_not_an_error(op_type):
     rois[:, 0] = [-1, 0, -3]
     out = _call(op_type, x, rois, **params)
     assert not out[0].any() and not out[2].any()
+
+
+@op_param
+def test_fractional_batch_index_below_n_is_valid(op_type):
+    """1.9 truncates to 1 < N = 2: valid, not an error."""
+    params, x, rois = _inputs(op_type)
+    rois[:, 0] = [1.9, 0.5, 1.0]
+    out = _call(op_type, x, rois, **params)
+    np.testing.assert_allclose(out, OPS[op_type][2](x, rois), rtol=1e-5, atol=1e-5)
