@@ -10,9 +10,14 @@ Each op test module subclasses :class:`RoIOpTester` and provides
 * ``in_channels(params, c)``: the input channel count for ``c`` "base" channels.
 
 The ops are only ever reached through the public MXNet API: ``import mx_roi`` and
-``mx.nd.Custom(data, rois, op_type=..., **params)``.
+``mx.nd.Custom(data, rois, op_type=..., **params)``.  The backend is never chosen here:
+``MX_ROI_BACKEND=emulated-cuda`` runs the same suite through the emulated CUDA kernels,
+and ``MX_ROI_TEST_CTX=gpu`` puts the op inputs on ``mx.gpu(0)`` (references stay on
+the host).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -29,6 +34,10 @@ TOL = {
     np.dtype(np.float32): (1e-5, 1e-5),
     np.dtype(np.float64): (1e-10, 1e-10),
 }
+
+#: context the op inputs live on (MX_ROI_TEST_CTX=gpu -> mx.gpu(0))
+CTX = mx.gpu(0) if os.environ.get("MX_ROI_TEST_CTX", "cpu").lower().startswith("gpu") \
+    else mx.cpu()
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 dtype_param_32_64 = pytest.mark.parametrize("dtype", DTYPES[1:], ids=DTYPE_IDS[1:])
@@ -122,8 +131,8 @@ def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_re
     """
     import mx_roi  # noqa: F401  (registers the op types)
 
-    x = mx.nd.array(data, dtype=data.dtype)
-    r = mx.nd.array(rois, dtype=rois.dtype)
+    x = mx.nd.array(data, dtype=data.dtype, ctx=CTX)
+    r = mx.nd.array(rois, dtype=rois.dtype, ctx=CTX)
     if grad is None:
         y = mx.nd.Custom(x, r, op_type=op_type, **params)
         return y.asnumpy(), None, None
@@ -132,7 +141,7 @@ def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_re
     for _ in range(passes):
         with autograd.record():
             y = mx.nd.Custom(x, r, op_type=op_type, **params)
-        y.backward(mx.nd.array(grad, dtype=data.dtype))
+        y.backward(mx.nd.array(grad, dtype=data.dtype, ctx=CTX))
     out = y.asnumpy()
     dg = None if data_req == "null" else x.grad.asnumpy()
     rg = None if rois_req == "null" else r.grad.asnumpy()
@@ -140,12 +149,12 @@ def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_re
 
 
 def run_builtin(fn, data, rois, params, grad):
-    x = mx.nd.array(data, dtype=data.dtype)
-    r = mx.nd.array(rois, dtype=rois.dtype)
+    x = mx.nd.array(data, dtype=data.dtype, ctx=CTX)
+    r = mx.nd.array(rois, dtype=rois.dtype, ctx=CTX)
     x.attach_grad()
     with autograd.record():
         y = fn(x, r, **params)
-    y.backward(mx.nd.array(grad, dtype=data.dtype))
+    y.backward(mx.nd.array(grad, dtype=data.dtype, ctx=CTX))
     return y.asnumpy(), x.grad.asnumpy()
 
 
@@ -488,9 +497,9 @@ class RoIOpTester:
         case = dict(self.param_cases()[0])
         rng = np.random.default_rng(15)
         data, rois, grad = self.make_problem(rng, case, np.float32, "relu")
-        x = mx.nd.array(data)
-        r = mx.nd.array(rois)
-        g = mx.nd.array(grad)
+        x = mx.nd.array(data, ctx=CTX)
+        r = mx.nd.array(rois, ctx=CTX)
+        g = mx.nd.array(grad, ctx=CTX)
         x.attach_grad()
         with autograd.record():
             y = mx.nd.Custom(x, r, op_type=self.op_type, **case)
@@ -523,12 +532,12 @@ class RoIOpTester:
         data, rois, grad = self.make_problem(rng, case, np.float32)
         sym = mx.sym.Custom(mx.sym.Variable("data"), mx.sym.Variable("rois"),
                             op_type=self.op_type, **case)
-        exe = sym.simple_bind(mx.cpu(), data=data.shape, rois=rois.shape,
+        exe = sym.simple_bind(CTX, data=data.shape, rois=rois.shape,
                               grad_req={"data": "write", "rois": "null"})
         exe.arg_dict["data"][:] = data
         exe.arg_dict["rois"][:] = rois
         out = exe.forward(is_train=True)[0].asnumpy()
-        exe.backward(mx.nd.array(grad))
+        exe.backward(mx.nd.array(grad, ctx=CTX))
         assert_close(out, self.reference_forward(data, rois, **case), np.float32,
                      "symbolic forward", exact=self.exact_forward)
         assert_close(exe.grad_dict["data"].asnumpy(),
