@@ -167,8 +167,7 @@ class CudaBackend:
     def _read(self, nd):
         if self.emulated:
             return nd.asnumpy()
-        import cupy
-        return cupy.from_dlpack(nd.to_dlpack_for_read())
+        return _cupy_view(nd.to_dlpack_for_read(), nd)
 
     def _write(self, nd, req, value):
         if req == "null":
@@ -179,8 +178,7 @@ class CudaBackend:
             from ..backends import write_numpy
             write_numpy(nd, req, value)
             return
-        import cupy
-        dst = cupy.from_dlpack(nd.to_dlpack_for_write())
+        dst = _cupy_view(nd.to_dlpack_for_write(), nd)
         if req == "add":
             dst += value.astype(dst.dtype, copy=False)
         else:
@@ -239,6 +237,29 @@ class CudaBackend:
                 self._write(in_grad_nd, req, value)
             finally:
                 self._sync()
+
+
+class _DLPackCapsule:
+    """Protocol wrapper (``__dlpack__``/``__dlpack_device__``) around MXNet's capsule, for
+    ``cupy.from_dlpack`` versions that no longer take a bare capsule."""
+
+    def __init__(self, capsule, device_id):
+        self._capsule = capsule
+        self._device = (2, int(device_id))  # (kDLCUDA, device)
+
+    def __dlpack__(self, stream=None):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def _cupy_view(capsule, nd):
+    """A CuPy array sharing the memory of GPU NDArray ``nd`` (no copy)."""
+    import cupy
+    if nd.size == 0:
+        return cupy.zeros(nd.shape, dtype=nd.dtype)
+    return cupy.from_dlpack(_DLPackCapsule(capsule, nd.context.device_id))
 
 
 class _NullContext:
