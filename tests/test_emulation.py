@@ -282,3 +282,35 @@ def test_selftest_subprocess():
     assert rows["numpy"] == rows["emulated-cuda"] == rows["nvrtc-compile"] == "PASS", res.stdout
     assert rows["cuda"] in ("PASS", "SKIP"), res.stdout
     assert "OK: every usable backend passed" in res.stdout
+
+
+def test_concurrent_launches_from_threads():
+    """MXNet runs custom ops from several worker threads; ctypes releases the GIL, so the
+    emulated launches really overlap (the shim's block/thread indices are thread-local)."""
+    import threading
+    k = _kernel()
+    R = 300
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
+
+    def launch():
+        args = _pool_args(data=data, batch=np.zeros(R, np.int32),
+                          hstart=np.zeros((R, 2), np.int32), hend=np.full((R, 2), 60, np.int32),
+                          wstart=np.zeros((R, 2), np.int32), wend=np.full((R, 2), 60, np.int32),
+                          out=np.zeros((R, 1, 2, 2), np.float32),
+                          argmax=np.zeros((R, 1, 2, 2), np.int32), n=np.int64(R * 4))
+        k((8,), (64,), args)
+        return args[11], args[12]
+
+    ref_out, ref_arg = launch()
+    assert (ref_out == data[0, 0, :60, :60].max()).all()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(launch())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8
+    for out, arg in results:
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(arg, ref_arg)

@@ -2,7 +2,7 @@
 // that the very same kernel text runs on the CPU (mx_roi "emulated-cuda" backend).
 //
 // * __global__/__device__/__forceinline__/__host__ expand to nothing (plain inline C++);
-// * blockIdx/threadIdx/gridDim/blockDim are globals that the generated launch wrappers
+// * blockIdx/threadIdx/gridDim/blockDim are (thread-local) globals that the generated launch wrappers
 //   set before calling the kernel once per (block, thread): the grid-stride loops then
 //   run serially, each "thread" covering its own strided slice exactly as on a GPU;
 // * atomicAdd is a plain read-modify-write (execution is serial), including the
@@ -25,7 +25,8 @@
 struct mx_roi_dim3 {
   unsigned int x, y, z;
 };
-static mx_roi_dim3 blockIdx, threadIdx, gridDim, blockDim;
+// thread_local: MXNet may run custom ops from several worker threads at once.
+static thread_local mx_roi_dim3 blockIdx, threadIdx, gridDim, blockDim;
 
 typedef _Float16 __half;
 static inline float __half2float(__half h) { return (float)h; }
