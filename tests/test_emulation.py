@@ -298,7 +298,8 @@ def test_concurrent_launches_from_threads():
                           hstart=np.zeros((R, 2), np.int32), hend=np.full((R, 2), 60, np.int32),
                           wstart=np.zeros((R, 2), np.int32), wend=np.full((R, 2), 60, np.int32),
                           out=np.zeros((R, 1, 2, 2), np.float32),
-                          argmax=np.zeros((R, 1, 2, 2), np.int32), n=np.int64(R * 4))
+                          argmax=np.zeros((R, 1, 2, 2), np.int32), n=np.int64(R * 4),
+                          H=np.int32(64), W=np.int32(64))
         k((8,), (64,), args)
         return args[11], args[12]
 
