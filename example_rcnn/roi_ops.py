@@ -3,22 +3,30 @@
 The ops come from :mod:`mx_roi.sym`, whose wrappers also guard against the oneDNN memory
 hazard of custom ops fed directly by convolutions.  If ``mx_roi.sym`` is not importable
 (an mx_roi checkout without it), MXNet's built-in operators are used instead and a warning is
-printed once; :data:`BACKEND` says which is in use.
+printed once; :data:`BACKEND` says which is in use.  ``EXAMPLE_RCNN_BUILTIN_ROI=1`` forces the
+built-ins (a debugging/comparison switch, not for normal use).
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import mxnet as mx
 
-try:
-    import mx_roi  # noqa: F401  (registers the custom ops)
-    from mx_roi import sym as _roi_sym
-    BACKEND = "mx_roi"
-except Exception as _err:  # pragma: no cover - depends on the mx_roi checkout
+_IMPORT_ERROR = "EXAMPLE_RCNN_BUILTIN_ROI=1"
+if os.environ.get("EXAMPLE_RCNN_BUILTIN_ROI", "0") == "1":
+    # debugging switch only: compare against MXNet's built-in operators
     _roi_sym = None
     BACKEND = "mxnet-builtin"
-    _IMPORT_ERROR = repr(_err)
+else:
+    try:
+        import mx_roi  # noqa: F401  (registers the custom ops)
+        from mx_roi import sym as _roi_sym
+        BACKEND = "mx_roi"
+    except Exception as _err:  # pragma: no cover - depends on the mx_roi checkout
+        _roi_sym = None
+        BACKEND = "mxnet-builtin"
+        _IMPORT_ERROR = repr(_err)
 
 _warned = False
 
