@@ -13,8 +13,8 @@ import time
 
 from .compare import compare, format_table
 
-DEMO_TRAIN_ARGS = ["--num-images", "256", "--num-test-images", "64", "--epochs", "3",
-                   "--batch-size", "4", "--lr", "1e-3", "--seed", "0"]
+DEMO_TRAIN_ARGS = ["--num-images", "384", "--num-test-images", "64", "--epochs", "3",
+                   "--batch-size", "2", "--lr", "1e-3", "--seed", "0"]
 
 
 def main(argv=None):
