@@ -355,7 +355,13 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
     out_grad = inputs.out_grad(_out_shape(w))
     for direction in directions:
         data = inputs.data(w.channels)  # fresh array per direction, same values
-        res = bench_pair(w.ours(), w.builtin(), data, rois, direction, repeat, out_grad)
+        try:
+            res = bench_pair(w.ours(), w.builtin(), data, rois, direction, repeat, out_grad)
+        except Exception as exc:  # a broken op must not hide the others' results
+            res = dict(check=None, ours_runs_ms=None, builtin_runs_ms=None, ours_ms=None,
+                       builtin_ms=None, ratio=None,
+                       error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            _drain()
         res.update(key=w.key, op=w.op, config=w.config, direction=direction,
                    boxes=w.boxes, channels=w.channels, builtin=w.builtin_name,
                    ours_kwargs={k: (list(v) if isinstance(v, tuple) else v)
@@ -363,12 +369,22 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
                    note=_note(w, res))
         rows.append(res)
         del data
-        mx.nd.waitall()
+        _drain()
     return rows
+
+
+def _drain():
+    """``mx.nd.waitall`` that swallows an error left over from a failed op."""
+    try:
+        mx.nd.waitall()
+    except Exception:
+        pass
 
 
 def _note(w: Workload, res) -> str:
     notes = [w.note] if w.note else []
+    if res.get("error"):
+        notes.append("ERROR " + res["error"][:120])
     check = res.get("check")
     if check is not None:
         if check["builtin_all_zero"]:
@@ -416,7 +432,15 @@ def sweep(workloads: List[Workload], inputs: Inputs, boxes_list, repeat, directi
             rois = inputs.rois(n)
             out_grad = inputs.out_grad(_out_shape(ww))
             data = inputs.data(w.channels)
-            res = bench_pair(ww.ours(), ww.builtin(), data, rois, direction, repeat, out_grad)
+            try:
+                res = bench_pair(ww.ours(), ww.builtin(), data, rois, direction, repeat,
+                                 out_grad)
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                entry.setdefault("failed_boxes", []).append(n)
+                _drain()
+                print(f"  sweep {w.key:<22} {n:>5} boxes: ERROR {entry['error']}", flush=True)
+                break
             entry["boxes"].append(n)
             entry["ours_ms"].append(res["ours_ms"])
             entry["builtin_ms"].append(res["builtin_ms"])
@@ -464,8 +488,24 @@ def plot(sweep_result, path, direction, machine):
 # --------------------------------------------------------------------------- memory
 
 
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _proc_status_bytes() -> Dict[str, int]:
+    """VmRSS / VmHWM (peak RSS) of this process in bytes, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def memory_child(key: str, side: str, quick: bool, ctx_name: str) -> dict:
@@ -483,14 +523,22 @@ def memory_child(key: str, side: str, quick: bool, ctx_name: str) -> dict:
     small = inputs.rois(2)
     run_once(fn, data, small, "fwd+bwd", inputs.out_grad((2,) + shape[1:]))
     mx.nd.waitall()
-    base = _maxrss_bytes()
-    run_once(fn, data, rois, "fwd+bwd", out_grad)
-    mx.nd.waitall()
-    peak = _maxrss_bytes()
+    if _reset_peak_rss():  # peak RSS now == current RSS: the delta is this fwd+bwd's peak
+        method = "VmHWM after clear_refs"
+        base = _proc_status_bytes()["VmRSS"]
+        run_once(fn, data, rois, "fwd+bwd", out_grad)
+        mx.nd.waitall()
+        peak = _proc_status_bytes()["VmHWM"]
+    else:  # ru_maxrss is a high-water mark since start: misses peaks below the import's
+        method = "ru_maxrss (lower bound)"
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run_once(fn, data, rois, "fwd+bwd", out_grad)
+        mx.nd.waitall()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out_bytes = int(np.prod(shape)) * 4
     grad_bytes = int(np.prod(data.shape)) * 4
-    return dict(key=key, side=side, extra_bytes=peak - base, out_bytes=out_bytes,
-                grad_bytes=grad_bytes, baseline_rss_bytes=base)
+    return dict(key=key, side=side, extra_bytes=max(peak - base, 0), out_bytes=out_bytes,
+                grad_bytes=grad_bytes, baseline_rss_bytes=base, method=method)
 
 
 def bench_memory(workloads: List[Workload], quick: bool, ctx_name: str):
@@ -512,6 +560,7 @@ def bench_memory(workloads: List[Workload], quick: bool, ctx_name: str):
             res = json.loads(line[-1])
             entry[side] = res["extra_bytes"]
             entry["out_bytes"], entry["grad_bytes"] = res["out_bytes"], res["grad_bytes"]
+            entry["method"] = res["method"]
         print(f"  memory {w.key:<22} ours {_mb(entry.get('ours'))}, "
               f"builtin {_mb(entry.get('builtin'))}", flush=True)
         rows.append(entry)
@@ -624,10 +673,12 @@ def format_table(rows) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         bi = f"{r['builtin_ms']:.2f}" if r["builtin_ms"] is not None else "-"
+        ours = f"{r['ours_ms']:.2f}" if r["ours_ms"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-        check = "-" if r["check"] is None else ("ok" if r["check"]["ok"] else "FAIL")
+        check = ("ERROR" if r.get("error") else "-" if r["check"] is None
+                 else "ok" if r["check"]["ok"] else "FAIL")
         lines.append(f"{r['op']:<13} {r['config']:<52} {r['direction']:<8} "
-                     f"{r['ours_ms']:>10.2f} {bi:>11} {ratio:>8}  {check:<5} {r['note']}")
+                     f"{ours:>10} {bi:>11} {ratio:>8}  {check:<5} {r['note']}")
     return "\n".join(lines)
 
 
@@ -715,8 +766,9 @@ def main(argv=None) -> int:
         new = bench_workload(w, inputs, args.repeat)
         for r in new:
             bi = f"{r['builtin_ms']:.2f} ms" if r["builtin_ms"] is not None else "-"
-            print(f"  {w.key:<24} {r['direction']:<8} ours {r['ours_ms']:9.2f} ms, "
-                  f"builtin {bi}", flush=True)
+            ours = f"{r['ours_ms']:9.2f} ms" if r["ours_ms"] is not None else "ERROR"
+            print(f"  {w.key:<26} {r['direction']:<8} ours {ours}, builtin {bi}"
+                  + (f"  {r['error']}" if r.get("error") else ""), flush=True)
         rows.extend(new)
 
     overhead = bench_overhead(inputs, workloads, args.repeat)
@@ -736,8 +788,8 @@ def main(argv=None) -> int:
     gm_fwd = geomean([r["ratio"] for r in rows if r["direction"] == "fwd"
                       and r["ratio"] is not None
                       and not (r["check"] and r["check"]["builtin_all_zero"])])
-    failures = [f"{r['key']} {r['direction']}" for r in rows
-                if r["check"] is not None and not r["check"]["ok"]]
+    failures = [f"{r['key']} {r['direction']}" + (" (error)" if r.get("error") else "")
+                for r in rows if r.get("error") or (r["check"] is not None and not r["check"]["ok"])]
     for key, e in (sweep_result or {}).items():
         failures += [f"{key} {args.plot_direction} ({n} boxes)" for n in e.get("failed_boxes", [])]
 
@@ -760,13 +812,19 @@ def main(argv=None) -> int:
                   f"{tuple(o['out_shape'])}  {o['direction']:<8} {o['ms']:8.3f} ms")
     if memory is not None:
         print()
-        print("Peak extra RSS of one fwd+bwd (ru_maxrss delta in a fresh process, after a "
-              "2-box warm-up; includes MXNet's pooled allocator):")
-        print(f"  {'workload':<24} {'ours':>10} {'builtin':>10} {'out+grad':>10}")
+        methods = sorted({m["method"] for m in memory if m.get("method")})
+        print("Peak extra RSS of one fwd+bwd: fresh process per op and side, 2-box warm-up, "
+              f"then peak RSS - RSS before ({', '.join(methods) or '?'}); includes MXNet's "
+              "pooled allocator. out+grad = bytes of the output + the data gradient:")
+        print(f"  {'workload':<27} {'ours':>10} {'builtin':>10} {'out+grad':>10} "
+              f"{'ours/(out+grad)':>16}")
         for m in memory:
             need = (m.get("out_bytes") or 0) + (m.get("grad_bytes") or 0)
-            print(f"  {m['key']:<24} {_mb(m.get('ours')):>10} {_mb(m.get('builtin')):>10} "
-                  f"{_mb(need):>10}")
+            rel = f"{m['ours'] / need:.2f}" if m.get("ours") is not None and need else "-"
+            print(f"  {m['key']:<27} {_mb(m.get('ours')):>10} {_mb(m.get('builtin')):>10} "
+                  f"{_mb(need):>10} {rel:>16}"
+                  + ("  (ours failed: see JSON)" if m.get("ours_error") else "")
+                  + ("  (builtin failed: see JSON)" if m.get("builtin_error") else ""))
     elapsed = time.perf_counter() - t_start
     print()
     print(f"total bench time {elapsed:.1f} s")
