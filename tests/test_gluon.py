@@ -85,6 +85,33 @@ def test_block_matches_nd_function(op):
     assert out.asnumpy()[3].max() == 0 and out.asnumpy()[3].min() == 0  # padding roi
 
 
+def test_every_custom_node_goes_through_the_guard(monkeypatch):
+    """Blocks, ops(F) and MultiScaleROIAlign build Custom nodes only via api._call_custom
+    (where the oneDNN guard mx_roi.onednn.call_custom plugs in), never bare F.Custom."""
+    calls = []
+    original = mx_roi.api._call_custom
+
+    def spy(F, op_type, inputs, **kwargs):
+        calls.append((F.__name__, op_type))
+        return original(F, op_type, inputs, **kwargs)
+
+    monkeypatch.setattr(mx_roi.api, "_call_custom", spy)
+    for op in OPS:
+        data, rois = inputs(op)
+        b = block(op)
+        b(data, rois)
+        b.hybridize()
+        b(data, rois)
+        assert calls[-2:] == [("mxnet.ndarray", op), ("mxnet.symbol", op)]
+    G.ops(mx.nd).ROIPooling(data, rois, 2, 0.5)
+    assert calls[-1] == ("mxnet.ndarray", "ROIPooling")
+    calls.clear()
+    m = G.MultiScaleROIAlign(2, strides=STRIDES)
+    m.hybridize()
+    m(pyramid(), mx.nd.array(pyramid_rois(count=4)))
+    assert calls == [("mxnet.symbol", "ROIAlign")] * len(STRIDES)
+
+
 @op_param
 def test_positional_parameters_and_param_struct(op):
     kwargs = CASES[op][0]
