@@ -24,8 +24,6 @@ import dataclasses
 import inspect
 import json
 import math
-from typing import Sequence
-
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 
@@ -330,8 +328,12 @@ class MultiScaleROIAlign(HybridBlock):
 # ---- loading exported graphs ------------------------------------------------------------
 
 def check_symbol_json(symbol_file) -> list:
-    """The ``Custom`` op_types in an exported graph that no ``CustomOpProp`` is registered
-    for; raises ``RuntimeError`` naming them (and telling to ``import mx_roi``) if any."""
+    """The ``Custom`` op_types used by an exported graph (``*-symbol.json``).
+
+    Raises ``RuntimeError`` naming those that no ``CustomOpProp`` is registered for in
+    this process (telling to ``import mx_roi`` for ours), instead of MXNet's
+    ``Cannot find custom operator ...`` from deep inside the loader.
+    """
     with open(symbol_file) as f:
         graph = json.load(f)
     nodes = {}
