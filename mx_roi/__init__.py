@@ -11,7 +11,7 @@ from . import errors, params, geometry, registry  # noqa: F401
 errors.install()
 from . import operators  # noqa: F401  (registers the four ops)
 from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
-from . import nd, sym  # noqa: F401
+from . import nd, sym, gluon  # noqa: F401
 
 __version__ = "0.1.0"
 OP_TYPES = tuple(op.name for op in operators.ALL_OPS)

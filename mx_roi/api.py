@@ -22,11 +22,37 @@ def _call_custom(F, op_type, inputs, **kwargs):
     return call_custom(F, op_type, inputs, **kwargs)
 
 
-def make_function(F, op_cls):
-    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, **params)``."""
-    fields = dataclasses.fields(op_cls.param_cls)
+#: positional parameter order of the MXNet built-ins (after data, rois), so that
+#: ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
+BUILTIN_ORDER = {
+    "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
+    "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
+                 "position_sensitive", "aligned"),
+    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # mx.sym.contrib.PSROIPooling
+                     "group_size"),
+}
 
-    def fn(data=None, rois=None, name=None, **kwargs):
+
+def positional_order(op_cls):
+    return BUILTIN_ORDER.get(op_cls.name, tuple(op_cls.param_cls.field_names()))
+
+
+def make_function(F, op_cls):
+    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **params)``."""
+    fields = dataclasses.fields(op_cls.param_cls)
+    order = positional_order(op_cls)
+
+    def fn(data=None, rois=None, *args, name=None, **kwargs):
+        if len(args) > len(order):
+            raise TypeError(f"{op_cls.name}() takes at most {len(order)} positional "
+                            f"parameters after data, rois ({', '.join(order)})")
+        for key, value in zip(order, args):
+            if key in kwargs:
+                raise TypeError(f"{op_cls.name}() got multiple values for '{key}'")
+            kwargs[key] = value
+        if kwargs.pop("position_sensitive", False) not in (False, "False", "0", 0):
+            raise ValueError(f"{op_cls.name}: parameter 'position_sensitive': use PSROIAlign "
+                             "(with output_dim) instead of ROIAlign(position_sensitive=True)")
         if data is None or rois is None:
             raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
         param = op_cls.param_cls.from_kwargs(**kwargs)
@@ -34,11 +60,12 @@ def make_function(F, op_cls):
         return _call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
-    params = "\n".join(f"    {f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"
+    params = "\n".join(f"{f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"
                        if f.default is not dataclasses.MISSING else
-                       f"    {f.name} : required. {f.metadata.get('doc', '')}" for f in fields)
+                       f"{f.name} : required. {f.metadata.get('doc', '')}" for f in fields)
     fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
                   f"'{op_cls.name}')``.\n\n{(op_cls.__doc__ or '').strip()}\n\n"
+                  f"Positional parameters after data, rois: {', '.join(order)}.\n\n"
                   "Parameters\n----------\ndata : (N, C, H, W)\nrois : (R, 5) "
                   f"(batch_index, x1, y1, x2, y2)\n{params}\n")
     return fn

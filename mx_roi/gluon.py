@@ -151,16 +151,6 @@ def roi_pooler(mode, pooled_size, spatial_scale, **kwargs) -> RoIBlock:
     return _block_class(mode)(pooled_size=pooled_size, spatial_scale=spatial_scale, **kwargs)
 
 
-#: positional parameter order of the MXNet built-ins (after data, rois)
-BUILTIN_ORDER = {
-    "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
-    "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
-                 "position_sensitive", "aligned"),
-    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # mx.sym.contrib.PSROIPooling
-                     "group_size"),
-}
-
-
 class _Ops:
     """``ops(F).ROIAlign(data, rois, pooled_size, spatial_scale, ...)``: see :func:`ops`."""
 
@@ -171,31 +161,7 @@ class _Ops:
         if name not in REGISTERED:
             raise AttributeError(f"mx_roi.gluon.ops(F) has no operator {name!r}; "
                                  f"available: {', '.join(REGISTERED)}")
-        op_cls = REGISTERED[name]
-        order = BUILTIN_ORDER.get(name, tuple(op_cls.param_cls.field_names()))
-        F = self._F
-
-        def fn(data=None, rois=None, *args, name=None, **kwargs):
-            if len(args) > len(order):
-                raise TypeError(f"{op_cls.name}() takes at most {len(order)} positional "
-                                f"parameters after data, rois ({', '.join(order)})")
-            for key, value in zip(order, args):
-                if key in kwargs:
-                    raise TypeError(f"{op_cls.name}() got multiple values for '{key}'")
-                kwargs[key] = value
-            if kwargs.pop("position_sensitive", False) not in (False, "False", "0", 0):
-                raise ValueError("parameter 'position_sensitive': use PSROIAlign (with "
-                                 "output_dim) instead of ROIAlign(position_sensitive=True)")
-            if data is None or rois is None:
-                raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
-            param = op_cls.param_cls.from_kwargs(**kwargs)
-            extra = {"name": name} if name is not None else {}
-            return api._call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
-
-        fn.__name__ = fn.__qualname__ = name
-        fn.__doc__ = (f"``{name}`` with the built-in's positional order (data, rois, "
-                      f"{', '.join(order)}); builds Custom(op_type='{name}') on ``F``.")
-        return fn
+        return api.make_function(self._F, REGISTERED[name])
 
 
 def ops(F):

@@ -19,7 +19,7 @@ import numpy as np
 from .geometry import SampleAxis, SampleGrid
 
 __all__ = ["channels_last", "tap_matrix", "window", "separable", "indicator_matrix",
-           "avg_forward", "avg_backward", "sample_values", "max_forward", "max_backward",
+           "avg_forward", "avg_backward", "band", "ps_avg_forward", "ps_avg_backward", "sample_values", "max_forward", "max_backward",
            "first_equal"]
 
 
@@ -80,7 +80,7 @@ def _windows(batch, ay, ax):
             for r in np.flatnonzero(live)]
 
 
-def avg_forward(sep, data: np.ndarray, out_channels: int, channel_map=None):
+def avg_forward(sep, data: np.ndarray):
     """Weighted average of each bin, separable in y and x.
 
     Parameters
@@ -88,13 +88,10 @@ def avg_forward(sep, data: np.ndarray, out_channels: int, channel_map=None):
     sep : (batch (R,), ay (R, P, H), ax (R, Q, W), divisor (R, P, Q))
         see :func:`separable`; integer bins use 0/1 matrices
     data : (N, C, H, W) in the compute dtype
-    out_channels : int
-    channel_map : None, or (C_out, P, Q) int array of the input channel each output
-        bin reads (position-sensitive ops)
 
     Returns
     -------
-    (R, C_out, P, Q) array (possibly a non-contiguous view)
+    (R, C, P, Q) array (possibly a non-contiguous view)
     """
     batch, ay, ax, divisor = sep
     R, P, _ = ay.shape
@@ -102,43 +99,18 @@ def avg_forward(sep, data: np.ndarray, out_channels: int, channel_map=None):
     dt = data.dtype
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     dcl = channels_last(data)
-    out = np.zeros((R, P, Q, out_channels), dtype=dt)
-    if channel_map is not None:
-        gsel = _group_selector(channel_map)
+    out = np.zeros((R, P, Q, data.shape[1]), dtype=dt)
     for r, b, sy, sx in _windows(batch, ay, ax):
         f = dcl[b, sy, sx]                                      # (hh, ww, C) view
         hh, ww = f.shape[:2]
-        if channel_map is None:
-            # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
-            u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
-            out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
-        else:
-            out[r] = _ps_bins(f, gsel, ay[r, :, sy], ax[r, :, sx])
+        # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
+        u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
+        out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
     out /= divisor[:, :, :, None].astype(dt, copy=False)
     return channels_first(out)
 
 
-def _group_selector(channel_map):
-    """Split a (C_out, P, Q) channel map into per-bin channel lists: (P, Q, C_out)."""
-    return np.ascontiguousarray(channel_map.transpose(1, 2, 0))
-
-
-def _ps_bins(f, gsel, ay, ax):
-    """Position-sensitive bins of one roi: (P, Q, C_out).
-
-    ``f`` (hh, ww, C_in) window, ``gsel`` (P, Q, C_out) input channel per output bin.
-    Row step over the window's rows per bin row p, then each bin picks its channels.
-    """
-    P, Q, _ = gsel.shape
-    hh, ww, cin = f.shape
-    rows = ay @ f.reshape(hh, ww * cin)                  # (P, ww*C_in)
-    rows = rows.reshape(P, ww, cin)
-    p = np.arange(P)[:, None, None]
-    picked = rows[p, :, gsel]                            # (P, Q, C_out, ww)
-    return np.einsum("pqcw,qw->pqc", picked, ax)
-
-
-def avg_backward(sep, grad: np.ndarray, data_shape, channel_map=None):
+def avg_backward(sep, grad: np.ndarray, data_shape):
     """Gradient of :func:`avg_forward` w.r.t. the data, (N, C, H, W)."""
     batch, ay, ax, divisor = sep
     dt = grad.dtype
@@ -148,38 +120,13 @@ def avg_backward(sep, grad: np.ndarray, data_shape, channel_map=None):
     gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
     out = np.zeros((N, H, W, C), dtype=dt)
     P = gcl.shape[1]
-    if channel_map is not None:
-        gsel = _group_selector(channel_map)
     for r, b, sy, sx in _windows(batch, ay, ax):
         a_y, a_x = ay[r, :, sy], ax[r, :, sx]
         hh, ww = a_y.shape[1], a_x.shape[1]
-        if channel_map is None:
-            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
-            v = a_x.T @ gcl[r]
-        else:
-            v = _ps_rows_grad(gcl[r], gsel, a_x, C)
+        # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
+        v = a_x.T @ gcl[r]
         out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
     return channels_first(out)
-
-
-def _ps_rows_grad(g, gsel, ax, cin):
-    """Transpose of the column/channel step of :func:`_ps_bins`: (P, ww, C_in)."""
-    P, Q, cout = gsel.shape
-    ww = ax.shape[1]
-    v = np.zeros((P, ww, cin), dtype=g.dtype)
-    contrib = g[:, :, :, None] * ax[None, :, None, :]              # (P, Q, C_out, ww)
-    p = np.broadcast_to(np.arange(P)[:, None, None], gsel.shape)
-    if _unique_per_row(gsel):
-        v[p, :, gsel] += contrib
-    else:  # group_size < pooled_size: several bins of a row read one channel
-        np.add.at(v, (p, slice(None), gsel), contrib)
-    return v
-
-
-def _unique_per_row(gsel):
-    P = gsel.shape[0]
-    flat = gsel.reshape(P, -1)
-    return all(np.unique(flat[i]).size == flat.shape[1] for i in range(P))
 
 
 def sample_values(geo: SampleGrid, dcl_b: np.ndarray, r: int):
@@ -272,3 +219,109 @@ def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray
         np.copyto(idx, i, where=values[lead + (i,)] == target)
     np.copyto(idx, 0, where=values[lead + (0,)] == target)
     return idx
+
+
+# ---- position-sensitive average ------------------------------------------------------
+#
+# Output channel o at bin (p, q) reads input channel (o*G + gh[p])*G + gw[q] (R-FCN), so
+# with the input laid out as (G_h, H, W, O, G_w) per image, the rows of a bin row's y band
+# at group row gh[p] are contiguous runs of (W, O, G_w) that one gather copies whole.
+# Bands are the short runs of rows (columns) with a non-zero weight in a bin's row of
+# the separable matrix; a roi then costs two small gathers and two batched products.
+
+def band(mat: np.ndarray):
+    """Compact each bin's non-zero run of ``mat`` (R, P, L): (start (R, P), w (R, P, K)).
+
+    ``start + k`` (k < K) stays inside ``[0, L)`` and is distinct for distinct k, and
+    ``w[..., k] = mat[..., start + k]``; K is the longest run (at most L).
+    """
+    R, P, L = mat.shape
+    nz = mat != 0
+    has = nz.any(axis=2)
+    first = np.where(has, nz.argmax(axis=2), 0)
+    last = np.where(has, L - 1 - nz[:, :, ::-1].argmax(axis=2), 0)
+    k = int((last - first).max()) + 1 if mat.size else 1
+    k = max(1, min(k, L))
+    start = np.minimum(first, L - k)
+    idx = start[:, :, None] + np.arange(k)[None, None, :]
+    return start, np.take_along_axis(mat, idx, axis=2)
+
+
+def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, gw):
+    """Position-sensitive weighted average of each bin: (R, O, P, Q).
+
+    Parameters
+    ----------
+    sep : (batch, ay (R, P, H), ax (R, Q, W), divisor (R, P, Q)), see :func:`separable`
+    data : (N, O*G*G, H, W) in the compute dtype
+    gh, gw : (P,), (Q,) int  group cell of each bin row / column
+    """
+    batch, ay, ax, divisor = sep
+    R, P, H = ay.shape
+    Q, W = ax.shape[1:]
+    N = data.shape[0]
+    O, G = output_dim, group_size
+    dt = data.dtype
+    y0, wy = band(ay.astype(dt, copy=False))
+    x0, wx = band(ax.astype(dt, copy=False))
+    Ky, Kx = wy.shape[2], wx.shape[2]
+    d6 = _group_rows_layout(data, O, G)                             # (N, G, H, W, O, G)
+    out = np.zeros((R, Q, P, O), dtype=dt)
+    ky, kx = np.arange(Ky), np.arange(Kx)
+    for r in np.flatnonzero(batch >= 0):
+        rows = y0[r][:, None] + ky                                  # (P, Ky)
+        c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
+        # rows step: (P, Ky, ww, O, G) gathered at group row gh[p] -> (P, ww*O*G)
+        picked = d6[batch[r]][gh[:, None], rows, c_lo:c_hi]
+        u = (wy[r][:, None, :] @ picked.reshape(P, Ky, -1)).reshape(P, c_hi - c_lo, O, G)
+        # columns step: (Q, Kx, P, O) gathered at group column gw[q] -> (Q, P*O)
+        cols = x0[r][:, None] - c_lo + kx                           # (Q, Kx)
+        v = u[:, cols, :, gw[:, None]]                              # (Q, Kx, P, O)
+        out[r] = (wx[r][:, None, :] @ v.reshape(Q, Kx, P * O)).reshape(Q, P, O)
+    out = out.transpose(0, 3, 2, 1)                                  # (R, O, P, Q)
+    return out / divisor[:, None, :, :].astype(dt, copy=False)
+
+
+def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_size: int,
+                    gh, gw):
+    """Gradient of :func:`ps_avg_forward` w.r.t. the data, (N, O*G*G, H, W)."""
+    batch, ay, ax, divisor = sep
+    R, P, H = ay.shape
+    Q, W = ax.shape[1:]
+    N = data_shape[0]
+    O, G = output_dim, group_size
+    dt = grad.dtype
+    y0, wy = band(ay.astype(dt, copy=False))
+    x0, wx = band(ax.astype(dt, copy=False))
+    Ky, Kx = wy.shape[2], wx.shape[2]
+    g = grad / divisor[:, None, :, :].astype(dt, copy=False)
+    gq = np.ascontiguousarray(g.transpose(0, 3, 2, 1))               # (R, Q, P, O)
+    out = np.zeros((N, G, H, W, O, G), dtype=dt)
+    ky, kx = np.arange(Ky), np.arange(Kx)
+    # with one group cell per bin row/column no two bins write the same place of a roi
+    unique = np.unique(gh).size == P and np.unique(gw).size == Q
+    for r in np.flatnonzero(batch >= 0):
+        f = out[batch[r]]                                           # (G, H, W, O, G)
+        rows = y0[r][:, None] + ky
+        c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
+        cols = x0[r][:, None] - c_lo + kx
+        v = wx[r][:, :, None] * gq[r].reshape(Q, 1, P * O)           # (Q, Kx, P*O)
+        u = np.zeros((P, c_hi - c_lo, O, G), dtype=dt)
+        if unique:
+            u[:, cols, :, gw[:, None]] = v.reshape(Q, Kx, P, O)
+        else:
+            np.add.at(u, (slice(None), cols, slice(None), gw[:, None]), v.reshape(Q, Kx, P, O))
+        contrib = (wy[r][:, :, None] * u.reshape(P, 1, -1)).reshape(
+            P, Ky, c_hi - c_lo, O, G)
+        if unique:
+            f[gh[:, None], rows, c_lo:c_hi] += contrib
+        else:
+            np.add.at(f, (gh[:, None], rows, slice(c_lo, c_hi)), contrib)
+    # (N, G_h, H, W, O, G_w) -> (N, O, G_h, G_w, H, W)
+    return out.transpose(0, 4, 1, 5, 2, 3).reshape(N, O * G * G, H, W)
+
+
+def _group_rows_layout(data, O, G):
+    """(N, O*G*G, H, W) -> contiguous (N, G_h, H, W, O, G_w)."""
+    N, _, H, W = data.shape
+    return np.ascontiguousarray(data.reshape(N, O, G, G, H, W).transpose(0, 2, 4, 5, 1, 3))

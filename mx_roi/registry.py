@@ -162,10 +162,10 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             return [dtype, dtype], [dtype], []
 
         def declare_backward_dependency(self, out_grad, in_data, out_data):
-            deps = [out_grad[0], in_data[1]]
-            if self.op.backward_needs_data:
-                deps.append(in_data[0])
-            return deps
+            # Every op declares the same list: MXNet 1.9.1 keeps the dependency list of
+            # the most recently created Custom op process-wide, so ops with different
+            # lists break each other's backward ("unknown storage type: -1").
+            return [out_grad[0], in_data[0], in_data[1]]
 
         def create_operator(self, ctx, in_shapes, in_dtypes):
             return _Op(self.op, backends.select(ctx))

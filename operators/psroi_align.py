@@ -31,11 +31,11 @@ class PSROIAlign(PositionSensitive):
 
     def forward_numpy(self, geo, data, keep=True):
         sep = K.separable(geo, data.shape[2], data.shape[3])
-        return K.avg_forward(sep, data, self.param.output_dim, self.channel_map()), None
+        return K.ps_avg_forward(sep, data, *self.group_args()), None
 
     def backward_numpy(self, geo, grad, data_shape, saved):
         sep = K.separable(geo, data_shape[2], data_shape[3])
-        return K.avg_backward(sep, grad, data_shape, self.channel_map())
+        return K.ps_avg_backward(sep, grad, data_shape, *self.group_args())
 
     # ---- CUDA (operators/psroi_align.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, geo, data):

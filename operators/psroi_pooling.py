@@ -37,6 +37,12 @@ class PositionSensitive(RoIOp):
                              "required")
         return p.output_dim
 
+    def group_args(self, xp=np):
+        """(output_dim, group_size, gh (P,), gw (Q,)) for the position-sensitive kernels."""
+        p = self.param
+        return (p.output_dim, p.groups, geometry.group_index(p.pooled_size[0], p.groups, xp),
+                geometry.group_index(p.pooled_size[1], p.groups, xp))
+
     def channel_map(self, xp=np):
         p = self.param
         return channel_map(p.output_dim, p.pooled_size, p.groups, xp)
@@ -62,11 +68,11 @@ class PSROIPooling(PositionSensitive):
 
     def forward_numpy(self, bins, data, keep=True):
         sep = self._separable(bins, data.shape[2], data.shape[3], data.dtype)
-        return K.avg_forward(sep, data, self.param.output_dim, self.channel_map()), None
+        return K.ps_avg_forward(sep, data, *self.group_args()), None
 
     def backward_numpy(self, bins, grad, data_shape, saved):
         sep = self._separable(bins, data_shape[2], data_shape[3], grad.dtype)
-        return K.avg_backward(sep, grad, data_shape, self.channel_map())
+        return K.ps_avg_backward(sep, grad, data_shape, *self.group_args())
 
     # ---- CUDA (operators/psroi_pooling.cu; see mx_roi.cuda.backend) --------------------
     def forward_cuda(self, launch, bins, data):

@@ -41,7 +41,7 @@ class ROIAlign(RoIOp):
     def forward_numpy(self, geo, data, keep=True):
         if self.is_max:
             return K.max_forward(geo, data, data.shape[1], need_arg=keep)
-        return K.avg_forward(K.separable(geo, *data.shape[2:]), data, data.shape[1]), None
+        return K.avg_forward(K.separable(geo, *data.shape[2:]), data), None
 
     def backward_numpy(self, geo, grad, data_shape, saved):
         if self.is_max:

@@ -241,15 +241,10 @@ def test_two_parameterisations_of_each_op_in_one_graph(tmp_path):
                                                         net.b.param.to_kwargs())))
 
 
-@pytest.mark.xfail(strict=True, raises=mx.base.MXNetError, reason=(
-    "MXNet 1.9.1 keeps the last CustomOpProp.declare_backward_dependency result in a "
-    "process-global set (mxnet.operator._registry.result_deps) that every Custom backward "
-    "reads: ops of one graph declaring different dependencies (ROIAlign avg: out_grad+rois; "
-    "ROIAlign max / ROIPooling: +data) fail with 'unknown storage type: -1'. Fix in "
-    "mx_roi/registry.py: declare the same dependencies for every op (e.g. always data)."))
 @pytest.mark.parametrize("second", [dict(op="ROIAlign", pool_mode="max"),
                                     dict(op="ROIPooling")], ids=["align_max", "roipooling"])
 def test_graph_mixing_backward_dependencies(second):
+    """Ops of one graph with different modes share MXNet's process-wide dependency list."""
     data, rois = inputs("ROIAlign")
     second = dict(second)
     other = getattr(G, second.pop("op"))(pooled_size=2, spatial_scale=0.5, **second)
