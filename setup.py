@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
-    packages=["mx_roi", "mx_roi.cuda", "mx_roi.operators", "example_rcnn"],
+    packages=["mx_roi", "mx_roi.cuda", "mx_roi.viz", "mx_roi.operators", "example_rcnn"],
     package_dir={"mx_roi.operators": "operators"},
     package_data={"mx_roi.operators": ["*.cu", "*.cuh"], "mx_roi.cuda": ["*.h"]},
     install_requires=[NUMPY],
