@@ -315,3 +315,87 @@ def test_concurrent_launches_from_threads():
     for out, arg in results:
         np.testing.assert_array_equal(out, ref_out)
         np.testing.assert_array_equal(arg, ref_arg)
+
+
+# ---------------------------------------------------- the GPU branch with a fake CuPy
+class _CpuCapsule:
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def _fake_cupy():
+    """A stand-in ``cupy`` on NumPy: arrays are NumPy arrays, ``RawModule`` checks it gets
+    exactly the code/options/name expressions of :func:`mx_roi.cuda.source.module_source`
+    and launches the host-compiled kernels, ``from_dlpack`` reads the DLPack capsule."""
+    import contextlib
+    import types
+
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = lambda name: getattr(np, name)
+    fake.ndarray = np.ndarray
+    fake.log = []
+    fake.views = []
+
+    def from_dlpack(obj):
+        import ctypes
+        assert obj.__dlpack_device__()[0] == 2, "the backend must announce a CUDA device"
+        ro = np.from_dlpack(_CpuCapsule(obj.__dlpack__()))  # NumPy < 2.1: read-only
+        buf = (ctypes.c_char * ro.nbytes).from_address(ro.__array_interface__["data"][0])
+        view = np.frombuffer(buf, dtype=ro.dtype).reshape(ro.shape)  # writable alias
+        fake.views.append(ro)  # keeps the NDArray's memory alive
+        return view
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            filename = next(f for f in S.SOURCES if S.read_source(f) == code)
+            assert (code, tuple(name_expressions), tuple(options)) == \
+                S.module_source(filename)
+            self.host = loader.get_module(filename, True)
+            fake.log.append(("compile", filename))
+
+        def get_function(self, expr):
+            kernel = self.host.get(expr)
+
+            def launch(grid, block, args):
+                fake.log.append(("launch", expr))
+                kernel._launch(grid, block, args)
+            return launch
+
+    class _Stream:
+        def synchronize(self):
+            fake.log.append(("sync",))
+
+    cuda = types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext(),
+        get_current_stream=lambda: _Stream())
+    fake.from_dlpack, fake.RawModule, fake.cuda = from_dlpack, RawModule, cuda
+    return fake
+
+
+@pytest.mark.parametrize("name,params", CASES[:10:2], ids=_ids(CASES[:10:2]))
+def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
+    """The non-emulated CudaBackend path (DLPack views, RawModule, req handling, stream
+    sync) driven with NumPy standing in for CuPy: same results as the emulation."""
+    import sys
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    gpu = CudaBackend(emulated=False)
+    op = make_op(name, params)
+    for dtype in (np.float16, np.float64):
+        data, rois, grad = problem(op, dtype, seed=5)
+        base_out = np.full(op.out_shape(data.shape, rois.shape), 0.5, dtype)
+        base_grad = np.full(data.shape, -0.25, dtype)
+        for req in ("write", "add"):
+            got = run(gpu, op, data, rois, grad, req, req, base_out, base_grad)
+            want = run(EMU, op, data, rois, grad, req, req, base_out, base_grad)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+    assert ("compile", op.cuda_source) in fake.log
+    assert any(e[0] == "launch" for e in fake.log) and ("sync",) in fake.log

@@ -253,7 +253,7 @@ def _build_host_library(filename: str):
 
 
 _MODULES: Dict[Tuple[str, bool, int], KernelModule] = {}
-_MODULES_LOCK = threading.Lock()
+_MODULES_LOCK = threading.RLock()
 
 
 def get_module(filename: str, emulated: bool, device_id: int = 0) -> KernelModule:
