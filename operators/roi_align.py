@@ -60,6 +60,9 @@ class ROIAlign(RoIOp):
         dims = [L.i32(v) for v in (C, H, W, P, Q)]
         if self.is_max:
             tables, (gy, gx) = sample_grid_args(L, geo, with_divisor=False)
+            if int(gy) * int(gx) >= 2 ** 31:  # the argmax iy*Gx+ix is an int32
+                raise ValueError(f"{self.name}: {int(gy)}x{int(gx)} sample points per bin are "
+                                 "too many for pool_mode='max' on the CUDA backend")
             arg = L.empty((R, C, P, Q), np.int32)
             L.forward("roi_align_forward_max", n, data, *tables, *dims, gy, gx, out, arg,
                       L.i64(n))

@@ -207,6 +207,7 @@ class CudaBackend:
                 xp = self._xp()
                 data, rois = self._read(data_nd), self._read(rois_nd)
                 op.check_inputs(data.shape, data.dtype, rois, xp)
+                _check_plane(op, data.shape)
                 if req == "null" or rois.shape[0] == 0:
                     return None
                 geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
@@ -223,6 +224,7 @@ class CudaBackend:
             try:
                 xp = self._xp()
                 shape = tuple(in_grad_nd.shape)
+                _check_plane(op, shape)
                 rois = self._read(rois_nd)
                 if rois.shape[0] == 0:
                     if req != "add":
@@ -237,6 +239,14 @@ class CudaBackend:
                 self._write(in_grad_nd, req, value)
             finally:
                 self._sync()
+
+
+def _check_plane(op, shape):
+    """Tensors may exceed 2^31 elements (64-bit indexing), one (H, W) plane may not: the
+    kernels index within a plane (and ROIPooling's argmax ``h*W + w``) in int32."""
+    if len(shape) == 4 and int(shape[2]) * int(shape[3]) >= 2 ** 31:
+        raise ValueError(f"{op.name}: a feature map of {shape[2]}x{shape[3]} has 2^31 or more "
+                         "elements per channel, more than the CUDA kernels index")
 
 
 class _DLPackCapsule:
