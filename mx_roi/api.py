@@ -28,7 +28,7 @@ BUILTIN_ORDER = {
     "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
     "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
                  "position_sensitive", "aligned"),
-    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # mx.sym.contrib.PSROIPooling
+    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
                      "group_size"),
 }
 
@@ -38,7 +38,7 @@ def positional_order(op_cls):
 
 
 def make_function(F, op_cls):
-    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **params)``."""
+    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **kw)``."""
     fields = dataclasses.fields(op_cls.param_cls)
     order = positional_order(op_cls)
 

@@ -20,7 +20,8 @@ from typing import Any, Tuple
 import numpy as np
 
 __all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "SampleGrid",
-           "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index", "bilinear_axis", "MAX_SAMPLES_PER_AXIS"]
+           "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index",
+           "bilinear_axis", "MAX_SAMPLES_PER_AXIS"]
 
 #: Guard against boxes so large that the per-axis sample tables would not fit in memory.
 MAX_SAMPLES_PER_AXIS = 1 << 22

@@ -17,10 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from .geometry import SampleAxis, SampleGrid
+from .parallel import for_chunks, sum_into
 
 __all__ = ["channels_last", "tap_matrix", "window", "separable", "indicator_matrix",
-           "avg_forward", "avg_backward", "band", "ps_avg_forward", "ps_avg_backward", "sample_values", "max_forward", "max_backward",
-           "first_equal"]
+           "avg_forward", "avg_backward", "band", "ps_avg_forward", "ps_avg_backward",
+           "sample_values", "max_forward", "max_backward",
+           "first_equal", "for_chunks"]
 
 
 def channels_last(data: np.ndarray) -> np.ndarray:
@@ -100,12 +102,16 @@ def avg_forward(sep, data: np.ndarray):
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     dcl = channels_last(data)
     out = np.zeros((R, P, Q, data.shape[1]), dtype=dt)
-    for r, b, sy, sx in _windows(batch, ay, ax):
-        f = dcl[b, sy, sx]                                      # (hh, ww, C) view
-        hh, ww = f.shape[:2]
-        # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
-        u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
-        out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
+
+    def run(items):
+        for r, b, sy, sx in items:
+            f = dcl[b, sy, sx]                                  # (hh, ww, C) view
+            hh, ww = f.shape[:2]
+            # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
+            u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
+            out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
+
+    for_chunks(_windows(batch, ay, ax), run)
     out /= divisor[:, :, :, None].astype(dt, copy=False)
     return channels_first(out)
 
@@ -118,15 +124,17 @@ def avg_backward(sep, grad: np.ndarray, data_shape):
     N, C, H, W = data_shape
     g = grad / divisor[:, None, :, :].astype(dt, copy=False)
     gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
-    out = np.zeros((N, H, W, C), dtype=dt)
     P = gcl.shape[1]
-    for r, b, sy, sx in _windows(batch, ay, ax):
-        a_y, a_x = ay[r, :, sy], ax[r, :, sx]
-        hh, ww = a_y.shape[1], a_x.shape[1]
-        # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
-        v = a_x.T @ gcl[r]
-        out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
-    return channels_first(out)
+
+    def run(items, out):
+        for r, b, sy, sx in items:
+            a_y, a_x = ay[r, :, sy], ax[r, :, sx]
+            hh, ww = a_y.shape[1], a_x.shape[1]
+            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
+            v = a_x.T @ gcl[r]
+            out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
+
+    return channels_first(sum_into((N, H, W, C), dt, _windows(batch, ay, ax), run))
 
 
 def sample_values(geo: SampleGrid, dcl_b: np.ndarray, r: int):
@@ -165,17 +173,21 @@ def max_forward(geo: SampleGrid, data: np.ndarray, out_channels: int, need_arg: 
     dcl = channels_last(data)
     out = np.zeros((R, P, Q, out_channels), dtype=data.dtype)
     arg = np.full((R, P, Q, out_channels), -1, dtype=np.int32) if need_arg else None
-    for r in np.flatnonzero(geo.batch >= 0):
-        v = sample_values(geo, dcl[geo.batch[r]], r)               # (P, Gy, Q, Gx, C)
-        live = _live_mask(geo, r)
-        if not live.all():
-            v = np.where(live[..., None], v, -np.inf)
-        v = v.transpose(0, 2, 1, 3, 4).reshape(P, Q, Gy * Gx, out_channels)
-        best = v.max(axis=2)
-        empty = np.isneginf(best)
-        out[r] = np.where(empty, 0, best)
-        if need_arg:
-            arg[r] = np.where(empty, -1, first_equal(v, best, axis=2))
+
+    def run(items):
+        for r in items:
+            v = sample_values(geo, dcl[geo.batch[r]], r)           # (P, Gy, Q, Gx, C)
+            live = _live_mask(geo, r)
+            if not live.all():
+                v = np.where(live[..., None], v, -np.inf)
+            v = v.transpose(0, 2, 1, 3, 4).reshape(P, Q, Gy * Gx, out_channels)
+            best = v.max(axis=2)
+            empty = np.isneginf(best)
+            out[r] = np.where(empty, 0, best)
+            if need_arg:
+                arg[r] = np.where(empty, -1, first_equal(v, best, axis=2))
+
+    for_chunks(list(np.flatnonzero(geo.batch >= 0)), run)
     return channels_first(out), arg
 
 
@@ -193,18 +205,21 @@ def max_backward(geo: SampleGrid, grad: np.ndarray, data_shape, arg: np.ndarray)
     ys = tap_matrix(geo.y, H, per_sample=True).astype(dt, copy=False)   # (R, P, Gy, H)
     xs = tap_matrix(geo.x, W, per_sample=True).astype(dt, copy=False)   # (R, Q, Gx, W)
     gcl = np.ascontiguousarray(grad.transpose(0, 2, 3, 1))              # (R, P, Q, C)
-    out = np.zeros((N, H, W, C), dtype=dt)
     samples = np.arange(Gy * Gx, dtype=np.int32)[None, None, :, None]
-    for r, b, sy, sx in _windows(geo.batch, ys.reshape(ys.shape[0], -1, H),
-                                 xs.reshape(xs.shape[0], -1, W)):
-        one_hot = (arg[r][:, :, None, :] == samples) * gcl[r][:, :, None, :]  # (P,Q,S,C)
-        s = one_hot.reshape(P, Q, Gy, Gx, C).transpose(0, 2, 1, 3, 4).reshape(P * Gy, Q * Gx, C)
-        a_y = ys[r, :, :, sy].reshape(P * Gy, -1)                         # (P*Gy, hh)
-        a_x = xs[r, :, :, sx].reshape(Q * Gx, -1)                         # (Q*Gx, ww)
-        hh, ww = a_y.shape[1], a_x.shape[1]
-        v = a_x.T @ s                                                     # (P*Gy, ww, C)
-        out[b, sy, sx] += (a_y.T @ v.reshape(P * Gy, ww * C)).reshape(hh, ww, C)
-    return channels_first(out)
+
+    def run(items, out):
+        for r, b, sy, sx in items:
+            one_hot = (arg[r][:, :, None, :] == samples) * gcl[r][:, :, None, :]  # (P,Q,S,C)
+            s = one_hot.reshape(P, Q, Gy, Gx, C).transpose(0, 2, 1, 3, 4).reshape(
+                P * Gy, Q * Gx, C)
+            a_y = ys[r, :, :, sy].reshape(P * Gy, -1)                     # (P*Gy, hh)
+            a_x = xs[r, :, :, sx].reshape(Q * Gx, -1)                     # (Q*Gx, ww)
+            hh, ww = a_y.shape[1], a_x.shape[1]
+            v = a_x.T @ s                                                 # (P*Gy, ww, C)
+            out[b, sy, sx] += (a_y.T @ v.reshape(P * Gy, ww * C)).reshape(hh, ww, C)
+
+    items = _windows(geo.batch, ys.reshape(ys.shape[0], -1, H), xs.reshape(xs.shape[0], -1, W))
+    return channels_first(sum_into((N, H, W, C), dt, items, run))
 
 
 def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray:
@@ -268,16 +283,20 @@ def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, 
     d6 = _group_rows_layout(data, O, G)                             # (N, G, H, W, O, G)
     out = np.zeros((R, Q, P, O), dtype=dt)
     ky, kx = np.arange(Ky), np.arange(Kx)
-    for r in np.flatnonzero(batch >= 0):
-        rows = y0[r][:, None] + ky                                  # (P, Ky)
-        c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
-        # rows step: (P, Ky, ww, O, G) gathered at group row gh[p] -> (P, ww*O*G)
-        picked = d6[batch[r]][gh[:, None], rows, c_lo:c_hi]
-        u = (wy[r][:, None, :] @ picked.reshape(P, Ky, -1)).reshape(P, c_hi - c_lo, O, G)
-        # columns step: (Q, Kx, P, O) gathered at group column gw[q] -> (Q, P*O)
-        cols = x0[r][:, None] - c_lo + kx                           # (Q, Kx)
-        v = u[:, cols, :, gw[:, None]]                              # (Q, Kx, P, O)
-        out[r] = (wx[r][:, None, :] @ v.reshape(Q, Kx, P * O)).reshape(Q, P, O)
+
+    def run(items):
+        for r in items:
+            rows = y0[r][:, None] + ky                              # (P, Ky)
+            c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
+            # rows step: (P, Ky, ww, O, G) gathered at group row gh[p] -> (P, ww*O*G)
+            picked = d6[batch[r]][gh[:, None], rows, c_lo:c_hi]
+            u = (wy[r][:, None, :] @ picked.reshape(P, Ky, -1)).reshape(P, c_hi - c_lo, O, G)
+            # columns step: (Q, Kx, P, O) gathered at group column gw[q] -> (Q, P*O)
+            cols = x0[r][:, None] - c_lo + kx                       # (Q, Kx)
+            v = u[:, cols, :, gw[:, None]]                          # (Q, Kx, P, O)
+            out[r] = (wx[r][:, None, :] @ v.reshape(Q, Kx, P * O)).reshape(Q, P, O)
+
+    for_chunks(list(np.flatnonzero(batch >= 0)), run)
     out = out.transpose(0, 3, 2, 1)                                  # (R, O, P, Q)
     return out / divisor[:, None, :, :].astype(dt, copy=False)
 
@@ -296,27 +315,31 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
     Ky, Kx = wy.shape[2], wx.shape[2]
     g = grad / divisor[:, None, :, :].astype(dt, copy=False)
     gq = np.ascontiguousarray(g.transpose(0, 3, 2, 1))               # (R, Q, P, O)
-    out = np.zeros((N, G, H, W, O, G), dtype=dt)
     ky, kx = np.arange(Ky), np.arange(Kx)
     # with one group cell per bin row/column no two bins write the same place of a roi
     unique = np.unique(gh).size == P and np.unique(gw).size == Q
-    for r in np.flatnonzero(batch >= 0):
-        f = out[batch[r]]                                           # (G, H, W, O, G)
-        rows = y0[r][:, None] + ky
-        c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
-        cols = x0[r][:, None] - c_lo + kx
-        v = wx[r][:, :, None] * gq[r].reshape(Q, 1, P * O)           # (Q, Kx, P*O)
-        u = np.zeros((P, c_hi - c_lo, O, G), dtype=dt)
-        if unique:
-            u[:, cols, :, gw[:, None]] = v.reshape(Q, Kx, P, O)
-        else:
-            np.add.at(u, (slice(None), cols, slice(None), gw[:, None]), v.reshape(Q, Kx, P, O))
-        contrib = (wy[r][:, :, None] * u.reshape(P, 1, -1)).reshape(
-            P, Ky, c_hi - c_lo, O, G)
-        if unique:
-            f[gh[:, None], rows, c_lo:c_hi] += contrib
-        else:
-            np.add.at(f, (gh[:, None], rows, slice(c_lo, c_hi)), contrib)
+
+    def run(items, out):
+        for r in items:
+            f = out[batch[r]]                                       # (G, H, W, O, G)
+            rows = y0[r][:, None] + ky
+            c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
+            cols = x0[r][:, None] - c_lo + kx
+            v = wx[r][:, :, None] * gq[r].reshape(Q, 1, P * O)       # (Q, Kx, P*O)
+            u = np.zeros((P, c_hi - c_lo, O, G), dtype=dt)
+            if unique:
+                u[:, cols, :, gw[:, None]] = v.reshape(Q, Kx, P, O)
+            else:
+                np.add.at(u, (slice(None), cols, slice(None), gw[:, None]),
+                          v.reshape(Q, Kx, P, O))
+            contrib = (wy[r][:, :, None] * u.reshape(P, 1, -1)).reshape(
+                P, Ky, c_hi - c_lo, O, G)
+            if unique:
+                f[gh[:, None], rows, c_lo:c_hi] += contrib
+            else:
+                np.add.at(f, (gh[:, None], rows, slice(c_lo, c_hi)), contrib)
+
+    out = sum_into((N, G, H, W, O, G), dt, list(np.flatnonzero(batch >= 0)), run)
     # (N, G_h, H, W, O, G_w) -> (N, O, G_h, G_w, H, W)
     return out.transpose(0, 4, 1, 5, 2, 3).reshape(N, O * G * G, H, W)
 

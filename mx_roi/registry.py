@@ -84,9 +84,10 @@ class RoIOp:
         bad = batch >= data_shape[0]
         if bool(bad.any()):
             r = int(xp.argwhere(bad)[0, 0])
+            n = data_shape[0]
             raise ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
-                             f"data holds only {data_shape[0]} image(s) (valid: 0..{data_shape[0] - 1};"
-                             " a negative index marks a padding roi)")
+                             f"data holds only {n} image(s) (valid: 0..{n - 1}; a negative "
+                             "index marks a padding roi)")
 
 
 def _row(rois, r):

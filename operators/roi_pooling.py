@@ -43,32 +43,36 @@ class ROIPooling(RoIOp):
         hlen, wlen = bins.hend - bins.hstart, bins.wend - bins.wstart
         qq, pp = np.arange(Q)[None, :, None], np.arange(P)[:, None, None]
         cc = np.arange(C)[None, None, :]
-        for r in np.flatnonzero(bins.batch >= 0):
-            kh, kw = int(hlen[r].max()), int(wlen[r].max())
-            if kh <= 0 or kw <= 0:
-                continue
-            h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
-            w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
-            f = dcl[bins.batch[r], h_lo:h_hi, w_lo:w_hi]                  # (hh, ww, C)
-            # padded bin members; a short bin repeats its last member, which changes
-            # neither the max nor the first argmax
-            cols = _members(bins.wstart[r] - w_lo, wlen[r], kw, w_hi - w_lo)  # (Q, kw)
-            rows = _members(bins.hstart[r] - h_lo, hlen[r], kh, h_hi - h_lo)  # (P, kh)
-            g1 = f[:, cols]                                  # (hh, Q, kw, C)
-            m1 = g1.max(axis=2)                              # (hh, Q, C)
-            g2 = m1[rows]                                    # (P, kh, Q, C)
-            best = g2.max(axis=1)                            # (P, Q, C)
-            empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[:, :, None]
-            out[r] = np.where(empty, 0, best)
-            if keep:
-                h_win = rows[pp, K.first_equal(g2, best, axis=1)]        # (P, Q, C)
-                # the first column of that row holding the max: kw flat gathers from g1
-                flat, base = g1.reshape(-1), ((h_win * Q + qq) * kw) * C + cc
-                col = np.zeros(best.shape, dtype=np.int32)
-                for i in range(kw - 1, -1, -1):
-                    np.copyto(col, i, where=flat[base + i * C] == best)
-                w_win = cols[qq, col]
-                arg[r] = np.where(empty, -1, (h_win + h_lo) * W + (w_win + w_lo))
+
+        def run(items):
+            for r in items:
+                kh, kw = int(hlen[r].max()), int(wlen[r].max())
+                if kh <= 0 or kw <= 0:
+                    continue
+                h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
+                w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
+                f = dcl[bins.batch[r], h_lo:h_hi, w_lo:w_hi]                  # (hh, ww, C)
+                # padded bin members; a short bin repeats its last member, which changes
+                # neither the max nor the first argmax
+                cols = _members(bins.wstart[r] - w_lo, wlen[r], kw, w_hi - w_lo)  # (Q, kw)
+                rows = _members(bins.hstart[r] - h_lo, hlen[r], kh, h_hi - h_lo)  # (P, kh)
+                g1 = f[:, cols]                                  # (hh, Q, kw, C)
+                m1 = g1.max(axis=2)                              # (hh, Q, C)
+                g2 = m1[rows]                                    # (P, kh, Q, C)
+                best = g2.max(axis=1)                            # (P, Q, C)
+                empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[:, :, None]
+                out[r] = np.where(empty, 0, best)
+                if keep:
+                    h_win = rows[pp, K.first_equal(g2, best, axis=1)]        # (P, Q, C)
+                    # the first column of that row holding the max: kw flat gathers from g1
+                    flat, base = g1.reshape(-1), ((h_win * Q + qq) * kw) * C + cc
+                    col = np.zeros(best.shape, dtype=np.int32)
+                    for i in range(kw - 1, -1, -1):
+                        np.copyto(col, i, where=flat[base + i * C] == best)
+                    w_win = cols[qq, col]
+                    arg[r] = np.where(empty, -1, (h_win + h_lo) * W + (w_win + w_lo))
+
+        K.for_chunks(list(np.flatnonzero(bins.batch >= 0)), run)
         return K.channels_first(out), arg
 
     def backward_numpy(self, bins, grad, data_shape, arg):
