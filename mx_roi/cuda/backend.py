@@ -24,9 +24,10 @@ Deterministic mode (``deterministic=True``): the backward kernels accumulate int
 ``unsigned long long`` buffer in *fixed point*: each contribution ``v`` is added as the
 integer ``round(v * scale)`` with an integer ``atomicAdd``.  Integer addition is
 associative, so the result is bit-identical from run to run whatever the order of the
-atomics.  ``scale = 2**(61 - e)`` where ``2**e > sum(|out_grad|)``, a bound of the
-magnitude of any input-gradient element (each op distributes a bin's gradient with weights
-summing to at most 1), so sums cannot overflow.  Precision trade-off: every contribution is
+atomics.  ``scale = 2**(61 - e)`` where ``2**e > sum(|out_grad|) * spread``, a bound of the
+magnitude of any input-gradient element (a bin hands out its gradient with weights summing
+to at most ``spread``: 1 for the standard geometries, ``max(samples / divisor)`` of a
+SampleGrid in general), so sums cannot overflow.  Precision trade-off: every contribution is
 rounded to an absolute step of ``1/scale <= 2**-60 * sum(|out_grad|)``; that is far below a
 float32 ulp of typical gradients, but for float64 data an element much smaller than the
 total gradient mass keeps fewer significant bits than with float atomics.  It costs one
@@ -76,6 +77,7 @@ class Launch:
         self.O = self.A
         self.scale = np.float64(1.0)
         self.fixed = False
+        self.geo = None  # set by the backend: the geometry tables of this call
         self.launches = []  # (expression, n) of every launch, for tests
 
     # ---- argument helpers (kernel scalars are exact-width NumPy scalars) ----------
@@ -128,7 +130,7 @@ class Launch:
         xp = self.xp
         self.fixed = False
         if self.deterministic and grad.size:
-            bound = float(xp.abs(grad.astype(np.float64)).sum())
+            bound = float(xp.abs(grad.astype(np.float64)).sum()) * self._spread()
             if math.isfinite(bound):
                 self.fixed = True
                 e = math.frexp(bound)[1] if bound > 0 else 0  # bound < 2**e
@@ -138,6 +140,19 @@ class Launch:
             return xp.zeros(shape, dtype=np.uint64)
         self.O, self.scale = self.A, np.float64(1.0)
         return xp.zeros(shape, dtype=self.acc)
+
+    def _spread(self):
+        """How many times its out-grad a bin can hand out: 1 for integer bins and argmax
+        routing; for a SampleGrid the largest ``samples / divisor`` (each sample's four
+        bilinear weights sum to at most 1), which is 1 for every standard grid."""
+        geo = self.geo
+        if geo is None or not hasattr(geo, "divisor") or not hasattr(geo, "y"):
+            return 1.0
+        xp = self.xp
+        if geo.divisor.size == 0:
+            return 1.0
+        n = geo.y.count[:, :, None].astype(np.float64) * geo.x.count[:, None, :]
+        return max(1.0, float(xp.max(n / geo.divisor.astype(np.float64))))
 
     def grad_value(self, buf):
         """The accumulated gradient in the compute dtype."""
@@ -233,6 +248,7 @@ class CudaBackend:
                 geo = op.geometry(rois, shape[2], shape[3], xp)
                 grad = self._read(grad_nd)
                 launch = self._launch(op, grad.dtype, in_grad_nd)
+                launch.geo = geo
                 if saved is None and op.backward_needs_data:
                     _, saved = op.forward_cuda(launch, geo, self._read(data_nd))
                 value = op.backward_cuda(launch, geo, grad, shape, saved)
