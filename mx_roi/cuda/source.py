@@ -48,8 +48,9 @@ CTYPES: Dict[str, np.dtype] = {
 
 #: Options of every CUDA compile (CuPy RawModule and the NVRTC test).  ``--fmad=false``
 #: keeps ``a*b + c*d`` as two roundings, like the NumPy backend and the host emulation
-#: (ties in the max modes then break identically on every backend).
-NVRTC_OPTIONS = ("--std=c++11", "--fmad=false")
+#: (ties in the max modes then break identically on every backend).  No ``--std``: the
+#: sources are plain C++11 and CuPy may add its own dialect option.
+NVRTC_OPTIONS = ("--fmad=false",)
 
 
 def ctype_of(dtype) -> str:
