@@ -239,12 +239,13 @@ def train(args):
     if progress:
         from tqdm import tqdm
     t_start = time.time()
-    train_time = 0.0
+    train_time = cpu_time = 0.0
     for epoch in range(begin_epoch, args.epochs):
         it.set_epoch(epoch)
         bar = tqdm(total=iters_per_epoch, desc="epoch %d/%d" % (epoch + 1, args.epochs),
                    dynamic_ncols=True, file=sys.stdout) if progress else None
         t_epoch = time.time()
+        c_epoch = time.process_time()
         sums = dict.fromkeys(LOSS_NAMES, 0.0)
         for i, batch in enumerate(it):
             if i >= iters_per_epoch:
@@ -262,10 +263,11 @@ def train(args):
                 bar.update(1)
         if bar is not None:
             bar.close()
-        train_time += time.time() - t_epoch
         mx.nd.waitall()
+        train_time += time.time() - t_epoch
+        cpu_time += time.process_time() - c_epoch
         state = dict(epoch=epoch + 1, config=json.loads(cfg.to_json()), history=history,
-                     args=vars(args), train_time=train_time, rank=rank, num_workers=nworkers)
+                     args=vars(args), train_time=train_time, cpu_time=cpu_time, rank=rank, num_workers=nworkers)
         if rank == 0:
             save_checkpoint(mod, args.out, epoch + 1, state, save_states=not dist)
         logging.info("epoch %d: %s (%.1fs)", epoch + 1,
@@ -276,7 +278,8 @@ def train(args):
         os.makedirs(args.out, exist_ok=True)
         mx.nd.save(os.path.join(args.out, "worker%d-final.params" % rank), arg)
         kv._barrier()
-    return dict(config=cfg, history=history, train_time=train_time, out=args.out,
+    return dict(config=cfg, history=history, train_time=train_time, cpu_time=cpu_time,
+                out=args.out,
                 wall_time=time.time() - t_start, epochs=args.epochs)
 
 
