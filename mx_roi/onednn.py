@@ -60,10 +60,15 @@ on the 2-core test machine, vs. ~570 ms for one 3x3 256->256 convolution fwd+bwd
 When oneDNN is off (build without it, or ``MXNET_MKLDNN_ENABLED=0``) the helpers return
 their arguments unchanged and cost nothing.
 
-About ``MXNET_MKLDNN_ENABLED``: MXNet reads it lazily, so setting
-``os.environ['MXNET_MKLDNN_ENABLED'] = '0'`` after ``import mxnet`` but before the first
-operator runs still takes effect (measured: the unguarded toy graph became correct).  It
-is not used here: it turns oneDNN off for the whole process, not only around our ops.
+About ``MXNET_MKLDNN_ENABLED``: MXNet reads it once, lazily, when the first operator
+runs.  Setting ``os.environ['MXNET_MKLDNN_ENABLED'] = '0'`` after ``import mxnet`` but
+before the first operator still takes effect (measured: the unguarded toy graph became
+correct and MXNet logs "MXNET_MKLDNN_ENABLED flag is off"); set after an operator has run
+it has no effect at all.  It is not used here: it turns oneDNN off for the whole process
+(and makes MXNet print a "Storage type fallback detected" warning for every oneDNN-capable
+operator).  Because of the once-only read, :func:`onednn_enabled` only reports "off" when
+the variable said off both when this module was imported and now; in every doubtful case
+the (cheap) guard stays on.
 
 What to do when calling ``mx.sym.Custom`` / ``mx.nd.Custom`` by hand
 --------------------------------------------------------------------
@@ -112,12 +117,17 @@ def _env_off(value: str) -> bool:
     return value.strip().lower() in ("0", "false", "off", "no")
 
 
+_OFF_AT_IMPORT = _env_off(os.environ.get("MXNET_MKLDNN_ENABLED", "1"))
+
+
 def onednn_enabled() -> bool:
-    """True when oneDNN operators are active: built in and not disabled by
-    ``MXNET_MKLDNN_ENABLED=0`` (read on every call, because MXNet reads it lazily)."""
+    """True when oneDNN operators may be active: built in, and not disabled by
+    ``MXNET_MKLDNN_ENABLED=0``.  MXNet reads that variable once, when its first operator
+    runs, which we cannot observe; so it counts as "off" only if it was off when this
+    module was imported and still is now (errs on the side of guarding)."""
     if not onednn_build():
         return False
-    return not _env_off(os.environ.get("MXNET_MKLDNN_ENABLED", "1"))
+    return not (_OFF_AT_IMPORT and _env_off(os.environ.get("MXNET_MKLDNN_ENABLED", "1")))
 
 
 def barrier(F, x, name=None):
