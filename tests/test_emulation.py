@@ -399,3 +399,51 @@ def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
             np.testing.assert_array_equal(got[1], want[1])
     assert ("compile", op.cuda_source) in fake.log
     assert any(e[0] == "launch" for e in fake.log) and ("sync",) in fake.log
+
+
+def test_soft_half_build_matches(tmp_path, monkeypatch):
+    """Without _Float16 (older compilers; forced by -DMX_ROI_SOFT_HALF) the shim's __half is
+    a 16-bit struct with bit-exact conversions: the float16 kernels give the same bits."""
+    import ctypes
+    import subprocess
+    harness = tmp_path / "half.cpp"
+    harness.write_text(
+        'extern "C" void h2f(const unsigned short* h, float* f, long n) {\n'
+        '  for (long i = 0; i < n; ++i) { __half x; __builtin_memcpy(&x, h + i, 2);'
+        ' f[i] = __half2float(x); } }\n'
+        'extern "C" void f2h(const float* f, unsigned short* h, long n) {\n'
+        '  for (long i = 0; i < n; ++i) { __half x = __float2half(f[i]);'
+        ' __builtin_memcpy(h + i, &x, 2); } }\n')
+    lib_path = tmp_path / "half.so"
+    subprocess.run([loader.host_compiler(), "-O2", "-shared", "-fPIC", "-DMX_ROI_SOFT_HALF",
+                    "-include", loader.SHIM, str(harness), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.h2f.argtypes = lib.f2h.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    h = np.arange(2 ** 16, dtype=np.uint16)
+    f = np.zeros(h.size, np.float32)
+    lib.h2f(h.ctypes.data, f.ctypes.data, h.size)
+    ref = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(f.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+    assert np.isnan(f[nan]).all()
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(0x33000000, 0x38900000, 97, dtype=np.uint32),  # subnormals
+                           np.arange(0x477fe000, 0x47800100, dtype=np.uint32)])      # overflow
+    x = np.concatenate([bits, bits | 0x80000000]).view(np.float32)
+    out = np.zeros(x.size, np.uint16)
+    lib.f2h(x.ctypes.data, out.ctypes.data, x.size)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    assert np.array_equal(out[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(out.view(np.float16)[nan]).all()
+    # the whole kernel library built that way agrees bit for bit with the _Float16 build
+    op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, pool_mode="max"))
+    data, rois, grad = problem(op, np.float16)
+    native = run(EMU, op, data, rois, grad)
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_SOFT_HALF")
+    monkeypatch.setattr(loader, "_MODULES", {})
+    soft = run(CudaBackend(emulated=True), op, data, rois, grad)
+    assert native[0].tobytes() == soft[0].tobytes() and native[1].tobytes() == soft[1].tobytes()

@@ -8,8 +8,9 @@
 // * atomicAdd is a plain read-modify-write (execution is serial), including the
 //   unsigned long long overload of the deterministic fixed-point mode (wraps modulo
 //   2^64 like the hardware atomic);
-// * __half is the compiler's IEEE binary16 (_Float16): float->half rounds to nearest
-//   even like __float2half.
+// * __half is the compiler's IEEE binary16 (_Float16) or, without it (or with
+//   -DMX_ROI_SOFT_HALF), a 16-bit struct with bit-exact conversions; float->half rounds
+//   to nearest even like __float2half.
 #pragma once
 #define MX_ROI_HOST_SHIM 1
 
@@ -28,9 +29,65 @@ struct mx_roi_dim3 {
 // thread_local: MXNet may run custom ops from several worker threads at once.
 static thread_local mx_roi_dim3 blockIdx, threadIdx, gridDim, blockDim;
 
+#if defined(__FLT16_MAX__) && !defined(MX_ROI_SOFT_HALF)
 typedef _Float16 __half;
 static inline float __half2float(__half h) { return (float)h; }
 static inline __half __float2half(float f) { return (__half)f; }
+#else
+// Compilers without _Float16 (or -DMX_ROI_SOFT_HALF): binary16 in a 16-bit struct with
+// bit-exact conversions (round to nearest even; F. Giesen's public-domain algorithms).
+#include <cstring>
+struct __half {
+  unsigned short x;
+};
+static inline float __half2float(__half h) {
+  const unsigned int shifted_exp = 0x7c00u << 13;
+  unsigned int o = (unsigned int)(h.x & 0x7fffu) << 13;
+  const unsigned int exp = shifted_exp & o;
+  o += (127u - 15u) << 23;
+  float f;
+  if (exp == shifted_exp) {  // inf / nan
+    o += (128u - 16u) << 23;
+    std::memcpy(&f, &o, 4);
+  } else if (exp == 0) {  // zero / subnormal: renormalise
+    o += 1u << 23;
+    const unsigned int magic_bits = 113u << 23;
+    float magic;
+    std::memcpy(&magic, &magic_bits, 4);
+    std::memcpy(&f, &o, 4);
+    f -= magic;
+    std::memcpy(&o, &f, 4);
+  }
+  o |= (unsigned int)(h.x & 0x8000u) << 16;
+  std::memcpy(&f, &o, 4);
+  return f;
+}
+static inline __half __float2half(float value) {
+  unsigned int u;
+  std::memcpy(&u, &value, 4);
+  const unsigned int sign = u & 0x80000000u;
+  u ^= sign;
+  __half o;
+  if (u >= (127u + 16u) << 23) {  // >= 65536: inf, or nan
+    o.x = (u > 255u << 23) ? 0x7e00 : 0x7c00;
+  } else if (u < 113u << 23) {  // subnormal or zero: align the mantissa by an addition
+    const unsigned int magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    float f, magic;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&magic, &magic_bits, 4);
+    f += magic;
+    std::memcpy(&u, &f, 4);
+    o.x = (unsigned short)(u - magic_bits);
+  } else {
+    const unsigned int mant_odd = (u >> 13) & 1u;
+    u += ((unsigned int)(15 - 127) << 23) + 0xfffu;
+    u += mant_odd;
+    o.x = (unsigned short)(u >> 13);
+  }
+  o.x = (unsigned short)(o.x | (sign >> 16));
+  return o;
+}
+#endif
 
 static inline long long __double2ll_rn(double v) { return (long long)std::llrint(v); }
 

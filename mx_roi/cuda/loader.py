@@ -12,7 +12,8 @@ expression such as ``roi_align_forward_avg<float, float>``:
   per name expression (``args[i]`` points at parameter ``i``'s value, as in
   ``cuLaunchKernel``), loaded with ctypes.  The library is cached by a hash of the
   generated source, the shim, the compiler and its flags under ``$MX_ROI_CACHE`` (default
-  ``~/.cache/mx_roi``) and built on first use (a few seconds per source).
+  ``~/.cache/mx_roi``) and built on first use (a few seconds per source).  ``$CXX`` picks
+  the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
 
 Both seams check every launch's arguments against the kernel's parameter list parsed
 from the source (:func:`check_args`) before launching: one array per pointer parameter
@@ -227,7 +228,8 @@ def _build_host_library(filename: str):
     code, index = host_source(filename)
     with open(SHIM, encoding="utf-8") as f:
         shim = f.read()
-    key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(HOST_FLAGS), sys.platform)
+    flags = HOST_FLAGS + tuple(os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
+    key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(flags), sys.platform)
     stem = os.path.splitext(filename)[0]
     lib_path = os.path.join(cache_dir(), f"{stem}-{key}.so")
     with _BUILD_LOCK:
@@ -241,7 +243,7 @@ def _build_host_library(filename: str):
                 with open(shim_copy, "w", encoding="utf-8") as f:
                     f.write(shim)
                 out = os.path.join(tmpdir, f"{stem}.so")
-                cmd = [cxx, *HOST_FLAGS, "-include", shim_copy, "-x", "c++", src, "-o", out]
+                cmd = [cxx, *flags, "-include", shim_copy, "-x", "c++", src, "-o", out]
                 res = subprocess.run(cmd, capture_output=True, text=True)
                 if res.returncode != 0:
                     raise RuntimeError(f"building the host emulation of {filename} failed:\n"
