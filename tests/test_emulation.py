@@ -447,3 +447,16 @@ def test_soft_half_build_matches(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_MODULES", {})
     soft = run(CudaBackend(emulated=True), op, data, rois, grad)
     assert native[0].tobytes() == soft[0].tobytes() and native[1].tobytes() == soft[1].tobytes()
+
+
+@pytest.mark.parametrize("grid,block", [(1, 1), (1, 7), (3, 5), (2, 256), (64, 32)])
+def test_grid_stride_covers_every_item(grid, block):
+    """Any launch shape gives the same result: the grid-stride loops cover each of the n
+    items exactly once (with more threads than items, the extra ones do nothing)."""
+    data = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    args = _pool_args(data=data, hstart=np.array([[0, 1]], np.int32),
+                      hend=np.array([[1, 4]], np.int32), wstart=np.array([[0, 2]], np.int32),
+                      wend=np.array([[2, 4]], np.int32))
+    _kernel()((grid,), (block,), args)
+    np.testing.assert_array_equal(args[11], [[[[1, 3], [13, 15]]]])
+    np.testing.assert_array_equal(args[12], [[[[1, 3], [13, 15]]]])
