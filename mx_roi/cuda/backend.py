@@ -42,8 +42,11 @@ launches on its current stream of ``cupy.cuda.Device(ctx.device_id)``.  Before r
 the backend calls ``cupy.cuda.get_current_stream().synchronize()`` so that everything it
 wrote is complete when MXNet's engine hands the outputs to the next operator (MXNet's
 stream knows nothing of CuPy's).  Cost: one host wait per forward/backward -- the op's
-kernels are not overlapped with the next MXNet op (typically microseconds of launch
-latency against the kernel time).  ``mx.nd.waitall()`` is never called inside an op.
+kernels are not overlapped with the next MXNet op -- plus the small device->host reads of
+input validation (``check_inputs``: finiteness and batch-index checks), of the geometry
+(the padded sample count ``G``) and of the deterministic bound; each costs a launch
+latency (microseconds), small against the kernels.  ``mx.nd.waitall()`` is never called
+inside an op.
 """
 from __future__ import annotations
 
