@@ -109,3 +109,9 @@ def test_voc_training_step(tmp_path):
     assert s["config"].num_classes == 3 and len(s["history"]) == 2
     assert all(np.isfinite(v) for h in s["history"] for k, v in h.items() if k != "epoch")
     assert os.path.exists(os.path.join(out, "model-0001.params"))
+    from example_rcnn import evaluate as ev
+    res = ev.evaluate(tr.parse_args(["--dataset", "voc", "--voc-root", root, "--voc-classes",
+                                     "dog,cat", "--out", out]), draw=2)
+    assert res["images"] == 4 and 0.0 <= res["map75"] <= res["map50"] <= 1.0
+    assert set(res["ap50"]) == {"dog", "cat"}
+    assert os.path.exists(res["detections_png"]) and os.path.exists(res["loss_png"])
