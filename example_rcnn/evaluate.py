@@ -23,11 +23,12 @@ from .train import PREFIX, add_common_args, latest_epoch, load_param_file, make_
 
 
 def load_model(out_dir, epoch=None, ctx=None, batch_size=1):
-    """Test-mode Module for the checkpoint ``epoch`` (latest by default) in ``out_dir``."""
+    """Test-mode Module for checkpoint ``epoch`` (default: the last one written) in ``out_dir``."""
     with open(os.path.join(out_dir, "train_state.json")) as f:
         state = json.load(f)
     cfg = Config.from_dict(state["config"])
-    epoch = epoch or latest_epoch(out_dir)
+    # the epoch the last training run finished (stale files of an older, longer run are ignored)
+    epoch = epoch or state.get("epoch") or latest_epoch(out_dir)
     arg, aux = load_param_file(os.path.join(out_dir, "%s-%04d.params" % (PREFIX, epoch)))
     mod = mx.mod.Module(get_test_symbol(cfg), data_names=("data", "im_info"), label_names=None,
                         context=ctx or [mx.cpu()])
