@@ -19,10 +19,10 @@ setup(
     extras_require={
         "cpu": ["mxnet==1.9.1", NUMPY],
         "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
-        "plot": ["matplotlib"],
-        "example": ["tqdm", "Pillow", "matplotlib"],
+        "plot": ["matplotlib<3.9"],
+        "example": ["tqdm", "Pillow", "matplotlib<3.9"],
         # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels
         "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",
-                 "wheel", "tqdm", "Pillow", "matplotlib"],
+                 "wheel", "tqdm", "Pillow", "matplotlib<3.9"],
     },
 )
