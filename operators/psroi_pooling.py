@@ -1,7 +1,6 @@
 """PSROIPooling: position-sensitive average pooling over quantised bins (R-FCN, Dai 2016).
 
-Semantics of ``mx.nd.contrib.PSROIPooling`` (its CUDA kernel; MXNet 1.9.1's CPU kernel is
-an empty stub): corners C-rounded *before* scaling, end ``round(x2) + 1``, size at least
+Semantics of ``mx.nd.contrib.PSROIPooling``: corners C-rounded *before* scaling, end ``round(x2) + 1``, size at least
 0.1, ``floor``/``ceil`` bins clipped to the map, mean over the bin (0 if empty).  Output
 channel ``c`` at bin (p, q) reads input channel ``(c*G + gh)*G + gw`` with
 ``gh = floor(p*G/P)``: the input must have ``output_dim * group_size**2`` channels.
