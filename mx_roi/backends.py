@@ -10,6 +10,7 @@ builds the op's geometry tables once per call and calls the op's kernels
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import mxnet as mx
@@ -70,16 +71,34 @@ def read_numpy(nd) -> np.ndarray:
     return np.from_dlpack(_Capsule(nd.to_dlpack_for_read()))
 
 
+def writable_numpy(nd) -> np.ndarray:
+    """A writable NumPy view of a CPU NDArray's memory (DLPack ``for_write``), no copy.
+
+    NumPy marks arrays imported through DLPack read-only; the view is rebuilt over the
+    same address.  The NDArray (an op's output or input gradient) outlives the call.
+    """
+    ro = np.from_dlpack(_Capsule(nd.to_dlpack_for_write()))
+    if ro.size == 0:
+        return np.zeros(ro.shape, dtype=ro.dtype)
+    buf = (ctypes.c_byte * ro.nbytes).from_address(ro.__array_interface__["data"][0])
+    return np.frombuffer(buf, dtype=ro.dtype).reshape(ro.shape)
+
+
 def write_numpy(dst, req: str, value: np.ndarray) -> None:
-    """Store ``value`` into NDArray ``dst`` according to ``req`` (write/inplace/add/null)."""
-    if req == "null":
+    """Store ``value`` into NDArray ``dst`` according to ``req`` (write/inplace/add/null).
+
+    Written straight into ``dst``'s memory: one (possibly strided, possibly
+    down-casting) pass, no temporary.
+    """
+    if req == "null" or dst.size == 0:
         return
-    value = np.ascontiguousarray(value, dtype=dst.dtype)
+    view = writable_numpy(dst)
     if req == "add":
-        value = value + dst.asnumpy()
-    elif req not in ("write", "inplace"):
+        np.add(view, value, out=view, casting="unsafe")
+    elif req in ("write", "inplace"):
+        np.copyto(view, value, casting="unsafe")
+    else:
         raise ValueError(f"unknown req {req!r}")
-    dst[:] = value
 
 
 class NumpyBackend:

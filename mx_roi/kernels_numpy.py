@@ -22,7 +22,7 @@ from .parallel import for_chunks, sum_into
 __all__ = ["channels_last", "tap_matrix", "window", "separable", "indicator_matrix",
            "avg_forward", "avg_backward", "band", "ps_avg_forward", "ps_avg_backward",
            "sample_values", "max_forward", "max_backward",
-           "first_equal", "for_chunks"]
+           "first_equal", "for_chunks", "sum_into"]
 
 
 def channels_last(data: np.ndarray) -> np.ndarray:

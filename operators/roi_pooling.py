@@ -76,16 +76,28 @@ class ROIPooling(RoIOp):
         return K.channels_first(out), arg
 
     def backward_numpy(self, bins, grad, data_shape, arg):
-        """Each bin's gradient to its argmax, summed over rois in a fixed order."""
+        """Each bin's gradient to its argmax, summed per roi over the roi's window."""
         N, C, H, W = data_shape
-        size = N * H * W * C
-        ok = (arg >= 0) & (bins.batch >= 0)[:, None, None, None]      # (R, P, Q, C)
-        idx = (bins.batch.astype(np.int64)[:, None, None, None] * (H * W) + arg) * C \
-            + np.arange(C)
-        idx[~ok] = size                                   # a spare bin for "no gradient"
-        vals = grad.transpose(0, 2, 3, 1).ravel()
-        total = np.bincount(idx.ravel(), weights=vals, minlength=size + 1)[:size]
-        return K.channels_first(total.reshape(N, H, W, C).astype(grad.dtype))
+        gcl = grad.transpose(0, 2, 3, 1)                               # (R, P, Q, C) view
+        cc = np.arange(C)
+
+        def run(items, out):
+            for r in items:
+                b = bins.batch[r]
+                h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
+                w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
+                if h_hi <= h_lo or w_hi <= w_lo:
+                    continue
+                a = arg[r]
+                ok = a >= 0
+                ww = w_hi - w_lo
+                local = ((a // W - h_lo) * ww + (a % W - w_lo)) * C + cc
+                acc = np.bincount(local[ok], weights=gcl[r][ok],
+                                  minlength=(h_hi - h_lo) * ww * C)
+                out[b, h_lo:h_hi, w_lo:w_hi] += acc.reshape(h_hi - h_lo, ww, C)
+
+        items = list(np.flatnonzero(bins.batch >= 0))
+        return K.channels_first(K.sum_into((N, H, W, C), grad.dtype, items, run))
 
     # ---- CUDA (operators/roi_pooling.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, bins, data):
