@@ -114,9 +114,14 @@ class NumpyBackend:
         if rois.shape[0] == 0:
             return None
         geo = op.geometry(rois, data.shape[2], data.shape[3], np)
-        out, saved = op.forward_numpy(geo, data.astype(compute_dtype(data.dtype), copy=False),
-                                      keep=keep)
-        write_numpy(out_nd, req, out)
+        cdt = compute_dtype(data.dtype)
+        # a kernel may write its result straight into MXNet's buffer (one pass, and the
+        # buffer's first-touch page faults are paid once); it returns that buffer then
+        target = writable_numpy(out_nd) if req in ("write", "inplace") and \
+            out_nd.dtype == cdt else None
+        out, saved = op.forward_numpy(geo, data.astype(cdt, copy=False), keep=keep, out=target)
+        if out is not target:
+            write_numpy(out_nd, req, out)
         return saved if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):

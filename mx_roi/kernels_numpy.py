@@ -64,8 +64,17 @@ def window(mat: np.ndarray):
 
 
 def separable(geo: SampleGrid, height: int, width: int):
-    """The (batch, ay (R,P,H), ax (R,Q,W), divisor (R,P,Q)) form of a sample grid."""
-    return geo.batch, tap_matrix(geo.y, height), tap_matrix(geo.x, width), geo.divisor
+    """The (batch, ay (R,P,H), ax (R,Q,W), divisor) form of a sample grid.
+
+    When the grid's divisor is the product of the per-axis sample counts (ROIAlign's
+    average), it is folded into ``ay``/``ax`` and ``divisor`` is None.
+    """
+    ay, ax = tap_matrix(geo.y, height), tap_matrix(geo.x, width)
+    cy = np.maximum(geo.y.count, 1).astype(ay.dtype)
+    cx = np.maximum(geo.x.count, 1).astype(ax.dtype)
+    if np.array_equal(cy[:, :, None] * cx[:, None, :], geo.divisor):
+        return geo.batch, ay / cy[:, :, None], ax / cx[:, :, None], None
+    return geo.batch, ay, ax, geo.divisor
 
 
 def indicator_matrix(start, end, length: int) -> np.ndarray:
@@ -82,7 +91,7 @@ def _windows(batch, ay, ax):
             for r in np.flatnonzero(live)]
 
 
-def avg_forward(sep, data: np.ndarray):
+def avg_forward(sep, data: np.ndarray, out=None):
     """Weighted average of each bin, separable in y and x.
 
     Parameters
@@ -90,10 +99,11 @@ def avg_forward(sep, data: np.ndarray):
     sep : (batch (R,), ay (R, P, H), ax (R, Q, W), divisor (R, P, Q))
         see :func:`separable`; integer bins use 0/1 matrices
     data : (N, C, H, W) in the compute dtype
+    out : optional (R, C, P, Q) array of data's dtype to write the result into
 
     Returns
     -------
-    (R, C, P, Q) array (possibly a non-contiguous view)
+    (R, C, P, Q) array (``out`` when given)
     """
     batch, ay, ax, divisor = sep
     R, P, _ = ay.shape
@@ -101,19 +111,27 @@ def avg_forward(sep, data: np.ndarray):
     dt = data.dtype
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     dcl = channels_last(data)
-    out = np.zeros((R, P, Q, data.shape[1]), dtype=dt)
+    C = data.shape[1]
+    out = np.empty((R, C, P, Q), dtype=dt) if out is None else out
+    items = _windows(batch, ay, ax)
+    idle = np.ones(R, dtype=bool)
+    idle[[it[0] for it in items]] = False
+    out[idle] = 0                                           # padding rois, empty windows
 
     def run(items):
         for r, b, sy, sx in items:
             f = dcl[b, sy, sx]                                  # (hh, ww, C) view
             hh, ww = f.shape[:2]
-            # (P, hh) @ (hh, ww*C) -> (P, ww*C);  (Q, ww) @ (P, ww, C) -> (P, Q, C)
-            u = ay[r, :, sy] @ f.reshape(hh, ww * f.shape[2])
-            out[r] = ax[r, :, sx] @ u.reshape(P, ww, -1)
+            # (P, hh) @ (hh, ww*C) -> (P, ww*C);  per p (C, ww) @ (ww, Q) -> (C, Q),
+            # written straight into out[r] seen as (P, C, Q)
+            u = ay[r, :, sy] @ f.reshape(hh, ww * C)
+            np.matmul(u.reshape(P, ww, C).transpose(0, 2, 1), ax[r, :, sx].T,
+                      out=out[r].transpose(1, 0, 2))
+            if divisor is not None:
+                out[r] /= divisor[r]
 
-    for_chunks(_windows(batch, ay, ax), run)
-    out /= divisor[:, :, :, None].astype(dt, copy=False)
-    return channels_first(out)
+    for_chunks(items, run)
+    return out
 
 
 def avg_backward(sep, grad: np.ndarray, data_shape):
@@ -122,7 +140,7 @@ def avg_backward(sep, grad: np.ndarray, data_shape):
     dt = grad.dtype
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     N, C, H, W = data_shape
-    g = grad / divisor[:, None, :, :].astype(dt, copy=False)
+    g = grad if divisor is None else grad / divisor[:, None, :, :].astype(dt, copy=False)
     gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
     P = gcl.shape[1]
 
@@ -298,7 +316,7 @@ def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, 
 
     for_chunks(list(np.flatnonzero(batch >= 0)), run)
     out = out.transpose(0, 3, 2, 1)                                  # (R, O, P, Q)
-    return out / divisor[:, None, :, :].astype(dt, copy=False)
+    return out if divisor is None else out / divisor[:, None, :, :].astype(dt, copy=False)
 
 
 def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_size: int,
@@ -313,7 +331,7 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
     y0, wy = band(ay.astype(dt, copy=False))
     x0, wx = band(ax.astype(dt, copy=False))
     Ky, Kx = wy.shape[2], wx.shape[2]
-    g = grad / divisor[:, None, :, :].astype(dt, copy=False)
+    g = grad if divisor is None else grad / divisor[:, None, :, :].astype(dt, copy=False)
     gq = np.ascontiguousarray(g.transpose(0, 3, 2, 1))               # (R, Q, P, O)
     ky, kx = np.arange(Ky), np.arange(Kx)
     # with one group cell per bin row/column no two bins write the same place of a roi

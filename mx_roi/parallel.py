@@ -71,3 +71,4 @@ def sum_into(shape, dtype, items, fn) -> np.ndarray:
     for o in outs[1:]:
         outs[0] += o
     return outs[0]
+

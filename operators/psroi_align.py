@@ -29,7 +29,7 @@ class PSROIAlign(PositionSensitive):
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
 
-    def forward_numpy(self, geo, data, keep=True):
+    def forward_numpy(self, geo, data, keep=True, out=None):
         sep = K.separable(geo, data.shape[2], data.shape[3])
         return K.ps_avg_forward(sep, data, *self.group_args()), None
 

@@ -65,7 +65,7 @@ class PSROIPooling(PositionSensitive):
         area = (bins.hend - bins.hstart)[:, :, None] * (bins.wend - bins.wstart)[:, None, :]
         return bins.batch, ay, ax, np.maximum(area, 1).astype(dtype)
 
-    def forward_numpy(self, bins, data, keep=True):
+    def forward_numpy(self, bins, data, keep=True, out=None):
         sep = self._separable(bins, data.shape[2], data.shape[3], data.dtype)
         return K.ps_avg_forward(sep, data, *self.group_args()), None
 

@@ -38,10 +38,10 @@ class ROIAlign(RoIOp):
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
 
-    def forward_numpy(self, geo, data, keep=True):
+    def forward_numpy(self, geo, data, keep=True, out=None):
         if self.is_max:
             return K.max_forward(geo, data, data.shape[1], need_arg=keep)
-        return K.avg_forward(K.separable(geo, *data.shape[2:]), data), None
+        return K.avg_forward(K.separable(geo, *data.shape[2:]), data, out=out), None
 
     def backward_numpy(self, geo, grad, data_shape, saved):
         if self.is_max:

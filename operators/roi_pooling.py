@@ -27,7 +27,7 @@ class ROIPooling(RoIOp):
         p = self.param
         return geometry.roi_pooling_bins(rois, p.pooled_size, p.spatial_scale, height, width, xp)
 
-    def forward_numpy(self, bins, data, keep=True):
+    def forward_numpy(self, bins, data, keep=True, out=None):
         """Max of every bin and its argmax (``h * W + w`` in the plane, -1 if empty).
 
         Two-stage max with row-major tie breaking: per row the first column attaining
