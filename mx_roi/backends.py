@@ -93,8 +93,8 @@ def write_numpy(dst, req: str, value: np.ndarray) -> None:
     if req == "null" or dst.size == 0:
         return
     view = writable_numpy(dst)
-    if req == "add":
-        np.add(view, value, out=view, casting="unsafe")
+    if req == "add":  # in the destination's dtype, as MXNet's own kAddTo does
+        view += np.asarray(value).astype(view.dtype, copy=False)
     elif req in ("write", "inplace"):
         np.copyto(view, value, casting="unsafe")
     else:

@@ -243,15 +243,17 @@ def max_backward(geo: SampleGrid, grad: np.ndarray, data_shape, arg: np.ndarray)
 def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray:
     """Index of the first entry along ``axis`` equal to ``target`` (the max): int32.
 
-    Faster than ``argmax`` over a short non-last axis, and the same first-wins rule.
+    Much faster than ``argmax`` over a short non-last axis, with the same first-wins
+    rule: the largest of ``(entry == target) * (k - i)`` marks the smallest such i.
     """
     k = values.shape[axis]
-    idx = np.zeros(target.shape, dtype=np.int32)
-    lead = (slice(None),) * (axis % values.ndim)
-    for i in range(k - 1, 0, -1):
-        np.copyto(idx, i, where=values[lead + (i,)] == target)
-    np.copyto(idx, 0, where=values[lead + (0,)] == target)
-    return idx
+    dt = np.uint8 if k < 255 else np.int32
+    shape = [1] * values.ndim
+    shape[axis] = k
+    rank = (k - np.arange(k)).astype(dt).reshape(shape)
+    eq = (values == np.expand_dims(target, axis)).astype(dt, copy=False)
+    first = k - (eq * rank).max(axis=axis).astype(np.int32)
+    return np.minimum(first, k - 1)           # no match (NaN) -> last entry
 
 
 # ---- position-sensitive average ------------------------------------------------------

@@ -43,34 +43,42 @@ class ROIPooling(RoIOp):
         hlen, wlen = bins.hend - bins.hstart, bins.wend - bins.wstart
         qq, pp = np.arange(Q)[None, :, None], np.arange(P)[:, None, None]
         cc = np.arange(C)[None, None, :]
+        # per roi: its window and the window-relative members of every bin, padded to
+        # the roi's longest bin by repeating the last member (which changes neither the
+        # max nor the first argmax)
+        h_lo, h_hi = bins.hstart.min(axis=1), bins.hend.max(axis=1)
+        w_lo, w_hi = bins.wstart.min(axis=1), bins.wend.max(axis=1)
+        kh_all, kw_all = hlen.max(axis=1), wlen.max(axis=1)
+        rows_all = _members(bins.hstart - h_lo[:, None], hlen, max(int(kh_all.max()), 1))
+        cols_all = _members(bins.wstart - w_lo[:, None], wlen, max(int(kw_all.max()), 1))
+        rows_all = np.minimum(rows_all, np.maximum(h_hi - h_lo - 1, 0)[:, None, None])
+        cols_all = np.minimum(cols_all, np.maximum(w_hi - w_lo - 1, 0)[:, None, None])
+        any_empty = (hlen <= 0).any(axis=1) | (wlen <= 0).any(axis=1)
 
         def run(items):
             for r in items:
-                kh, kw = int(hlen[r].max()), int(wlen[r].max())
+                kh, kw = int(kh_all[r]), int(kw_all[r])
                 if kh <= 0 or kw <= 0:
                     continue
-                h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
-                w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
-                f = dcl[bins.batch[r], h_lo:h_hi, w_lo:w_hi]                  # (hh, ww, C)
-                # padded bin members; a short bin repeats its last member, which changes
-                # neither the max nor the first argmax
-                cols = _members(bins.wstart[r] - w_lo, wlen[r], kw, w_hi - w_lo)  # (Q, kw)
-                rows = _members(bins.hstart[r] - h_lo, hlen[r], kh, h_hi - h_lo)  # (P, kh)
+                f = dcl[bins.batch[r], h_lo[r]:h_hi[r], w_lo[r]:w_hi[r]]      # (hh, ww, C)
+                rows, cols = rows_all[r, :, :kh], cols_all[r, :, :kw]        # (P, kh), (Q, kw)
                 g1 = f[:, cols]                                  # (hh, Q, kw, C)
                 m1 = g1.max(axis=2)                              # (hh, Q, C)
                 g2 = m1[rows]                                    # (P, kh, Q, C)
                 best = g2.max(axis=1)                            # (P, Q, C)
-                empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[:, :, None]
-                out[r] = np.where(empty, 0, best)
+                empty = None
+                if any_empty[r]:
+                    empty = ((hlen[r] <= 0)[:, None] | (wlen[r] <= 0)[None, :])[:, :, None]
+                    best = np.where(empty, 0, best)
+                out[r] = best
                 if keep:
                     h_win = rows[pp, K.first_equal(g2, best, axis=1)]        # (P, Q, C)
-                    # the first column of that row holding the max: kw flat gathers from g1
-                    flat, base = g1.reshape(-1), ((h_win * Q + qq) * kw) * C + cc
-                    col = np.zeros(best.shape, dtype=np.int32)
-                    for i in range(kw - 1, -1, -1):
-                        np.copyto(col, i, where=flat[base + i * C] == best)
-                    w_win = cols[qq, col]
-                    arg[r] = np.where(empty, -1, (h_win + h_lo) * W + (w_win + w_lo))
+                    # the first column of that row holding the max: (kw, P, Q, C) from g1
+                    base = ((h_win * Q + qq) * kw) * C + cc
+                    row_vals = g1.reshape(-1)[base + (np.arange(kw) * C)[:, None, None, None]]
+                    w_win = cols[qq, K.first_equal(row_vals, best, axis=0)]
+                    a = (h_win + h_lo[r]) * W + (w_win + w_lo[r])
+                    arg[r] = a if empty is None else np.where(empty, -1, a)
 
         K.for_chunks(list(np.flatnonzero(bins.batch >= 0)), run)
         return K.channels_first(out), arg
@@ -80,21 +88,19 @@ class ROIPooling(RoIOp):
         N, C, H, W = data_shape
         gcl = grad.transpose(0, 2, 3, 1)                               # (R, P, Q, C) view
         cc = np.arange(C)
+        h_lo, h_hi = bins.hstart.min(axis=1), bins.hend.max(axis=1)
+        w_lo, w_hi = bins.wstart.min(axis=1), bins.wend.max(axis=1)
 
         def run(items, out):
             for r in items:
-                b = bins.batch[r]
-                h_lo, h_hi = int(bins.hstart[r].min()), int(bins.hend[r].max())
-                w_lo, w_hi = int(bins.wstart[r].min()), int(bins.wend[r].max())
-                if h_hi <= h_lo or w_hi <= w_lo:
+                if h_hi[r] <= h_lo[r] or w_hi[r] <= w_lo[r]:
                     continue
+                win = out[bins.batch[r], h_lo[r]:h_hi[r], w_lo[r]:w_hi[r]]   # (hh, ww, C)
                 a = arg[r]
                 ok = a >= 0
-                ww = w_hi - w_lo
-                local = ((a // W - h_lo) * ww + (a % W - w_lo)) * C + cc
-                acc = np.bincount(local[ok], weights=gcl[r][ok],
-                                  minlength=(h_hi - h_lo) * ww * C)
-                out[b, h_lo:h_hi, w_lo:w_hi] += acc.reshape(h_hi - h_lo, ww, C)
+                local = ((a // W - h_lo[r]) * win.shape[1] + (a % W - w_lo[r])) * C + cc
+                win += np.bincount(local[ok], weights=gcl[r][ok],
+                                   minlength=win.size).reshape(win.shape)
 
         items = list(np.flatnonzero(bins.batch >= 0))
         return K.channels_first(K.sum_into((N, H, W, C), grad.dtype, items, run))
@@ -130,7 +136,7 @@ class ROIPooling(RoIOp):
         return L.grad_value(buf)
 
 
-def _members(start, length, k, limit):
-    """(P, k) indices start..start+length-1, the last repeated; clipped to [0, limit-1]."""
-    i = np.minimum(np.arange(k)[None, :], np.maximum(length[:, None] - 1, 0))
-    return np.clip(start[:, None] + i, 0, limit - 1)
+def _members(start, length, k):
+    """(R, P, k) indices start..start+length-1, the last one repeated (length >= 1)."""
+    i = np.minimum(np.arange(k)[None, None, :], np.maximum(length[:, :, None] - 1, 0))
+    return np.maximum(start[:, :, None] + i, 0)
