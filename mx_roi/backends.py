@@ -93,6 +93,8 @@ def write_numpy(dst, req: str, value: np.ndarray) -> None:
     if req == "null" or dst.size == 0:
         return
     view = writable_numpy(dst)
+    if value.shape != view.shape:  # e.g. (N, O, G, G, H, W) for (N, O*G*G, H, W)
+        view = view.reshape(value.shape)
     if req == "add":  # in the destination's dtype, as MXNet's own kAddTo does
         view += np.asarray(value).astype(view.dtype, copy=False)
     elif req in ("write", "inplace"):

@@ -323,7 +323,7 @@ def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, 
 
 def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_size: int,
                     gh, gw):
-    """Gradient of :func:`ps_avg_forward` w.r.t. the data, (N, O*G*G, H, W)."""
+    """Gradient of :func:`ps_avg_forward` w.r.t. the data, as (N, O, G, G, H, W)."""
     batch, ay, ax, divisor = sep
     R, P, H = ay.shape
     Q, W = ax.shape[1:]
@@ -354,14 +354,16 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
                           v.reshape(Q, Kx, P, O))
             contrib = (wy[r][:, :, None] * u.reshape(P, 1, -1)).reshape(
                 P, Ky, c_hi - c_lo, O, G)
-            if unique:
-                f[gh[:, None], rows, c_lo:c_hi] += contrib
+            if unique:  # one bin row per group row: plain slices, no fancy indexing
+                for p in range(P):
+                    f[gh[p], y0[r, p]:y0[r, p] + Ky, c_lo:c_hi] += contrib[p]
             else:
                 np.add.at(f, (gh[:, None], rows, slice(c_lo, c_hi)), contrib)
 
     out = sum_into((N, G, H, W, O, G), dt, list(np.flatnonzero(batch >= 0)), run)
-    # (N, G_h, H, W, O, G_w) -> (N, O, G_h, G_w, H, W)
-    return out.transpose(0, 4, 1, 5, 2, 3).reshape(N, O * G * G, H, W)
+    # (N, G_h, H, W, O, G_w) seen as (N, O, G_h, G_w, H, W): the writer reshapes its
+    # destination (a reshape here would copy)
+    return out.transpose(0, 4, 1, 5, 2, 3)
 
 
 def _group_rows_layout(data, O, G):
