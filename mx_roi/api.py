@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from .onednn import call_custom
 from .registry import REGISTERED
 
 __all__ = ["make_function", "populate"]
 
 
 def _call_custom(F, op_type, inputs, **kwargs):
-    try:  # TODO(onednn): replaced by mx_roi.onednn.call_custom once it lands
-        from .onednn import call_custom
-    except ImportError:
-        return F.Custom(*inputs, op_type=op_type, **kwargs)
+    """``F.Custom(*inputs, op_type=...)`` behind the oneDNN guard (see :mod:`mx_roi.onednn`)."""
     return call_custom(F, op_type, inputs, **kwargs)
 
 
