@@ -12,6 +12,9 @@ errors.install()
 from . import operators  # noqa: F401  (registers the four ops)
 from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
 from . import nd, sym, gluon  # noqa: F401
+from . import onednn as _onednn
+
+_onednn.install(registry.REGISTERED)  # plain mx.nd.Custom(op_type=...) is guarded too
 
 __version__ = "0.1.0"
 OP_TYPES = tuple(op.name for op in operators.ALL_OPS)

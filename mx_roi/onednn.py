@@ -92,7 +92,7 @@ from typing import Any, Sequence
 import mxnet as mx
 
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "call_custom"]
+           "call_custom", "install"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
 # Not +-inf, and not FLT_MAX itself: MXNet's float parameter parser rejects both
@@ -149,8 +149,14 @@ def guard_inputs(F, *arrays, name=None):
     guard nodes are called ``{name}_guard_in{i}``.  A no-op when oneDNN is off."""
     if not onednn_enabled():
         return tuple(arrays)
-    return tuple(barrier(F, a, None if name is None else f"{name}_guard_in{i}")
-                 if _is_array(a) else a for i, a in enumerate(arrays))
+    # MXNet 1.9.1's clip backward ignores grad_req='add' (it overwrites): an identity in
+    # front of the clip takes the gradient of a leaf input and accumulates it correctly
+    def guarded(i, a):
+        if name is None or F is not mx.sym:
+            return barrier(F, F.identity(a))
+        return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")
+
+    return tuple(guarded(i, a) if _is_array(a) else a for i, a in enumerate(arrays))
 
 
 def guard_output(F, out, name=None):
@@ -184,5 +190,35 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     off this is exactly ``F.Custom(...)``."""
     name = kwargs.get("name")
     guarded = guard_inputs(F, *inputs, name=name)
-    out = F.Custom(*guarded, op_type=op_type, **kwargs)
+    out = _ORIGINAL_CUSTOM.get(F.__name__, F.Custom)(*guarded, op_type=op_type, **kwargs)
     return guard_output(F, out, name=name)
+
+
+_ORIGINAL_CUSTOM = {}
+
+
+def install(op_types) -> None:
+    """Guard plain ``mx.nd.Custom`` / ``mx.sym.Custom`` calls of our ops too.
+
+    ``import mx_roi`` wraps ``mxnet.ndarray.Custom`` and ``mxnet.symbol.Custom`` (what
+    ``mx.nd.Custom``, ``mx.sym.Custom`` and ``F.Custom`` inside ``hybrid_forward`` resolve
+    to): a call whose ``op_type`` is in ``op_types`` (a live container, the registry) goes
+    through :func:`call_custom`; every other call is passed on untouched.  Idempotent.
+    """
+    import mxnet.ndarray as nd_module
+    import mxnet.symbol as sym_module
+    for F in (nd_module, sym_module):
+        original = F.Custom
+        if getattr(original, "_mx_roi_guard", False):
+            continue
+        _ORIGINAL_CUSTOM[F.__name__] = original
+
+        def custom(*args, _original=original, _F=F, **kwargs):
+            if kwargs.get("op_type") in op_types and kwargs.get("out") is None:
+                kwargs.pop("out", None)
+                return call_custom(_F, kwargs.pop("op_type"), list(args), **kwargs)
+            return _original(*args, **kwargs)
+
+        custom.__name__, custom.__doc__ = original.__name__, original.__doc__
+        custom._mx_roi_guard = True
+        F.Custom = custom

@@ -586,7 +586,7 @@ def test_amp_casts_custom_nodes_to_float32():
         assert roi["op"] == "Custom" and roi["attrs"]["op_type"] == "ROIAlign"
         def source(node, i=0):  # input i of node, looking through the oneDNN guards
             src = nodes[node["inputs"][i][0]]
-            while src["op"] == "clip" and "_guard_" in src["name"]:
+            while src["op"] in ("clip", "_copy") and "_guard_" in src["name"]:
                 src = nodes[src["inputs"][0][0]]
             return src
 
