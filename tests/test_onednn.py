@@ -359,3 +359,45 @@ def test_unguarded_custom_is_corrupted():
     if bad == 0:
         pytest.skip("the unguarded corruption did not show up in this run")
     assert bad > 0
+
+
+def test_plain_custom_calls_of_our_ops_are_guarded():
+    """``import mx_roi`` guards ``mx.sym.Custom``/``mx.nd.Custom`` for its own op types
+    only; other custom ops are built exactly as before."""
+    import mx_roi  # noqa: F401
+    from mx_roi import onednn
+
+    assert getattr(mx.nd.Custom, "_mx_roi_guard", False)
+    assert getattr(mx.sym.Custom, "_mx_roi_guard", False)
+    d, r = mx.sym.var("d"), mx.sym.var("r")
+    ours = mx.sym.Custom(d, r, op_type="ROIAlign", pooled_size=(2, 2), spatial_scale=1.0,
+                         name="pool")
+    ops = [n["op"] for n in __import__("json").loads(ours.tojson())["nodes"]]
+    if onednn.onednn_enabled():
+        assert ops.count("clip") == 3 and "Custom" in ops
+    internals = ours.get_internals()
+    assert internals["pool_output"].attr("op_type") == "ROIAlign"
+
+    @mx.operator.register("mx_roi_test_passthrough")
+    class _Prop(mx.operator.CustomOpProp):
+        def create_operator(self, ctx, shapes, dtypes):
+            return None
+
+    other = mx.sym.Custom(d, op_type="mx_roi_test_passthrough", name="other")
+    assert other.name == "other"          # not wrapped: the Custom node itself
+
+
+def test_grad_req_add_through_the_guard():
+    """clip's backward overwrites instead of adding; the guard's identity keeps 'add'."""
+    import mx_roi  # noqa: F401
+
+    x = mx.nd.array(np.random.RandomState(0).rand(1, 2, 6, 6))
+    r = mx.nd.array([[0, 0.5, 0.5, 4.5, 4.5]])
+    x.attach_grad(grad_req="add")
+    grads = []
+    for _ in range(2):
+        with mx.autograd.record():
+            y = mx.nd.Custom(x, r, op_type="ROIAlign", pooled_size=(2, 2), spatial_scale=1.0)
+        y.backward(mx.nd.ones_like(y))
+        grads.append(x.grad.asnumpy().copy())
+    np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6)
