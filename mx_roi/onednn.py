@@ -152,7 +152,10 @@ def guard_inputs(F, *arrays, name=None):
     # MXNet 1.9.1's clip backward ignores grad_req='add' (it overwrites): an identity in
     # front of the clip takes the gradient of a leaf input and accumulates it correctly
     def guarded(i, a):
-        if name is None or F is not mx.sym:
+        if F is not mx.sym:
+            # imperatively only a leaf with an attached gradient needs the identity
+            return barrier(F, F.identity(a) if a.grad is not None else a)
+        if name is None:
             return barrier(F, F.identity(a))
         return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")
 
@@ -191,6 +194,8 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     name = kwargs.get("name")
     guarded = guard_inputs(F, *inputs, name=name)
     out = _ORIGINAL_CUSTOM.get(F.__name__, F.Custom)(*guarded, op_type=op_type, **kwargs)
+    if F is not mx.sym and not mx.autograd.is_recording():
+        return out  # the output guard only protects a backward pass, and none will run
     return guard_output(F, out, name=name)
 
 
