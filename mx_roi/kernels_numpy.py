@@ -369,4 +369,9 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
 def _group_rows_layout(data, O, G):
     """(N, O*G*G, H, W) -> contiguous (N, G_h, H, W, O, G_w)."""
     N, _, H, W = data.shape
-    return np.ascontiguousarray(data.reshape(N, O, G, G, H, W).transpose(0, 2, 4, 5, 1, 3))
+    out = np.empty((N, G, H * W, O * G), dtype=data.dtype)
+    planes = data.reshape(N, O, G, G, H * W)
+    for n in range(N):          # one 2-D transpose per group row: ~1.5x faster than one
+        for gh in range(G):     # 6-D transpose
+            out[n, gh] = planes[n, :, gh].reshape(O * G, H * W).T
+    return out.reshape(N, G, H, W, O, G)
