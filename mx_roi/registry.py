@@ -64,6 +64,27 @@ class RoIOp:
     def geometry(self, rois, height: int, width: int, xp):
         raise NotImplementedError
 
+    # ---- kernels (one set per backend) ---------------------------------------------
+    def forward_numpy(self, geo, data, keep=True, out=None):
+        """NumPy forward on the geometry tables: ``(output (R, C_out, P, Q), saved)``.
+
+        ``data`` is in the compute dtype; ``saved`` (e.g. an argmax) is what the backward
+        needs, and only when ``keep``; ``out``, when given, is an (R, C_out, P, Q) buffer
+        the kernel may write into (and then return)."""
+        raise NotImplementedError
+
+    def backward_numpy(self, geo, grad, data_shape, saved):
+        """NumPy input gradient (data_shape, compute dtype) from the out-grad."""
+        raise NotImplementedError
+
+    def forward_cuda(self, launch, geo, data):
+        """CUDA forward through :class:`mx_roi.cuda.backend.Launch`: ``(output, saved)``."""
+        raise NotImplementedError
+
+    def backward_cuda(self, launch, geo, grad, data_shape, saved):
+        """CUDA input gradient through :class:`mx_roi.cuda.backend.Launch`."""
+        raise NotImplementedError
+
     # ---- validation -------------------------------------------------------------
     def check_inputs(self, data_shape, data_dtype, rois, xp):
         """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N."""
