@@ -4,6 +4,8 @@
 ...)``) and exposes :mod:`mx_roi.nd`, :mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the
 built-ins' signatures.
 """
+import atexit
+
 import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
 
 from . import errors, params, geometry, registry  # noqa: F401
@@ -15,6 +17,19 @@ from . import nd, sym, gluon  # noqa: F401
 from . import onednn as _onednn
 
 _onednn.install(registry.REGISTERED)  # plain mx.nd.Custom(op_type=...) is guarded too
+
+
+def _finish_pending_ops():
+    """At exit, let queued ops finish: a custom op still running in MXNet's worker thread
+    while the interpreter shuts down aborts the process ("terminate called without an
+    active exception").  Runs before MXNet's own shutdown hook (atexit is LIFO)."""
+    try:
+        _mx.nd.waitall()
+    except Exception:  # noqa: BLE001 - an op's error was the caller's to see; exit quietly
+        pass
+
+
+atexit.register(_finish_pending_ops)
 
 __version__ = "0.1.0"
 OP_TYPES = tuple(op.name for op in operators.ALL_OPS)
