@@ -258,11 +258,14 @@ def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray
 
 # ---- position-sensitive average ------------------------------------------------------
 #
-# Output channel o at bin (p, q) reads input channel (o*G + gh[p])*G + gw[q] (R-FCN), so
-# with the input laid out as (G_h, H, W, O, G_w) per image, the rows of a bin row's y band
-# at group row gh[p] are contiguous runs of (W, O, G_w) that one gather copies whole.
-# Bands are the short runs of rows (columns) with a non-zero weight in a bin's row of
-# the separable matrix; a roi then costs two small gathers and two batched products.
+# Output channel o at bin (p, q) reads input channel (o*G + gh[p])*G + gw[q] (R-FCN).  The
+# input is laid out once per call as (N, G_h, G_w, H, W, O): then bin (p, q) of a roi
+# reads the O-vectors of group cell (gh[p], gw[q]) at the cells of its y band x x band
+# (the short runs with non-zero weight in the bin's rows of the separable matrices) --
+# one gather of (P, Q, Ky, Kx, O) per roi, nothing a bin does not read.  The backward
+# accumulates per bin row into an (N, G_h, H, W, O, G_w) buffer with plain slices (a
+# bin row's band rows of its group row are contiguous there), which measured faster
+# than scattering the (P, Q, Ky, Kx, O) blocks.
 
 def band(mat: np.ndarray):
     """Compact each bin's non-zero run of ``mat`` (R, P, L): (start (R, P), w (R, P, K)).
@@ -282,42 +285,54 @@ def band(mat: np.ndarray):
     return start, np.take_along_axis(mat, idx, axis=2)
 
 
+def _cell_layout(data, O, G):
+    """(N, O*G*G, H, W) -> contiguous (N, G_h, G_w, H, W, O)."""
+    N, _, H, W = data.shape
+    return np.ascontiguousarray(data.reshape(N, O, G * G * H * W).transpose(0, 2, 1)).reshape(
+        N, G, G, H, W, O)
+
+
+def _ps_plan(sep, dt, gh, gw):
+    """Bands and the per-roi index arrays of the (P, Q, Ky, Kx) band cells."""
+    batch, ay, ax, _ = sep
+    y0, wy = band(ay.astype(dt, copy=False))                         # (R, P), (R, P, Ky)
+    x0, wx = band(ax.astype(dt, copy=False))                         # (R, Q), (R, Q, Kx)
+    P, Ky = wy.shape[1:]
+    Q, Kx = wx.shape[1:]
+    gh_i = gh.reshape(P, 1, 1, 1)
+    gw_i = gw.reshape(1, Q, 1, 1)
+    rows = (y0[:, :, None] + np.arange(Ky)).reshape(-1, P, 1, Ky, 1)  # (R, P, 1, Ky, 1)
+    cols = (x0[:, :, None] + np.arange(Kx)).reshape(-1, 1, Q, 1, Kx)  # (R, 1, Q, 1, Kx)
+    return gh_i, gw_i, rows, cols, wy, wx
+
+
 def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, gw):
     """Position-sensitive weighted average of each bin: (R, O, P, Q).
 
     Parameters
     ----------
-    sep : (batch, ay (R, P, H), ax (R, Q, W), divisor (R, P, Q)), see :func:`separable`
+    sep : (batch, ay (R, P, H), ax (R, Q, W), divisor (R, P, Q) or None)
+        see :func:`separable`
     data : (N, O*G*G, H, W) in the compute dtype
     gh, gw : (P,), (Q,) int  group cell of each bin row / column
     """
     batch, ay, ax, divisor = sep
-    R, P, H = ay.shape
-    Q, W = ax.shape[1:]
-    N = data.shape[0]
+    R, P, _ = ay.shape
+    Q = ax.shape[1]
     O, G = output_dim, group_size
     dt = data.dtype
-    y0, wy = band(ay.astype(dt, copy=False))
-    x0, wx = band(ax.astype(dt, copy=False))
-    Ky, Kx = wy.shape[2], wx.shape[2]
-    d6 = _group_rows_layout(data, O, G)                             # (N, G, H, W, O, G)
-    out = np.zeros((R, Q, P, O), dtype=dt)
-    ky, kx = np.arange(Ky), np.arange(Kx)
+    cells = _cell_layout(data, O, G)
+    gh_i, gw_i, rows, cols, wy, wx = _ps_plan(sep, dt, gh, gw)
+    out = np.zeros((R, P, Q, O), dtype=dt)
 
     def run(items):
         for r in items:
-            rows = y0[r][:, None] + ky                              # (P, Ky)
-            c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
-            # rows step: (P, Ky, ww, O, G) gathered at group row gh[p] -> (P, ww*O*G)
-            picked = d6[batch[r]][gh[:, None], rows, c_lo:c_hi]
-            u = (wy[r][:, None, :] @ picked.reshape(P, Ky, -1)).reshape(P, c_hi - c_lo, O, G)
-            # columns step: (Q, Kx, P, O) gathered at group column gw[q] -> (Q, P*O)
-            cols = x0[r][:, None] - c_lo + kx                       # (Q, Kx)
-            v = u[:, cols, :, gw[:, None]]                          # (Q, Kx, P, O)
-            out[r] = (wx[r][:, None, :] @ v.reshape(Q, Kx, P * O)).reshape(Q, P, O)
+            v = cells[batch[r]][gh_i, gw_i, rows[r], cols[r]]       # (P, Q, Ky, Kx, O)
+            v = np.einsum("pqijo,qj->pqio", v, wx[r])                # columns step
+            out[r] = np.einsum("pqio,pi->pqo", v, wy[r])             # rows step
 
     for_chunks(list(np.flatnonzero(batch >= 0)), run)
-    out = out.transpose(0, 3, 2, 1)                                  # (R, O, P, Q)
+    out = out.transpose(0, 3, 1, 2)                                  # (R, O, P, Q)
     return out if divisor is None else out / divisor[:, None, :, :].astype(dt, copy=False)
 
 
@@ -364,14 +379,3 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
     # (N, G_h, H, W, O, G_w) seen as (N, O, G_h, G_w, H, W): the writer reshapes its
     # destination (a reshape here would copy)
     return out.transpose(0, 4, 1, 5, 2, 3)
-
-
-def _group_rows_layout(data, O, G):
-    """(N, O*G*G, H, W) -> contiguous (N, G_h, H, W, O, G_w)."""
-    N, _, H, W = data.shape
-    out = np.empty((N, G, H * W, O * G), dtype=data.dtype)
-    planes = data.reshape(N, O, G, G, H * W)
-    for n in range(N):          # one 2-D transpose per group row: ~1.5x faster than one
-        for gh in range(G):     # 6-D transpose
-            out[n, gh] = planes[n, :, gh].reshape(O * G, H * W).T
-    return out.reshape(N, G, H, W, O, G)
