@@ -543,3 +543,23 @@ class RoIOpTester:
         assert_close(exe.grad_dict["data"].asnumpy(),
                      self.reference_backward(data, rois, grad, **case), np.float32,
                      "symbolic data grad")
+
+
+class PositionSensitiveTester(RoIOpTester):
+    """Channel rules shared by the PSROIPooling and PSROIAlign testers."""
+
+    def groups(self, params):
+        PH, _ = self.pooled(params)
+        return int(params.get("group_size", 0)) or PH
+
+    def in_channels(self, params, c):
+        return params["output_dim"] * self.groups(params) ** 2
+
+    def out_channels(self, params, c):
+        return params["output_dim"]
+
+    def non_square_cases(self):
+        base = dict(self.param_cases()[0])
+        return [dict(base, pooled_size=(2, 3), group_size=2),
+                dict(base, pooled_size=(3, 1), group_size=1),
+                dict(base, pooled_size=(1, 4), group_size=3)]

@@ -4,11 +4,11 @@ import mxnet as mx
 import numpy as np
 
 from tests import reference as ref
-from tests.ops.base import RoIOpTester
+from tests.ops.base import PositionSensitiveTester
 from tests.ops.test_roi_align import positive_size
 
 
-class TestPSROIAlign(RoIOpTester):
+class TestPSROIAlign(PositionSensitiveTester):
     op_type = "PSROIAlign"
     builtin = staticmethod(mx.nd.contrib.ROIAlign)
 
@@ -26,22 +26,6 @@ class TestPSROIAlign(RoIOpTester):
             dict(pooled_size=2, output_dim=1, spatial_scale=0.7, sample_ratio=3,
                  aligned=False, group_size=3),
         ]
-
-    def groups(self, params):
-        PH, _ = self.pooled(params)
-        return int(params.get("group_size", 0)) or PH
-
-    def in_channels(self, params, c):
-        return params["output_dim"] * self.groups(params) ** 2
-
-    def out_channels(self, params, c):
-        return params["output_dim"]
-
-    def non_square_cases(self):
-        base = dict(self.param_cases()[0])
-        return [dict(base, pooled_size=(2, 3), group_size=2),
-                dict(base, pooled_size=(3, 1), group_size=1),
-                dict(base, pooled_size=(1, 4), group_size=3)]
 
     def reference_forward(self, data, rois, pooled_size, output_dim, spatial_scale,
                           sample_ratio=-1, aligned=False, group_size=0, deterministic=False,

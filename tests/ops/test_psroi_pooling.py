@@ -4,10 +4,10 @@ import mxnet as mx
 import numpy as np
 
 from tests import reference as ref
-from tests.ops.base import RoIOpTester
+from tests.ops.base import PositionSensitiveTester
 
 
-class TestPSROIPooling(RoIOpTester):
+class TestPSROIPooling(PositionSensitiveTester):
     op_type = "PSROIPooling"
     builtin = staticmethod(mx.nd.contrib.PSROIPooling)
 
@@ -20,22 +20,6 @@ class TestPSROIPooling(RoIOpTester):
             dict(pooled_size=2, output_dim=2, spatial_scale=0.25, group_size=3),
             dict(pooled_size=1, output_dim=3, spatial_scale=0.7, group_size=1),
         ]
-
-    def groups(self, params):
-        PH, _ = self.pooled(params)
-        return int(params.get("group_size", 0)) or PH
-
-    def in_channels(self, params, c):
-        return params["output_dim"] * self.groups(params) ** 2
-
-    def out_channels(self, params, c):
-        return params["output_dim"]
-
-    def non_square_cases(self):
-        base = dict(self.param_cases()[0])
-        return [dict(base, pooled_size=(2, 3), group_size=2),
-                dict(base, pooled_size=(3, 1), group_size=1),
-                dict(base, pooled_size=(1, 4), group_size=3)]
 
     def builtin_params(self, params):
         PH, PW = self.pooled(params)
