@@ -251,7 +251,8 @@ def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray
     shape = [1] * values.ndim
     shape[axis] = k
     rank = (k - np.arange(k)).astype(dt).reshape(shape)
-    eq = (values == np.expand_dims(target, axis)).astype(dt, copy=False)
+    eq = values == np.expand_dims(target, axis)
+    eq = eq.view(np.uint8) if dt is np.uint8 else eq.astype(dt)
     first = k - (eq * rank).max(axis=axis).astype(np.int32)
     return np.minimum(first, k - 1)           # no match (NaN) -> last entry
 
