@@ -638,7 +638,7 @@ def _git_commit() -> Optional[str]:
 
 def _loadavg():
     try:
-        return [round(v, 2) for v in os.getloadavg()]
+        return [float(f"{v:.2f}") for v in os.getloadavg()]
     except (AttributeError, OSError):
         return None
 
