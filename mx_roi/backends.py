@@ -1,37 +1,75 @@
-"""Where an op's kernels run: NumPy, the CUDA kernels on a GPU, or those kernels emulated.
+"""Where an op's kernels run: NumPy, the CUDA kernels natively on the CPU, on a GPU, or emulated.
 
 A backend moves MXNet NDArrays in and out of its array type, validates the inputs,
 builds the op's geometry tables once per call and calls the op's kernels
 (``forward_numpy``/``backward_numpy`` or the CUDA launchers).  Selection:
 
 * a GPU context -> ``cuda`` (CuPy raw kernels);
-* a CPU context -> ``numpy``, unless ``MX_ROI_BACKEND=emulated-cuda`` is set, which runs
-  the very same CUDA sources compiled for the host through the same launch glue.
+* a CPU context -> ``MX_ROI_BACKEND`` if set: ``numpy``, ``native`` (the CUDA sources
+  compiled for the host with ``-O3``, multi-threaded over channels) or ``emulated-cuda``
+  (the same sources run serially as a GPU would, through the same launch glue);
+* unset or ``auto``: each op's :attr:`~mx_roi.registry.RoIOp.cpu_backend`, the faster of
+  the two on the benchmark (``python -m mx_roi.bench``): ``native`` for ROIPooling and
+  the position-sensitive ops, ``numpy`` (BLAS) for ROIAlign.  ``native`` needs a C++
+  compiler at first use (the library is cached); without one, or if the build fails, the
+  op falls back to ``numpy`` with a warning, once.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import warnings
 
 import mxnet as mx
 import numpy as np
 
 from .geometry import compute_dtype
 
-__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES"]
+__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES", "native_available"]
 
-BACKEND_NAMES = ("numpy", "emulated-cuda", "cuda")
+BACKEND_NAMES = ("numpy", "native", "emulated-cuda", "cuda")
+_CPU_CHOICES = ("auto", "numpy", "native", "emulated-cuda")
 
 
-def select(ctx) -> str:
-    """Backend name for an MXNet context (string like ``'cpu(0)'`` or a Context)."""
+def select(ctx, op=None) -> str:
+    """Backend name for an MXNet context (string like ``'cpu(0)'`` or a Context) and op."""
     device = getattr(ctx, "device_type", str(ctx))
     if str(device).startswith("gpu"):
         return "cuda"
-    choice = os.environ.get("MX_ROI_BACKEND", "numpy").strip().lower() or "numpy"
-    if choice not in ("numpy", "emulated-cuda"):
-        raise ValueError(f"MX_ROI_BACKEND={choice!r}: expected 'numpy' or 'emulated-cuda'")
-    return choice
+    choice = os.environ.get("MX_ROI_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in _CPU_CHOICES:
+        raise ValueError(f"MX_ROI_BACKEND={choice!r}: expected one of "
+                         + ", ".join(repr(c) for c in _CPU_CHOICES))
+    if choice != "auto":
+        return choice
+    preferred = op.cpu_backend() if op is not None else "numpy"
+    if preferred == "native" and not native_available(op.cuda_source):
+        return "numpy"
+    return preferred
+
+
+_NATIVE_OK = {}
+_NATIVE_LOCK = threading.Lock()
+
+
+def native_available(cuda_source: str) -> bool:
+    """Whether the native host build of ``cuda_source`` exists or can be built (once per
+    process; a failure is reported with one warning and remembered)."""
+    with _NATIVE_LOCK:
+        ok = _NATIVE_OK.get(cuda_source)
+        if ok is None:
+            from .cuda import loader
+            try:
+                loader.get_module(cuda_source, True, native=True)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - no compiler, failed build: fall back
+                warnings.warn(f"mx_roi: the native CPU kernels of {cuda_source} are not "
+                              f"available ({str(exc).splitlines()[0]}); using the NumPy "
+                              "kernels instead", RuntimeWarning, stacklevel=2)
+                ok = False
+            _NATIVE_OK[cuda_source] = ok
+        return ok
 
 
 _INSTANCES = {}
@@ -43,7 +81,8 @@ def get(name: str):
             _INSTANCES[name] = NumpyBackend()
         else:
             from .cuda.backend import CudaBackend  # imported lazily: needs a compiler or CuPy
-            _INSTANCES[name] = CudaBackend(emulated=(name == "emulated-cuda"))
+            _INSTANCES[name] = CudaBackend(emulated=(name == "emulated-cuda"),
+                                           native=(name == "native"))
     return _INSTANCES[name]
 
 

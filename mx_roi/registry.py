@@ -57,6 +57,11 @@ class RoIOp:
         ph, pw = self.param.pooled_size
         return (rois_shape[0], self.out_channels(data_shape[1]), ph, pw)
 
+    def cpu_backend(self) -> str:
+        """The CPU backend used when ``MX_ROI_BACKEND`` is unset (``'numpy'`` or
+        ``'native'``): whichever is faster for this op and these parameters."""
+        return "native"
+
     def uses_argmax(self) -> bool:
         return self.backward_needs_data
 
@@ -191,7 +196,7 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             return [out_grad[0], in_data[0], in_data[1]]
 
         def create_operator(self, ctx, in_shapes, in_dtypes):
-            return _Op(self.op, backends.select(ctx))
+            return _Op(self.op, backends.select(ctx, self.op))
 
     _Prop.__name__ = _Prop.__qualname__ = f"{op_cls.__name__}Prop"
     mx.operator.register(op_cls.name)(_Prop)

@@ -10,8 +10,8 @@ __global__ void psroi_align_forward(
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, T* out,
     long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    mx_roi::align_avg_forward_item<T, A>(i, data, batch, channel_map, y_count, y_low, y_high,
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
+    mx_roi::align_avg_forward_item<T, A>(it, data, batch, channel_map, y_count, y_low, y_high,
                                          y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
                                          divisor, C, Cin, H, W, P, Q, Gy, Gx, out);
   }
@@ -24,8 +24,8 @@ __global__ void psroi_align_backward(
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
     double scale, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    mx_roi::align_avg_backward_item<T, A, O>(i, grad, batch, channel_map, y_count, y_low,
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
+    mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, channel_map, y_count, y_low,
                                              y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
                                              x_wh, divisor, C, Cin, H, W, P, Q, Gy, Gx, bottom,
                                              scale);

@@ -45,7 +45,7 @@ class PSROIAlign(PositionSensitive):
         _, Cin, H, W = data.shape
         R, P, Q = geo.divisor.shape
         C = self.param.output_dim
-        out = L.empty((R, C, P, Q))
+        out = L.output((R, C, P, Q))
         n = out.size
         tables, (gy, gx) = sample_grid_args(L, geo)
         cmap = L.ints(self.channel_map(L.xp))

@@ -7,8 +7,7 @@ __global__ void psroi_pooling_forward(
     const T* data, const int* batch, const int* channel_map, const int* hstart,
     const int* hend, const int* wstart, const int* wend, int C, int Cin, int H, int W, int P,
     int Q, T* out, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
     const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
@@ -23,7 +22,7 @@ __global__ void psroi_pooling_forward(
       }
       sum = sum / (A)((he - hs) * (we - ws));
     }
-    out[i] = mx_roi::Traits<T>::store(sum);
+    out[it.i] = mx_roi::Traits<T>::store(sum);
   }
 }
 
@@ -32,13 +31,12 @@ __global__ void psroi_pooling_backward(
     const T* grad, const int* batch, const int* channel_map, const int* hstart,
     const int* hend, const int* wstart, const int* wend, int C, int Cin, int H, int W, int P,
     int Q, O* bottom, double scale, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
     const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
     if (b < 0 || he <= hs || we <= ws) continue;
-    const A g = (A)mx_roi::Traits<T>::load(grad[i]) / (A)((he - hs) * (we - ws));
+    const A g = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)((he - hs) * (we - ws));
     O* plane =
         bottom + mx_roi::plane_offset(b, mx_roi::in_channel(channel_map, it, P, Q), Cin, H, W);
     for (int h = hs; h < he; ++h) {

@@ -82,7 +82,7 @@ class PSROIPooling(PositionSensitive):
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         C = self.param.output_dim
-        out = L.empty((R, C, P, Q))
+        out = L.output((R, C, P, Q))
         n = out.size
         (batch,), edges = int_bins_args(L, bins)
         cmap = L.ints(self.channel_map(L.xp))

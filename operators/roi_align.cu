@@ -11,8 +11,8 @@ __global__ void roi_align_forward_avg(
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, T* out,
     long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    mx_roi::align_avg_forward_item<T, A>(i, data, batch, (const int*)0, y_count, y_low, y_high,
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    mx_roi::align_avg_forward_item<T, A>(it, data, batch, (const int*)0, y_count, y_low, y_high,
                                          y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
                                          divisor, C, C, H, W, P, Q, Gy, Gx, out);
   }
@@ -25,8 +25,8 @@ __global__ void roi_align_backward_avg(
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
     double scale, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    mx_roi::align_avg_backward_item<T, A, O>(i, grad, batch, (const int*)0, y_count, y_low,
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, (const int*)0, y_count, y_low,
                                              y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
                                              x_wh, divisor, C, C, H, W, P, Q, Gy, Gx, bottom,
                                              scale);
@@ -41,8 +41,7 @@ __global__ void roi_align_forward_max(
     const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     int C, int H, int W, int P, int Q, int Gy, int Gx, T* out, int* argmax, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     A best = 0;
     int arg = -1;
@@ -63,8 +62,8 @@ __global__ void roi_align_forward_max(
         }
       }
     }
-    out[i] = mx_roi::Traits<T>::store(best);
-    argmax[i] = arg;
+    out[it.i] = mx_roi::Traits<T>::store(best);
+    argmax[it.i] = arg;
   }
 }
 
@@ -76,12 +75,11 @@ __global__ void roi_align_backward_max(
     const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const int* argmax, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
     double scale, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const int a = argmax[i];
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const int a = argmax[it.i];
     const int b = batch[it.r];
     if (a < 0 || b < 0) continue;
-    const A g = (A)mx_roi::Traits<T>::load(grad[i]);
+    const A g = (A)mx_roi::Traits<T>::load(grad[it.i]);
     const long long yb = (it.r * P + it.p) * (long long)Gy;
     const long long xb = (it.r * Q + it.q) * (long long)Gx;
     mx_roi::sample_backward(bottom + mx_roi::plane_offset(b, it.c, C, H, W), W,

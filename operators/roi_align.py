@@ -30,6 +30,12 @@ class ROIAlign(RoIOp):
     def backward_needs_data(self) -> bool:
         return self.is_max
 
+    def cpu_backend(self) -> str:
+        # the average is separable: per roi two small BLAS products shared by all
+        # channels (NumPy) beat per-sample loops (measured 0.2-0.7x vs 0.4-1.2x of the
+        # built-in); the max is not, and the native loops win
+        return "native" if self.is_max else "numpy"
+
     def geometry(self, rois, height, width, xp):
         p = self.param
         if p.legacy == "caffe":
@@ -55,7 +61,7 @@ class ROIAlign(RoIOp):
         data = L.elements(data)
         _, C, H, W = data.shape
         R, P, Q = geo.divisor.shape
-        out = L.empty((R, C, P, Q))
+        out = L.output((R, C, P, Q))
         n = out.size
         dims = [L.i32(v) for v in (C, H, W, P, Q)]
         if self.is_max:

@@ -15,10 +15,13 @@
 #include <cuda_fp16.h>
 #endif
 
-// Grid-stride loop with a 64-bit index: tensors may exceed 2^31 elements.
-#define MX_ROI_KERNEL_LOOP(i, n)                                                   \
-  for (long long i = (long long)blockIdx.x * (long long)blockDim.x + threadIdx.x;  \
-       i < (n); i += (long long)blockDim.x * (long long)gridDim.x)
+// Loop of a kernel over its items: declares ``mx_roi::Item it`` (see ItemLoop below).
+// ``plane_per_bin``: whether the input plane an item touches depends on its bin (p, q)
+// besides its channel (the position-sensitive ops) -- a traversal-order hint for the
+// native host build; a GPU ignores it.
+#define MX_ROI_ITEM_LOOP(it, n, C, P, Q, plane_per_bin) \
+  mx_roi::Item it;                                      \
+  for (mx_roi::ItemLoop it##_loop(n, C, P, Q, plane_per_bin); it##_loop.next(it);)
 
 namespace mx_roi {
 
@@ -37,14 +40,16 @@ struct Traits<__half> {
   static __device__ __forceinline__ __half store(float v) { return __float2half(v); }
 };
 
-// ---- output index (r, c, p, q) of a flat (R, C, P, Q) index -----------------------
+// ---- the items (output elements) of a launch -----------------------------------------
+// Item: output element (r, c, p, q) of the (R, C, P, Q) output and its flat index i.
 struct Item {
-  long long r;
+  long long i, r;
   int c, p, q;
 };
 
 __device__ __forceinline__ Item unravel(long long i, int C, int P, int Q) {
   Item it;
+  it.i = i;
   it.q = (int)(i % Q);
   long long t = i / Q;
   it.p = (int)(t % P);
@@ -53,6 +58,83 @@ __device__ __forceinline__ Item unravel(long long i, int C, int P, int Q) {
   it.r = t / C;
   return it;
 }
+
+#ifndef MX_ROI_HOST_NATIVE
+// On a GPU (and in the serial host emulation): a grid-stride loop over the flat index,
+// 64-bit (tensors may exceed 2^31 elements).
+class ItemLoop {
+ public:
+  __device__ ItemLoop(long long n, int C, int P, int Q, bool)
+      : i_((long long)blockIdx.x * (long long)blockDim.x + threadIdx.x),
+        step_((long long)blockDim.x * (long long)gridDim.x), n_(n), C_(C), P_(P), Q_(Q) {}
+  __device__ __forceinline__ bool next(Item& it) {
+    if (i_ >= n_) return false;
+    it = unravel(i_, C_, P_, Q_);
+    i_ += step_;
+    return true;
+  }
+
+ private:
+  long long i_, step_, n_;
+  int C_, P_, Q_;
+};
+#else
+// Native host build (mx_roi/cuda/host_shim.h with MX_ROI_HOST_NATIVE): the calling
+// thread's output channels [mx_roi_c_begin, mx_roi_c_end), channel by channel, so the
+// input planes of a channel stay in cache across all rois, and threads with disjoint
+// channel ranges never write the same input-gradient plane (no atomics needed).  Within
+// a channel: (r, p, q) order (contiguous output rows) when every bin reads the same
+// plane, (p, q, r) when each bin has its own plane (position-sensitive ops).
+class ItemLoop {
+ public:
+  ItemLoop(long long n, int C, int P, int Q, bool plane_per_bin)
+      : C_(C), P_(P), Q_(Q), roi_inner_(plane_per_bin) {
+    const long long per_roi = (long long)C * P * Q;
+    R_ = per_roi > 0 ? n / per_roi : 0;
+    it_.c = mx_roi_c_begin;
+    it_.r = 0;
+    it_.p = 0;
+    it_.q = 0;
+    first_ = true;
+    end_ = R_ > 0 ? mx_roi_c_end : mx_roi_c_begin;
+  }
+  inline bool next(Item& it) {
+    if (first_) {
+      first_ = false;
+    } else if (roi_inner_) {
+      if (++it_.r == R_) {
+        it_.r = 0;
+        if (++it_.q == Q_) {
+          it_.q = 0;
+          if (++it_.p == P_) {
+            it_.p = 0;
+            ++it_.c;
+          }
+        }
+      }
+    } else if (++it_.q == Q_) {
+      it_.q = 0;
+      if (++it_.p == P_) {
+        it_.p = 0;
+        if (++it_.r == R_) {
+          it_.r = 0;
+          ++it_.c;
+        }
+      }
+    }
+    if (it_.c >= end_) return false;
+    it_.i = ((it_.r * C_ + it_.c) * P_ + it_.p) * Q_ + it_.q;
+    it = it_;
+    return true;
+  }
+
+ private:
+  Item it_;
+  long long R_;
+  int C_, P_, Q_, end_;
+  bool roi_inner_, first_;
+};
+#endif
 
 // Input channel read by output channel c at bin (p, q): channel_map[c, p, q] for the
 // position-sensitive ops (null: the identity, c).
@@ -130,11 +212,10 @@ __device__ __forceinline__ void sample_backward(O* plane, int W, const Sample<A>
 // out[i] = sum over iy < y_count[r,p], ix < x_count[r,q] of sample_value / divisor[r,p,q]
 template <typename T, typename A>
 __device__ __forceinline__ void align_avg_forward_item(
-    long long i, const T* data, const int* batch, const int* channel_map,
+    const Item& it, const T* data, const int* batch, const int* channel_map,
     const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, T* out) {
-  const Item it = unravel(i, C, P, Q);
   const int b = batch[it.r];
   A sum = 0;
   if (b >= 0) {
@@ -150,20 +231,19 @@ __device__ __forceinline__ void align_avg_forward_item(
     }
     sum = sum / divisor[(it.r * P + it.p) * Q + it.q];
   }
-  out[i] = Traits<T>::store(sum);
+  out[it.i] = Traits<T>::store(sum);
 }
 
 template <typename T, typename A, typename O>
 __device__ __forceinline__ void align_avg_backward_item(
-    long long i, const T* grad, const int* batch, const int* channel_map,
+    const Item& it, const T* grad, const int* batch, const int* channel_map,
     const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
     const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
     const A* divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
     double scale) {
-  const Item it = unravel(i, C, P, Q);
   const int b = batch[it.r];
   if (b < 0) return;
-  const A g = (A)Traits<T>::load(grad[i]) / divisor[(it.r * P + it.p) * Q + it.q];
+  const A g = (A)Traits<T>::load(grad[it.i]) / divisor[(it.r * P + it.p) * Q + it.q];
   O* plane = bottom + plane_offset(b, in_channel(channel_map, it, P, Q), Cin, H, W);
   const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
   const long long yb = (it.r * P + it.p) * (long long)Gy;

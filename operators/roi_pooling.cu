@@ -8,8 +8,7 @@ template <typename T, typename A>
 __global__ void roi_pooling_forward(
     const T* data, const int* batch, const int* hstart, const int* hend, const int* wstart,
     const int* wend, int C, int H, int W, int P, int Q, T* out, int* argmax, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
     const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
@@ -28,8 +27,8 @@ __global__ void roi_pooling_forward(
         }
       }
     }
-    out[i] = mx_roi::Traits<T>::store(best);
-    argmax[i] = arg;
+    out[it.i] = mx_roi::Traits<T>::store(best);
+    argmax[it.i] = arg;
   }
 }
 
@@ -37,12 +36,11 @@ template <typename T, typename A, typename O>
 __global__ void roi_pooling_backward(
     const T* grad, const int* batch, const int* argmax, int C, int H, int W, int P, int Q,
     O* bottom, double scale, long long n) {
-  MX_ROI_KERNEL_LOOP(i, n) {
-    const int a = argmax[i];
-    const mx_roi::Item it = mx_roi::unravel(i, C, P, Q);
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const int a = argmax[it.i];
     const int b = batch[it.r];
     if (a < 0 || b < 0) continue;
     mx_roi::grad_add(bottom + mx_roi::plane_offset(b, it.c, C, H, W) + a,
-                     (A)mx_roi::Traits<T>::load(grad[i]), scale);
+                     (A)mx_roi::Traits<T>::load(grad[it.i]), scale);
   }
 }

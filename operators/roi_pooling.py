@@ -113,7 +113,7 @@ class ROIPooling(RoIOp):
         _, C, H, W = data.shape
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
-        out = L.empty((R, C, P, Q))
+        out = L.output((R, C, P, Q))
         arg = L.empty((R, C, P, Q), np.int32)
         n = out.size
         (batch,), edges = int_bins_args(L, bins)

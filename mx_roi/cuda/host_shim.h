@@ -1,6 +1,17 @@
 // Host shim: compiles the CUDA kernel sources (operators/*.cu) with a C++ compiler so
-// that the very same kernel text runs on the CPU (mx_roi "emulated-cuda" backend).
+// that the very same kernel text runs on the CPU, in one of two builds:
 //
+// * emulation (mx_roi "emulated-cuda" backend): the launch runs every (block, thread) of
+//   the grid serially, so the kernels' grid-stride loops behave exactly as on a GPU;
+// * native (-DMX_ROI_HOST_NATIVE, mx_roi "native" backend): a fast CPU build.  The
+//   launch splits the output channels into contiguous ranges, one per thread, and each
+//   thread walks its range channel by channel (mx_roi::ItemLoop in roi_common.cuh).
+//   A backward of output channel c writes only the input planes of channel c (the
+//   channel_map of the position-sensitive ops keeps classes apart), so threads never
+//   write the same element: atomicAdd stays a plain add and the result does not depend
+//   on the thread count.
+//
+// Common to both:
 // * __global__/__device__/__forceinline__/__host__ expand to nothing (plain inline C++);
 // * blockIdx/threadIdx/gridDim/blockDim are (thread-local) globals that the generated launch wrappers
 //   set before calling the kernel once per (block, thread): the grid-stride loops then
@@ -106,6 +117,31 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
   *p = old + v;
   return old;
 }
+
+#ifdef MX_ROI_HOST_NATIVE
+#include <thread>
+#include <vector>
+// The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
+static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
+
+// Runs fn() on up to nthreads threads, thread t on channels [C*t/T, C*(t+1)/T).
+template <typename F>
+static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
+  const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
+  std::vector<std::thread> workers;
+  for (int t = 1; t < T; ++t) {
+    workers.emplace_back([=]() {
+      mx_roi_c_begin = (int)((long long)C * t / T);
+      mx_roi_c_end = (int)((long long)C * (t + 1) / T);
+      fn();
+    });
+  }
+  mx_roi_c_begin = 0;
+  mx_roi_c_end = (int)((long long)C / T);
+  fn();
+  for (auto& w : workers) w.join();
+}
+#endif
 
 // Runs fn() once for every (block, thread) of a 1-D launch, serially.
 template <typename F>

@@ -14,6 +14,11 @@ expression such as ``roi_align_forward_avg<float, float>``:
   generated source, the shim, the compiler and its flags under ``$MX_ROI_CACHE`` (default
   ``~/.cache/mx_roi``) and built on first use (a few seconds per source).  ``$CXX`` picks
   the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
+  The launch runs the grid serially (a faithful emulation of the GPU's grid-stride loops);
+* ``native=True``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
+  the launch ignores the grid and splits the output channels over
+  :func:`mx_roi.parallel.num_threads` threads (see ``host_shim.h``); the CPU backend
+  ``native`` of :mod:`mx_roi.backends`.
 
 Both seams check every launch's arguments against the kernel's parameter list parsed
 from the source (:func:`check_args`) before launching: one array per pointer parameter
@@ -45,6 +50,9 @@ MAX_GRID = 65535
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_shim.h")
 HOST_FLAGS = ("-O2", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
               "-w")
+# -ffp-contract=off: no fused multiply-adds, the operation order of MXNet's CPU kernels
+NATIVE_FLAGS = ("-O3", "-std=c++14", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
+                "-fno-fast-math", "-DMX_ROI_HOST_NATIVE", "-w")
 
 
 class KernelArgumentError(TypeError):
@@ -122,14 +130,15 @@ def _dim(v, what):
 class KernelModule:
     """The compiled kernels of one source file (for one device, or the host)."""
 
-    def __init__(self, filename: str, emulated: bool, device_id: int = 0):
+    def __init__(self, filename: str, emulated: bool, device_id: int = 0, native: bool = False):
         self.filename = filename
-        self.emulated = emulated
+        self.native = bool(native)
+        self.emulated = bool(emulated) or self.native  # host-compiled
         self.device_id = device_id
         self.expressions = S.name_expressions(filename)
         self._kernels: Dict[str, _Kernel] = {}
-        if emulated:
-            self._lib, self._index = _build_host_library(filename)
+        if self.emulated:
+            self._lib, self._index = _build_host_library(filename, self.native)
             self.array_type = np.ndarray
         else:
             import cupy
@@ -145,7 +154,9 @@ class KernelModule:
             if expr not in self.expressions:
                 raise KeyError(f"{self.filename}: {expr!r} is not instantiated; compiled: "
                                + ", ".join(self.expressions))
-            if self.emulated:
+            if self.native:
+                launch = self._native_launcher(expr)
+            elif self.emulated:
                 launch = self._host_launcher(expr)
             else:
                 fn = self._module.get_function(expr)
@@ -155,6 +166,18 @@ class KernelModule:
             k = self._kernels[expr] = _Kernel(self.filename, expr, launch, self.array_type)
         return k
 
+    def _native_launcher(self, expr):
+        from ..parallel import num_threads
+        fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+        def launch(grid, block, args):  # the grid is the GPU's; threads split channels
+            slots, keep = _arg_slots(args)
+            fn(num_threads(), ctypes.cast(slots, ctypes.c_void_p))
+            del keep
+        return launch
+
     def _host_launcher(self, expr):
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
         fn.restype = None
@@ -163,20 +186,27 @@ class KernelModule:
         def launch(grid, block, args):
             if grid[1:] != (1, 1) or block[1:] != (1, 1):
                 raise ValueError("the host emulation runs 1-D launches only")
-            keep = []
-            slots = (ctypes.c_void_p * max(len(args), 1))()
-            for i, a in enumerate(args):
-                if isinstance(a, np.ndarray):
-                    cell = ctypes.c_void_p(a.ctypes.data)
-                    keep.append(cell)
-                    slots[i] = ctypes.addressof(cell)
-                else:
-                    cell = np.array(a)  # the scalar's bytes, its exact dtype
-                    keep.append(cell)
-                    slots[i] = cell.ctypes.data
+            slots, keep = _arg_slots(args)
             fn(grid[0], block[0], ctypes.cast(slots, ctypes.c_void_p))
             del keep
         return launch
+
+
+def _arg_slots(args):
+    """``void*`` per argument pointing at its value (``cuLaunchKernel`` style), and the
+    ctypes/NumPy cells that must stay alive during the call."""
+    keep = []
+    slots = (ctypes.c_void_p * max(len(args), 1))()
+    for i, a in enumerate(args):
+        if isinstance(a, np.ndarray):
+            cell = ctypes.c_void_p(a.ctypes.data)
+            keep.append(cell)
+            slots[i] = ctypes.addressof(cell)
+        else:
+            cell = np.array(a)  # the scalar's bytes, its exact dtype
+            keep.append(cell)
+            slots[i] = cell.ctypes.data
+    return slots, keep
 
 
 # --------------------------------------------------------------------------- host build
@@ -194,17 +224,30 @@ def host_compiler() -> str:
     return shutil.which(cxx) or ""
 
 
-def host_source(filename: str) -> Tuple[str, Dict[str, int]]:
-    """The C++ translation unit of the emulation and ``{expr: wrapper index}``."""
+def host_source(filename: str, native: bool = False) -> Tuple[str, Dict[str, int]]:
+    """The C++ translation unit of the host build and ``{expr: wrapper index}``.
+
+    Emulation wrappers take ``(grid, block, args)``; native ones ``(nthreads, args)`` and
+    split the kernel's ``C`` (output channels) over the threads."""
     code = S.read_source(filename)
     lines = [code, "", "// ---- generated launch wrappers (mx_roi.cuda.loader) ----"]
     index = {}
     for k, expr in enumerate(S.name_expressions(filename)):
         sig = S.instantiate(filename, expr)
         call_args = ", ".join(f"*({p.decl}*)a[{i}]" for i, p in enumerate(sig.params))
-        lines.append(
-            f'extern "C" void mx_roi_launch_{k}(unsigned grid, unsigned block, void** a) {{\n'
-            f"  mx_roi_launch_serial(grid, block, [&]() {{ {expr}({call_args}); }});\n}}")
+        if native:
+            names = [p.name for p in sig.params]
+            if "C" not in names:
+                raise ValueError(f"{filename}: {expr} has no 'C' (output channels) parameter "
+                                 "for the native launch to split")
+            lines.append(
+                f'extern "C" void mx_roi_launch_{k}(int nthreads, void** a) {{\n'
+                f"  mx_roi_launch_channels(*(int*)a[{names.index('C')}], nthreads, "
+                f"[&]() {{ {expr}({call_args}); }});\n}}")
+        else:
+            lines.append(
+                f'extern "C" void mx_roi_launch_{k}(unsigned grid, unsigned block, void** a) {{\n'
+                f"  mx_roi_launch_serial(grid, block, [&]() {{ {expr}({call_args}); }});\n}}")
         index[expr] = k
     return "\n".join(lines) + "\n", index
 
@@ -220,17 +263,19 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def _build_host_library(filename: str):
+def _build_host_library(filename: str, native: bool = False):
     cxx = host_compiler()
     if not cxx:
-        raise RuntimeError("the emulated-cuda backend needs a C++ compiler (g++ or $CXX) to "
-                           "build the kernels for the host; none was found")
-    code, index = host_source(filename)
+        raise RuntimeError(f"the {'native' if native else 'emulated-cuda'} backend needs a C++ "
+                           "compiler (g++ or $CXX) to build the kernels for the host; none was "
+                           "found")
+    code, index = host_source(filename, native)
     with open(SHIM, encoding="utf-8") as f:
         shim = f.read()
-    flags = HOST_FLAGS + tuple(os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
+    flags = (NATIVE_FLAGS if native else HOST_FLAGS) + tuple(
+        os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
     key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(flags), sys.platform)
-    stem = os.path.splitext(filename)[0]
+    stem = os.path.splitext(filename)[0] + ("-native" if native else "")
     lib_path = os.path.join(cache_dir(), f"{stem}-{key}.so")
     with _BUILD_LOCK:
         if not os.path.exists(lib_path):
@@ -254,17 +299,19 @@ def _build_host_library(filename: str):
     return ctypes.CDLL(lib_path), index
 
 
-_MODULES: Dict[Tuple[str, bool, int], KernelModule] = {}
+_MODULES: Dict[Tuple[str, bool, int, bool], KernelModule] = {}
 _MODULES_LOCK = threading.RLock()
 
 
-def get_module(filename: str, emulated: bool, device_id: int = 0) -> KernelModule:
-    """The memoised :class:`KernelModule` of ``filename`` (per device; one for the host)."""
-    key = (filename, bool(emulated), -1 if emulated else int(device_id))
+def get_module(filename: str, emulated: bool, device_id: int = 0,
+               native: bool = False) -> KernelModule:
+    """The memoised :class:`KernelModule` of ``filename`` (per device; one per host build)."""
+    host = bool(emulated) or bool(native)
+    key = (filename, host, -1 if host else int(device_id), bool(native))
     mod = _MODULES.get(key)
     if mod is None:
         with _MODULES_LOCK:
             mod = _MODULES.get(key)
             if mod is None:
-                mod = _MODULES[key] = KernelModule(filename, emulated, device_id)
+                mod = _MODULES[key] = KernelModule(filename, emulated, device_id, native)
     return mod
