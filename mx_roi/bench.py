@@ -363,6 +363,7 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
                        error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             _drain()
         res.update(key=w.key, op=w.op, config=w.config, direction=direction,
+                   backend=_backend_of(w, inputs),
                    boxes=w.boxes, channels=w.channels, builtin=w.builtin_name,
                    ours_kwargs={k: (list(v) if isinstance(v, tuple) else v)
                                 for k, v in w.ours_kwargs.items()},
@@ -371,6 +372,17 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
         del data
         _drain()
     return rows
+
+
+def _backend_of(w: Workload, inputs) -> str:
+    """The mx_roi backend our side runs on (``mx_roi.backends.select``)."""
+    from . import backends, registry
+    cls = registry.get_op(w.op)
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in w.ours_kwargs.items()}))
+    try:
+        return backends.select(inputs.ctx, op)
+    except Exception as exc:  # e.g. a bad MX_ROI_BACKEND: the run itself reports it
+        return f"? ({type(exc).__name__})"
 
 
 def _drain():
@@ -668,8 +680,8 @@ def format_header(m: dict, args) -> str:
 
 
 def format_table(rows) -> str:
-    head = (f"{'op':<13} {'config':<52} {'dir':<8} {'ours ms':>10} {'builtin ms':>11} "
-            f"{'ours/bi':>8}  {'check':<5} note")
+    head = (f"{'op':<13} {'config':<52} {'dir':<8} {'kernels':<7} {'ours ms':>10} "
+            f"{'builtin ms':>11} {'ours/bi':>8}  {'check':<5} note")
     lines = [head, "-" * len(head)]
     for r in rows:
         bi = f"{r['builtin_ms']:.2f}" if r["builtin_ms"] is not None else "-"
@@ -678,7 +690,8 @@ def format_table(rows) -> str:
         check = ("ERROR" if r.get("error") else "-" if r["check"] is None
                  else "ok" if r["check"]["ok"] else "FAIL")
         lines.append(f"{r['op']:<13} {r['config']:<52} {r['direction']:<8} "
-                     f"{ours:>10} {bi:>11} {ratio:>8}  {check:<5} {r['note']}")
+                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8}  {check:<5} "
+                     f"{r['note']}")
     return "\n".join(lines)
 
 
@@ -800,7 +813,9 @@ def main(argv=None) -> int:
     print()
     print("ratio = ours / builtin median time (< 1: mx_roi faster); check = np.allclose(ours, "
           f"builtin, rtol={RTOL:g}, atol={ATOL:g}) on the benchmark inputs: forward output "
-          "(fwd) and also the data gradient (fwd+bwd)")
+          "(fwd) and also the data gradient (fwd+bwd); kernels = the mx_roi backend our side "
+          "ran on (native: the CUDA kernels compiled for the host, on threads; numpy: NumPy/"
+          "BLAS; MX_ROI_BACKEND overrides the per-op default)")
     if gm is not None:
         print(f"geometric mean of fwd+bwd ratios ours/builtin over {len(comparable)} "
               f"comparable workloads: {gm:.2f}" + (f"  (fwd only: {gm_fwd:.2f})" if gm_fwd else ""))

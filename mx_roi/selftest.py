@@ -5,6 +5,10 @@ checks it ran and PASS/FAIL -- and exits 0 when every *usable* backend passed (a
 GPU is reported, not a failure):
 
 * ``numpy``          always usable; ROIPooling and ROIAlign against MXNet's built-ins;
+* ``native``         needs a C++ compiler (g++): the CUDA kernels compiled for the host
+                     with -O3 and run on threads (the default CPU kernels of ROIPooling,
+                     the PS ops and max ROIAlign), every op against the NumPy backend, and
+                     ROIPooling and ROIAlign against MXNet's built-ins;
 * ``emulated-cuda``  needs a C++ compiler (g++): the CUDA kernels compiled for the host,
                      every op (and max mode) against the NumPy backend, forward + backward;
 * ``nvrtc-compile``  needs libnvrtc (``nvidia-cuda-nvrtc-cu11``): every kernel source and
@@ -127,13 +131,28 @@ def check_numpy(quick=False):
     return f"{n} ops vs MXNet built-ins (forward + grad)"
 
 
-def check_emulated(quick=False):
+def check_native(quick=False):
+    return check_emulated(quick, "native") + ", " + \
+        f"{_builtin_checks(_get('native'), _cpu())} ops vs MXNet built-ins"
+
+
+def _get(name):
+    from .backends import get
+    return get(name)
+
+
+def _cpu():
+    import mxnet as mx
+    return mx.cpu()
+
+
+def check_emulated(quick=False, backend="emulated-cuda"):
     import mxnet as mx
     from .backends import get
     from .cuda.loader import host_compiler
     if not host_compiler():
         raise Skip("no C++ compiler (g++ or $CXX)")
-    emu, ref = get("emulated-cuda"), get("numpy")
+    emu, ref = get(backend), get("numpy")
     n = 0
     for dtype in _dtypes(quick):
         for name, params in CASES:
@@ -191,7 +210,8 @@ def check_cuda(quick=False):
 def run_checks(quick=False, archs=(70,)):
     """``[(backend, status, seconds, detail)]`` with status PASS, FAIL or SKIP."""
     rows = []
-    for name, fn, kw in (("numpy", check_numpy, {}), ("emulated-cuda", check_emulated, {}),
+    for name, fn, kw in (("numpy", check_numpy, {}), ("native", check_native, {}),
+                         ("emulated-cuda", check_emulated, {}),
                          ("nvrtc-compile", check_nvrtc, {"archs": archs}),
                          ("cuda", check_cuda, {})):
         t0 = time.perf_counter()
