@@ -1,0 +1,549 @@
+"""The ``native`` CPU backend: the CUDA kernels compiled for the host with ``-O3``,
+multi-threaded over output channels.
+
+* every thread owns whole output channels (hence whole input-gradient planes), so the
+  forward and the backward must be bit-identical for any ``MX_ROI_NUM_THREADS``, and
+  agree with the NumPy backend (bit-exact for the max modes);
+* outputs and input gradients are written straight into MXNet's memory for req
+  write/inplace: stale values there must be overwritten, req add must add;
+* selection (``MX_ROI_BACKEND``, each op's ``cpu_backend``) and the fallback to NumPy
+  when no compiler is available;
+* degenerate roi sets: none at all, and only padding rois.
+
+The backends are driven directly (``backend.forward/backward`` on NDArrays) and through
+the public MXNet path (``mx_roi.nd.<Op>`` / ``mx.nd.Custom`` with autograd).
+"""
+import warnings
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd
+
+import mx_roi
+from mx_roi import backends, parallel
+from mx_roi.backends import NumpyBackend
+from mx_roi.cuda import loader
+from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.registry import get_op
+from tests.ops.base import adversarial_rois, make_data, random_rois
+
+NATIVE = CudaBackend(emulated=False, native=True)
+EMU = CudaBackend(emulated=True)
+REF = NumpyBackend()
+
+#: (rtol, atol) per dtype for native vs NumPy where the summation order differs;
+#: atol is scaled by max(1, max |expected|)
+TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}
+
+CASES = [
+    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
+    ("ROIPooling", dict(pooled_size=(3, 3), spatial_scale=1.0)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1)),
+    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=1.0, sample_ratio=2, aligned=True)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1, aligned=True,
+                      pool_mode="max")),
+    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=0.25, sample_ratio=2,
+                      pool_mode="max")),
+    ("PSROIPooling", dict(pooled_size=4, output_dim=3, spatial_scale=0.5, group_size=2)),
+    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=1.0)),
+    ("PSROIPooling", dict(pooled_size=2, output_dim=2, spatial_scale=1.0, group_size=3)),
+    ("PSROIAlign", dict(pooled_size=4, output_dim=3, spatial_scale=0.5, sample_ratio=2,
+                        group_size=2)),
+    ("PSROIAlign", dict(pooled_size=3, output_dim=2, spatial_scale=1.0, sample_ratio=-1,
+                        aligned=True)),
+]
+
+#: one case per op kind for the slower MXNet-path tests
+MX_CASES = [CASES[0], CASES[2], CASES[4], CASES[6], CASES[9]]
+
+C_BASE = 5  # channels of the non position-sensitive problems
+
+
+def _ids(cases):
+    return [f"{name}-{i}" for i, (name, _) in enumerate(cases)]
+
+
+def make_op(name, params):
+    cls = get_op(name)
+    return cls(cls.param_cls.from_kwargs(**params))
+
+
+def is_max(name, params):
+    return name == "ROIPooling" or params.get("pool_mode") == "max"
+
+
+def in_channels(op):
+    p = op.param
+    return p.output_dim * p.groups ** 2 if hasattr(p, "output_dim") else C_BASE
+
+
+def problem(op, dtype, kind="randn", seed=0, N=2, H=9, W=10):
+    """Data of ``kind``, adversarial + random rois (every 5th a padding roi) and an
+    out-grad."""
+    rng = np.random.default_rng(seed)
+    s = op.param.spatial_scale
+    data = make_data(rng, (N, in_channels(op), H, W), dtype, kind)
+    rois = np.concatenate([adversarial_rois(rng, N, H, W, s, dtype=np.float64),
+                           random_rois(rng, 6, N, H, W, s, np.float64)])
+    rois[::5, 0] = -1  # padding rois
+    rois = rois.astype(dtype)
+    grad = make_data(rng, op.out_shape(data.shape, rois.shape), dtype)
+    return data, rois, grad
+
+
+def nd(a):
+    return mx.nd.array(a, dtype=a.dtype)
+
+
+def run(backend, op, data, rois, grad, req_f="write", req_b="write", init_out=None,
+        init_grad=None):
+    """Forward (keeping what the backward needs) + backward through ``backend``;
+    returns (out, data grad) as NumPy arrays."""
+    out_shape = op.out_shape(data.shape, rois.shape)
+    out = nd(init_out if init_out is not None else np.zeros(out_shape, data.dtype))
+    dgrad = nd(init_grad if init_grad is not None else np.zeros(data.shape, data.dtype))
+    x, r = nd(data), nd(rois)
+    saved = backend.forward(op, req_f, x, r, out, keep=True)
+    backend.backward(op, req_b, nd(grad), x, r, dgrad, saved)
+    return out.asnumpy(), dgrad.asnumpy()
+
+
+def close(actual, expected, dtype, what="", tol=None):
+    assert actual.shape == expected.shape, what
+    assert actual.dtype == np.dtype(dtype), what
+    t = tol if tol is not None else TOL[np.dtype(dtype)]
+    e = expected.astype(np.float64)
+    atol = t * max(1.0, float(np.abs(e).max()) if e.size else 1.0)
+    np.testing.assert_allclose(actual.astype(np.float64), e, rtol=t, atol=atol, err_msg=what)
+
+
+def identical(actual, expected, what="", bits=True):
+    """Bit-identical (``bits``), or equal values (+0.0 == -0.0: the backends may pick
+    either zero of a max over ties of +0 and -0)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    differ = actual.tobytes() != expected.tobytes() if bits else \
+        not np.array_equal(actual, expected)
+    if differ:
+        bad = np.argwhere(actual != expected)
+        first = tuple(bad[0]) if bad.size else "(bit pattern only)"
+        detail = f"; first at {first}: {actual[first]!r} vs {expected[first]!r}" \
+            if bad.size else ""
+        raise AssertionError(f"{what}: {len(bad)} of {actual.size} elements differ{detail}")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records the kernel expression of every launch (any host/GPU seam)."""
+    seen = []
+    real = Launch._launch
+
+    def spy(self, expr, n, args):
+        seen.append(expr)
+        return real(self, expr, n, args)
+
+    monkeypatch.setattr(Launch, "_launch", spy)
+    return seen
+
+
+# ------------------------------------------------------------ 1. threads and NumPy
+@pytest.mark.parametrize("dtype", (np.float32, np.float64), ids=("float32", "float64"))
+@pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
+def test_thread_counts_bit_identical_and_match_numpy(name, params, dtype, monkeypatch):
+    op = make_op(name, params)
+    c_out = op.out_channels(in_channels(op))
+    thread_counts = (1, 2, 3, c_out + 3)  # the last: more threads than channels
+    kinds = ("randn", "relu", "int")
+    for kind in kinds:
+        data, rois, grad = problem(op, dtype, kind)
+        what = f"{name} {params} {np.dtype(dtype).name} [{kind}]"
+        results = {}
+        for t in thread_counts:
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+            results[t] = run(NATIVE, op, data, rois, grad)
+        out1, g1 = results[1]
+        for t in thread_counts[1:]:
+            identical(results[t][0], out1, f"{what}: forward, {t} threads vs 1")
+            identical(results[t][1], g1, f"{what}: data grad, {t} threads vs 1")
+
+        monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+        out_n, g_n = run(REF, op, data, rois, grad)
+        # max modes evaluate every candidate with the same operations (and the same
+        # first-maximum tie rule: the relu/int maps are full of ties); an integer-bin
+        # average of small integers is exact whatever the summation order
+        if is_max(name, params) or (name == "PSROIPooling" and kind == "int"):
+            identical(out1, out_n, f"{what}: forward native vs numpy", bits=False)
+        else:
+            close(out1, out_n, dtype, f"{what}: forward native vs numpy")
+        close(g1, g_n, dtype, f"{what}: data grad native vs numpy")
+        assert not out1[rois[:, 0] < 0].any(), f"{what}: padding rois must give 0"
+        # same kernel text as the serial GPU emulation: the forward is the same
+        # computation element by element (no fast-math, no contraction)
+        out_e, g_e = run(EMU, op, data, rois, grad)
+        identical(out1, out_e, f"{what}: forward native vs emulated-cuda")
+        close(g1, g_e, dtype, f"{what}: data grad native vs emulated-cuda")
+
+
+@pytest.mark.parametrize("name,params", CASES[::2], ids=_ids(CASES[::2]))
+def test_float16_direct(name, params, monkeypatch):
+    """float16 data: the kernels compute in float32; compared with the NumPy backend on
+    the same float16 inputs, and over thread counts (bit-identical)."""
+    op = make_op(name, params)
+    data, rois, grad = problem(op, np.float16, "randn", seed=5)
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+    out1, g1 = run(NATIVE, op, data, rois, grad)
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "4")
+    out4, g4 = run(NATIVE, op, data, rois, grad)
+    identical(out4, out1, "float16 forward, 4 threads vs 1")
+    identical(g4, g1, "float16 data grad, 4 threads vs 1")
+    out_n, g_n = run(REF, op, data, rois, grad)
+    close(out1, out_n, np.float16, "float16 forward native vs numpy")
+    close(g1, g_n, np.float16, "float16 data grad native vs numpy")
+
+
+def test_launcher_reads_thread_count_per_launch(monkeypatch):
+    """The native launcher asks :func:`mx_roi.parallel.num_threads` at every launch."""
+    calls = []
+    real = parallel.num_threads
+
+    def spy():
+        calls.append(1)
+        return 3
+
+    monkeypatch.setattr(parallel, "num_threads", spy)
+    monkeypatch.setattr(loader, "_MODULES", {})  # fresh kernels pick up the spy
+    op = make_op(*CASES[0])
+    data, rois, grad = problem(op, np.float32, "relu")
+    out, g = run(NATIVE, op, data, rois, grad)
+    assert len(calls) == 2, "one forward and one backward launch, each reading the count"
+    monkeypatch.setattr(parallel, "num_threads", real)
+    out_n, g_n = run(REF, op, data, rois, grad)
+    identical(out, out_n, "forward", bits=False)
+    close(g, g_n, np.float32, "data grad")
+
+
+@pytest.mark.parametrize("name,params", CASES[::2], ids=_ids(CASES[::2]))
+def test_req_write_overwrites_stale_memory_and_add_adds(name, params, monkeypatch):
+    """The native backend fills MXNet's output / input-gradient memory itself for req
+    write/inplace: stale contents (NaN) must not survive, padding rois included; req add
+    adds to the existing values; req null leaves them."""
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    dtype = np.float32
+    op = make_op(name, params)
+    data, rois, grad = problem(op, dtype, "relu", seed=1)
+    out_shape = op.out_shape(data.shape, rois.shape)
+    out_w, g_w = run(NATIVE, op, data, rois, grad)
+    for req in ("write", "inplace"):
+        out_s, g_s = run(NATIVE, op, data, rois, grad, req, req,
+                         np.full(out_shape, np.nan, dtype), np.full(data.shape, np.nan, dtype))
+        identical(out_s, out_w, f"forward req={req} over stale memory")
+        identical(g_s, g_w, f"backward req={req} over stale memory")
+    base_out = np.full(out_shape, 0.5, dtype)
+    base_grad = np.full(data.shape, -0.25, dtype)
+    out_a, g_a = run(NATIVE, op, data, rois, grad, "add", "add", base_out, base_grad)
+    identical(out_a, out_w + base_out, "forward req=add")
+    identical(g_a, g_w + base_grad, "backward req=add")
+    out_0, g_0 = run(NATIVE, op, data, rois, grad, "null", "null", base_out, base_grad)
+    identical(out_0, base_out, "forward req=null")
+    identical(g_0, base_grad, "backward req=null")
+
+
+def test_write_is_zero_copy(monkeypatch):
+    """req write: the forward kernel's output buffer *is* MXNet's output memory, and the
+    gradient accumulator is MXNet's gradient memory (same dtype as the compute dtype)."""
+    targets = []
+    real_output, real_grad_buffer = Launch.output, Launch.grad_buffer
+
+    def output(self, shape):
+        buf = real_output(self, shape)
+        targets.append(("out", self.out_target is not None and buf is self.out_target))
+        return buf
+
+    def grad_buffer(self, shape, grad):
+        buf = real_grad_buffer(self, shape, grad)
+        targets.append(("grad", self.grad_target is not None and buf is self.grad_target))
+        return buf
+
+    monkeypatch.setattr(Launch, "output", output)
+    monkeypatch.setattr(Launch, "grad_buffer", grad_buffer)
+    op = make_op(*CASES[6])  # PSROIPooling
+    data, rois, grad = problem(op, np.float32)
+    run(NATIVE, op, data, rois, grad)
+    assert targets == [("out", True), ("grad", True)]
+    targets.clear()
+    run(NATIVE, op, data, rois, grad, "add", "add")
+    assert targets == [("out", False), ("grad", False)]
+
+
+@pytest.mark.parametrize("name,params", CASES[::3], ids=_ids(CASES[::3]))
+def test_deterministic_flag_uses_float_accumulation(name, params, launches, monkeypatch):
+    """deterministic=True: the native build is deterministic anyway and keeps the float
+    accumulators (no fixed point), so the results equal those without the flag."""
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    op = make_op(name, params)
+    det = make_op(name, dict(params, deterministic=True))
+    data, rois, grad = problem(op, np.float32, "relu", seed=3)
+    out, g = run(NATIVE, op, data, rois, grad)
+    launches.clear()
+    out_d, g_d = run(NATIVE, det, data, rois, grad)
+    assert len(launches) == 2 and "unsigned long long" not in launches[1], launches
+    identical(out_d, out, "deterministic forward")
+    identical(g_d, g, "deterministic data grad")
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[5]], ids=_ids([CASES[0], CASES[5]]))
+def test_backward_without_saved_argmax(name, params):
+    """A backward whose forward kept nothing (inference-mode forward) recomputes the
+    argmax on native; same gradient."""
+    op = make_op(name, params)
+    data, rois, grad = problem(op, np.float64, "relu", seed=4)
+    out, g = run(NATIVE, op, data, rois, grad)
+    x, r = nd(data), nd(rois)
+    o = nd(np.zeros(out.shape, data.dtype))
+    assert NATIVE.forward(op, "write", x, r, o, keep=False) is None
+    dg = nd(np.full(data.shape, np.nan, data.dtype))
+    NATIVE.backward(op, "write", nd(grad), x, r, dg, None)
+    identical(o.asnumpy(), out, "forward keep=False")
+    identical(dg.asnumpy(), g, "backward recomputing the argmax")
+
+
+# ------------------------------------------------------------ 2. the real MXNet path
+def mx_run(name, params, data, rois, grad, grad_req="write", init_grad=None, passes=1):
+    """``mx_roi.nd.<name>`` under autograd; returns (out, data grad, rois grad)."""
+    fn = getattr(mx_roi.nd, name)
+    x, r = nd(data), nd(rois)
+    x.attach_grad(grad_req=grad_req)
+    r.attach_grad()
+    if init_grad is not None:
+        x.grad[:] = nd(init_grad)
+    for _ in range(passes):
+        with autograd.record():
+            y = fn(x, r, **params)
+        y.backward(nd(grad))
+    return y.asnumpy(), x.grad.asnumpy(), r.grad.asnumpy()
+
+
+@pytest.mark.parametrize("dtype", (np.float32, np.float64), ids=("float32", "float64"))
+@pytest.mark.parametrize("name,params", MX_CASES, ids=_ids(MX_CASES))
+def test_mxnet_path_write_and_add(name, params, dtype, monkeypatch, launches):
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "3")
+    op = make_op(name, params)
+    data, rois, grad = problem(op, dtype, "relu", seed=2)
+    monkeypatch.setenv("MX_ROI_BACKEND", "numpy")
+    out_n, g_n, _ = mx_run(name, params, data, rois, grad)
+    assert launches == [], "the numpy backend launches no kernels"
+
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
+    # write, over a stale gradient
+    stale = np.full(data.shape, 7.0, dtype)
+    out, g, rg = mx_run(name, params, data, rois, grad, "write", init_grad=stale)
+    assert launches, "MX_ROI_BACKEND=native must run the native kernels"
+    assert all(e.startswith(op.cuda_source[:-3] + "_") for e in launches)
+    if is_max(name, params):
+        identical(out, out_n, "forward native vs numpy (mxnet path)", bits=False)
+    else:
+        close(out, out_n, dtype, "forward native vs numpy (mxnet path)")
+    close(g, g_n, dtype, "data grad req=write native vs numpy (mxnet path)")
+    assert not rg.any(), "rois get no gradient"
+    # forward only, no autograd
+    y = getattr(mx_roi.nd, name)(nd(data), nd(rois), **params).asnumpy()
+    identical(y, out, "forward without autograd vs with")
+    # add: accumulates into the existing gradient, twice
+    base = make_data(np.random.default_rng(9), data.shape, dtype)
+    _, g_add, _ = mx_run(name, params, data, rois, grad, "add", init_grad=base, passes=2)
+    close(g_add, base + 2 * g_n.astype(dtype), dtype, "data grad req=add (2 passes)")
+
+
+@pytest.mark.parametrize("name,params", MX_CASES, ids=_ids(MX_CASES))
+def test_mxnet_path_custom_float16(name, params, monkeypatch, launches):
+    """float16 through ``mx.nd.Custom`` on native, against the float32 computation of the
+    same (float16-representable) inputs."""
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
+    op = make_op(name, params)
+    data, rois, grad = problem(op, np.float16, "randn", seed=3)
+    out16, g16, _ = mx_run(name, params, data, rois, grad)
+    assert launches and all("__half" in e for e in launches)
+    assert out16.dtype == g16.dtype == np.float16
+    monkeypatch.setenv("MX_ROI_BACKEND", "numpy")
+    f32 = [a.astype(np.float32) for a in (data, rois, grad)]
+    out32, g32, _ = mx_run(name, params, *f32)
+    close(out16, out32.astype(np.float16), np.float16, "float16 forward vs float32", 2e-2)
+    close(g16, g32.astype(np.float16), np.float16, "float16 data grad vs float32", 2e-2)
+    # also via mx.nd.Custom directly (the op_type spelling)
+    y = mx.nd.Custom(nd(data), nd(rois), op_type=name, **params).asnumpy()
+    close(y, out16, np.float16, "mx.nd.Custom vs mx_roi.nd", 1e-3)
+
+
+# ------------------------------------------------------------ 3. selection
+SELECT = [
+    ("ROIPooling", dict(pooled_size=2, spatial_scale=1.0), "native"),
+    ("ROIAlign", dict(pooled_size=2, spatial_scale=1.0), "numpy"),
+    ("ROIAlign", dict(pooled_size=2, spatial_scale=1.0, pool_mode="max"), "native"),
+    ("PSROIPooling", dict(pooled_size=2, output_dim=2, spatial_scale=1.0), "native"),
+    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=1.0), "native"),
+]
+
+
+@pytest.mark.parametrize("name,params,expected", SELECT,
+                         ids=[f"{n}-{p.get('pool_mode', '')}" for n, p, _ in SELECT])
+def test_select(name, params, expected, monkeypatch):
+    op = make_op(name, params)
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    assert backends.select(mx.cpu(), op) == expected
+    assert backends.select("cpu(0)", op) == expected
+    for auto in ("auto", "AUTO", " auto ", ""):
+        monkeypatch.setenv("MX_ROI_BACKEND", auto)
+        assert backends.select(mx.cpu(), op) == expected, repr(auto)
+    for choice in ("numpy", "native", "emulated-cuda"):
+        monkeypatch.setenv("MX_ROI_BACKEND", choice)
+        assert backends.select(mx.cpu(), op) == choice
+        monkeypatch.setenv("MX_ROI_BACKEND", f" {choice.upper()} ")
+        assert backends.select(mx.cpu(), op) == choice
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
+    assert backends.select(mx.gpu(0), op) == "cuda"
+    assert backends.select("gpu(0)", op) == "cuda"
+    for bad in ("cuda", "gpu", "natve", "onednn"):
+        monkeypatch.setenv("MX_ROI_BACKEND", bad)
+        with pytest.raises(ValueError, match="MX_ROI_BACKEND"):
+            backends.select(mx.cpu(), op)
+
+
+def test_backend_instances():
+    assert backends.get("native").name == "native"
+    assert backends.get("native") is backends.get("native")
+    assert backends.get("emulated-cuda").name == "emulated-cuda"
+    assert backends.get("numpy").name == "numpy"
+
+
+def test_native_available_with_compiler():
+    for name in ("ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign"):
+        assert backends.native_available(get_op(name).cuda_source)
+
+
+def test_create_operator_selects_native_under_auto(monkeypatch, launches):
+    """Unset MX_ROI_BACKEND: ROIPooling runs the native kernels, ROIAlign avg does not."""
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    x = nd(np.arange(50, dtype=np.float32).reshape(1, 2, 5, 5))
+    r = nd(np.array([[0, 0, 0, 3, 3]], np.float32))
+    y = mx_roi.nd.ROIPooling(x, r, pooled_size=(2, 2), spatial_scale=1.0).asnumpy()
+    np.testing.assert_array_equal(y[0, 0], [[6, 8], [16, 18]])
+    assert launches == ["roi_pooling_forward<float, float>"]
+    launches.clear()
+    mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0).wait_to_read()
+    assert launches == []
+    mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0,
+                       pool_mode="max").wait_to_read()
+    assert launches == ["roi_align_forward_max<float, float>"]
+
+
+# ------------------------------------------------------------ 4. fallback to NumPy
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler-c++"))
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "_NATIVE_OK", {})
+    monkeypatch.setattr(loader, "_MODULES", {})
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    assert loader.host_compiler() == ""
+    return tmp_path
+
+
+def test_fallback_without_compiler(no_compiler, launches):
+    src = get_op("ROIPooling").cuda_source
+    with pytest.warns(RuntimeWarning, match="using the NumPy kernels") as rec:
+        assert backends.native_available(src) is False
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert src in msg and "compiler" in msg
+    # remembered: no second warning, no second attempt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.native_available(src) is False
+        op = make_op("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5))
+        assert backends.select(mx.cpu(), op) == "numpy"
+    assert backends._NATIVE_OK == {src: False}
+    # nothing was built into the fresh cache
+    cache = no_compiler / "cache"
+    assert not cache.exists() or not list(cache.glob("*.so"))
+
+    # the op still works (NumPy kernels) and matches an explicit numpy run
+    data, rois, grad = problem(op, np.float32, "relu", seed=4)
+    out, g, _ = mx_run("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5),
+                       data, rois, grad)
+    assert launches == [], "fell back to NumPy: no kernel launches"
+    out_n, g_n = run(REF, op, data, rois, grad)
+    identical(out, out_n, "fallback forward")
+    identical(g, g_n, "fallback data grad")
+
+
+def test_fallback_warns_once_per_source_through_the_op(no_compiler, launches):
+    """The first op of a kind created under auto triggers the (single) warning."""
+    params = dict(pooled_size=2, output_dim=2, spatial_scale=1.0)
+    op = make_op("PSROIPooling", params)
+    data, rois, grad = problem(op, np.float64, "int", seed=6)
+    with pytest.warns(RuntimeWarning, match="psroi_pooling.cu"):
+        assert backends.select(mx.cpu(), op) == "numpy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, g, _ = mx_run("PSROIPooling", params, data, rois, grad)
+    assert launches == []
+    out_n, g_n = run(REF, op, data, rois, grad)
+    identical(out, out_n, "fallback forward")
+    identical(g, g_n, "fallback data grad")
+
+
+def test_explicit_native_without_compiler_errors(no_compiler, monkeypatch):
+    """MX_ROI_BACKEND=native is honoured literally: no compiler is an error naming it,
+    raised at the call (not a crash, not a silent fallback)."""
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
+    x = nd(np.ones((1, 2, 5, 5), np.float32))
+    r = nd(np.array([[0, 0, 0, 3, 3]], np.float32))
+    with pytest.raises(mx.base.MXNetError, match="compiler"):
+        mx_roi.nd.ROIPooling(x, r, pooled_size=(2, 2), spatial_scale=1.0).asnumpy()
+
+
+# ------------------------------------------------------------ 5. degenerate roi sets
+@pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
+def test_zero_rois(name, params, launches):
+    op = make_op(name, params)
+    data, _, _ = problem(op, np.float32)
+    rois = np.zeros((0, 5), np.float32)
+    with mx.util.np_shape(True):
+        grad = np.zeros(op.out_shape(data.shape, rois.shape), np.float32)
+        ones = np.ones(data.shape, np.float32)
+        out, g = run(NATIVE, op, data, rois, grad, init_grad=ones)
+        assert out.shape == op.out_shape(data.shape, rois.shape) and out.shape[0] == 0
+        assert g.shape == data.shape and not g.any(), "req write: zero gradient"
+        _, g_add = run(NATIVE, op, data, rois, grad, "add", "add", init_grad=ones)
+        identical(g_add, ones, "req add with no rois leaves the gradient")
+    assert launches == []
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32, np.float64),
+                         ids=("float16", "float32", "float64"))
+@pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
+def test_all_padding_rois(name, params, dtype, monkeypatch):
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "3")
+    op = make_op(name, params)
+    data, rois, grad = problem(op, dtype, "relu", seed=7)
+    rois[:, 0] = -1
+    out_shape = op.out_shape(data.shape, rois.shape)
+    out, g = run(NATIVE, op, data, rois, grad, init_out=np.full(out_shape, np.nan, dtype),
+                 init_grad=np.full(data.shape, np.nan, dtype))
+    assert out.shape == out_shape and out.dtype == np.dtype(dtype)
+    identical(out, np.zeros(out_shape, dtype), "all-padding forward")
+    identical(g, np.zeros(data.shape, dtype), "all-padding data grad")
+
+
+@pytest.mark.parametrize("name,params", MX_CASES, ids=_ids(MX_CASES))
+def test_all_padding_rois_mxnet_path(name, params, monkeypatch, launches):
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
+    op = make_op(name, params)
+    data, rois, grad = problem(op, np.float32, "randn", seed=8)
+    rois[:, 0] = -1.0
+    rois[1::2, 0] = -3.0
+    out, g, rg = mx_run(name, params, data, rois, grad,
+                        init_grad=np.full(data.shape, 5.0, np.float32))
+    assert launches, "native kernels ran"
+    assert out.shape == op.out_shape(data.shape, rois.shape)
+    assert not out.any() and not g.any() and not rg.any()
