@@ -15,6 +15,7 @@ __global__ void psroi_pooling_forward(
     if (b >= 0 && he > hs && we > ws) {
       const T* plane =
           data + mx_roi::plane_offset(b, mx_roi::in_channel(channel_map, it, P, Q), Cin, H, W);
+      mx_roi::prefetch_next_plane(data, channel_map, it, C, Cin, H, W, P, Q, b, false);
       for (int h = hs; h < he; ++h) {
         for (int w = ws; w < we; ++w) {
           sum += mx_roi::Traits<T>::load(plane[h * W + w]);
@@ -39,6 +40,7 @@ __global__ void psroi_pooling_backward(
     const A g = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)((he - hs) * (we - ws));
     O* plane =
         bottom + mx_roi::plane_offset(b, mx_roi::in_channel(channel_map, it, P, Q), Cin, H, W);
+    mx_roi::prefetch_next_plane(bottom, channel_map, it, C, Cin, H, W, P, Q, b, true);
     for (int h = hs; h < he; ++h) {
       for (int w = ws; w < we; ++w) {
         mx_roi::grad_add(plane + h * W + w, g, scale);

@@ -147,6 +147,43 @@ __device__ __forceinline__ long long plane_offset(int b, int ch, int C, int H, i
   return ((long long)b * C + ch) * ((long long)H * W);
 }
 
+// ---- native host build: prefetching the next plane ------------------------------------
+// In the native build a position-sensitive kernel walks all rois of one bin (c, p, q) --
+// one input plane -- before the next bin (ItemLoop), so the first loads of the next plane
+// would each wait for memory.  Every item hints two cache lines of the plane the next
+// bin's items of its batch will read (``write``: the gradient plane they will update),
+// spreading that plane over the current bin's rois (measured on the 2-core test machine:
+// PS forward 1.5-2x, backward 1.3x faster).  The per-channel ops reuse one plane for all
+// R*P*Q items of a channel and gained nothing.  Nothing on a GPU or in the emulation, nor
+// with -DMX_ROI_NO_PREFETCH (to measure it).
+template <typename T>
+__device__ __forceinline__ void prefetch_next_plane(const T* base, const int* channel_map,
+                                                    const Item& it, int C, int Cin, int H,
+                                                    int W, int P, int Q, int b, bool write) {
+#if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
+  if (!channel_map) return;
+  Item nx = it;  // the next bin in (c, p, q) order; the last one re-hints itself
+  if (++nx.q == Q) {
+    nx.q = 0;
+    if (++nx.p == P) {
+      nx.p = 0;
+      ++nx.c;
+    }
+  }
+  if (nx.c >= C) nx = it;
+  const long long hw = (long long)H * W, line = 64 / (long long)sizeof(T);
+  const T* next = base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W);
+  const long long off = (2 * it.r * line) % hw;
+  if (write) {
+    __builtin_prefetch(next + off, 1);
+    __builtin_prefetch(next + (off + line) % hw, 1);
+  } else {
+    __builtin_prefetch(next + off, 0);
+    __builtin_prefetch(next + (off + line) % hw, 0);
+  }
+#endif
+}
+
 // ---- gradient accumulation ---------------------------------------------------------
 // Plain atomics (order of additions, hence the last bits, vary from run to run) ...
 __device__ __forceinline__ void grad_add(float* dst, float v, double) { atomicAdd(dst, v); }
@@ -220,6 +257,7 @@ __device__ __forceinline__ void align_avg_forward_item(
   A sum = 0;
   if (b >= 0) {
     const T* plane = data + plane_offset(b, in_channel(channel_map, it, P, Q), Cin, H, W);
+    prefetch_next_plane(data, channel_map, it, C, Cin, H, W, P, Q, b, false);
     const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
     const long long yb = (it.r * P + it.p) * (long long)Gy;
     const long long xb = (it.r * Q + it.q) * (long long)Gx;
@@ -245,6 +283,7 @@ __device__ __forceinline__ void align_avg_backward_item(
   if (b < 0) return;
   const A g = (A)Traits<T>::load(grad[it.i]) / divisor[(it.r * P + it.p) * Q + it.q];
   O* plane = bottom + plane_offset(b, in_channel(channel_map, it, P, Q), Cin, H, W);
+  prefetch_next_plane(bottom, channel_map, it, C, Cin, H, W, P, Q, b, true);
   const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
   const long long yb = (it.r * P + it.p) * (long long)Gy;
   const long long xb = (it.r * Q + it.q) * (long long)Gx;

@@ -31,7 +31,13 @@
 #define __global__
 #define __device__
 #define __host__
+#ifdef MX_ROI_HOST_NATIVE
+// as in CUDA: always inlined (GCC 12 otherwise may find a small helper whose only effect
+// is __builtin_prefetch "const" and drop the call -- mx_roi::prefetch_next_plane)
+#define __forceinline__ __attribute__((always_inline)) inline
+#else
 #define __forceinline__ inline
+#endif
 #define __restrict__
 
 struct mx_roi_dim3 {
