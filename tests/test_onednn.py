@@ -401,3 +401,46 @@ def test_grad_req_add_through_the_guard():
         y.backward(mx.nd.ones_like(y))
         grads.append(x.grad.asnumpy().copy())
     np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6)
+
+
+def _data_pointer(a):
+    import ctypes
+    from mxnet.base import _LIB, check_call
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(a.handle, ctypes.byref(ptr)))
+    return ptr.value
+
+
+def test_plain_nd_reorders_a_blocked_array_in_place():
+    """The imperative input guard: a Convolution output in oneDNN's blocked layout cannot
+    be viewed as a plain tensor (MXNet refuses); after ``plain_nd`` it can, holds the same
+    values, and ``plain_nd`` of an already plain array neither copies nor moves it."""
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(1, 8, 12, 12))
+    w = mx.nd.array(rng.randn(16, 8, 3, 3))
+
+    def conv():
+        return mx.nd.Convolution(x, w, kernel=(3, 3), pad=(1, 1), num_filter=16, no_bias=True)
+
+    blocked = conv()
+    blocked.wait_to_read()
+    with pytest.raises(mx.base.MXNetError, match="MKLDNN"):
+        blocked.to_dlpack_for_read()  # blocked layout: no plain view (the hazard's cause)
+    y = conv()
+    assert onednn.plain_nd(y) is y
+    view = np.from_dlpack(_Capsule(y.to_dlpack_for_read()))  # plain now, in place
+    np.testing.assert_allclose(view, conv().asnumpy(), rtol=1e-6, atol=1e-6)
+    before = _data_pointer(y)
+    onednn.plain_nd(y)
+    assert _data_pointer(y) == before
+
+
+class _Capsule:
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
