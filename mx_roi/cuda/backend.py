@@ -1,10 +1,14 @@
-"""The ``cuda`` and ``emulated-cuda`` backends: the ops' CUDA kernels, on a GPU or the host.
+"""The ``cuda``, ``native`` and ``emulated-cuda`` backends: the ops' CUDA kernels, on a GPU,
+compiled for the host as fast multi-threaded CPU code, or emulated serially on the host.
 
-Flow of one call (``forward`` or ``backward``), identical for both seams:
+Flow of one call (``forward`` or ``backward``), identical for all three:
 
 1. inputs -> arrays: on a GPU the MXNet NDArrays are handed to CuPy *without copies*
    through DLPack (``NDArray.to_dlpack_for_read`` -> ``cupy.from_dlpack``; outputs through
-   ``to_dlpack_for_write``); in emulation through NumPy (``asnumpy``, ``dst[:] = value``);
+   ``to_dlpack_for_write``); ``native`` reads NumPy views through DLPack and lets the
+   kernels write straight into MXNet's output / input-gradient memory (req write/inplace:
+   ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
+   (``asnumpy``, ``dst[:] = value``);
 2. ``op.check_inputs(shape, dtype, rois, xp)`` exactly like the NumPy backend;
 3. the op's geometry tables, once: ``op.geometry(rois, H, W, xp)`` (``xp`` = cupy on a
    GPU, numpy in emulation) -- the kernels only read them (they never re-derive a bin or a
