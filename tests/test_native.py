@@ -13,6 +13,7 @@ multi-threaded over output channels.
 The backends are driven directly (``backend.forward/backward`` on NDArrays) and through
 the public MXNet path (``mx_roi.nd.<Op>`` / ``mx.nd.Custom`` with autograd).
 """
+import os
 import warnings
 
 import mxnet as mx
@@ -547,3 +548,13 @@ def test_all_padding_rois_mxnet_path(name, params, monkeypatch, launches):
     assert launches, "native kernels ran"
     assert out.shape == op.out_shape(data.shape, rois.shape)
     assert not out.any() and not g.any() and not rg.any()
+
+
+def test_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch):
+    """A cache folder that cannot be created (read-only home, bad MX_ROI_CACHE) must not
+    cost the native kernels: the builds go to a per-user folder in the temp dir."""
+    import tempfile
+    monkeypatch.setenv("MX_ROI_CACHE", "/proc/mx_roi_cannot_exist/cache")
+    d = loader.cache_dir()
+    assert d.startswith(tempfile.gettempdir()) and os.path.isdir(d)
+    assert os.access(d, os.W_OK)

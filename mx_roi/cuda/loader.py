@@ -211,9 +211,19 @@ def _arg_slots(args):
 
 # --------------------------------------------------------------------------- host build
 def cache_dir() -> str:
+    """``$MX_ROI_CACHE``, else ``$XDG_CACHE_HOME/mx_roi`` or ``~/.cache/mx_roi``; if that
+    cannot be created or written (read-only home), a per-user folder in the temp dir."""
     d = os.environ.get("MX_ROI_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "mx_roi")
+    try:
+        os.makedirs(d, exist_ok=True)
+        if os.access(d, os.W_OK | os.X_OK):
+            return d
+    except OSError:
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    d = os.path.join(tempfile.gettempdir(), f"mx_roi-{uid}")
     os.makedirs(d, exist_ok=True)
     return d
 
