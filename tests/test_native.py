@@ -29,6 +29,13 @@ from mx_roi.cuda.backend import CudaBackend, Launch
 from mx_roi.registry import get_op
 from tests.ops.base import adversarial_rois, make_data, random_rois
 
+@pytest.fixture(autouse=True)
+def _threads_even_for_small_launches(monkeypatch):
+    """The test problems are small; without this every launch would run on one thread
+    (loader.NATIVE_MIN_ITEMS_PER_THREAD) and the thread-count tests would test nothing."""
+    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
+
+
 NATIVE = CudaBackend(emulated=False, native=True)
 EMU = CudaBackend(emulated=True)
 REF = NumpyBackend()
@@ -558,3 +565,12 @@ def test_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch):
     d = loader.cache_dir()
     assert d.startswith(tempfile.gettempdir()) and os.path.isdir(d)
     assert os.access(d, os.W_OK)
+
+
+def test_native_threads_skips_threads_for_small_launches(monkeypatch):
+    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1000)
+    assert loader.native_threads(0, 4) == 1
+    assert loader.native_threads(999, 4) == 1
+    assert loader.native_threads(2500, 4) == 2
+    assert loader.native_threads(10 ** 9, 4) == 4
+    assert loader.native_threads(10 ** 9, 1) == 1

@@ -130,9 +130,10 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 // The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
 static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 
-// Runs fn() on up to nthreads threads, thread t on channels [C*t/T, C*(t+1)/T).  A range
-// whose thread cannot be started (resource limits) runs on the calling thread instead:
-// an exception must not leave this extern "C" code (it would abort the process).
+// Runs fn() on up to nthreads threads (at most C), thread t on channels
+// [C*t/T, C*(t+1)/T).  A range whose thread cannot be started (resource limits) runs on
+// the calling thread instead: an exception must not leave this extern "C" code (it would
+// abort the process).
 template <typename F>
 static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);

@@ -50,6 +50,9 @@ MAX_GRID = 65535
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_shim.h")
 HOST_FLAGS = ("-O2", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
               "-w")
+#: a native launch uses no more threads than items // this: starting a thread (~0.1 ms
+#: here) costs more than it saves on fewer items
+NATIVE_MIN_ITEMS_PER_THREAD = 1 << 14
 # -ffp-contract=off: no fused multiply-adds, the operation order of MXNet's CPU kernels
 NATIVE_FLAGS = ("-O3", "-std=c++14", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
                 "-fno-fast-math", "-DMX_ROI_HOST_NATIVE", "-w")
@@ -167,14 +170,16 @@ class KernelModule:
         return k
 
     def _native_launcher(self, expr):
-        from ..parallel import num_threads
+        from .. import parallel
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
         fn.restype = None
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        n_index = [p.name for p in S.instantiate(self.filename, expr).params].index("n")
 
         def launch(grid, block, args):  # the grid is the GPU's; threads split channels
             slots, keep = _arg_slots(args)
-            fn(num_threads(), ctypes.cast(slots, ctypes.c_void_p))
+            fn(native_threads(int(args[n_index]), parallel.num_threads()),
+               ctypes.cast(slots, ctypes.c_void_p))
             del keep
         return launch
 
@@ -190,6 +195,12 @@ class KernelModule:
             fn(grid[0], block[0], ctypes.cast(slots, ctypes.c_void_p))
             del keep
         return launch
+
+
+def native_threads(items: int, available: int) -> int:
+    """Threads of a native launch over ``items``: at most ``available``, and none that
+    would get fewer than :data:`NATIVE_MIN_ITEMS_PER_THREAD` items."""
+    return max(1, min(int(available), int(items) // max(1, NATIVE_MIN_ITEMS_PER_THREAD)))
 
 
 def _arg_slots(args):
@@ -247,9 +258,9 @@ def host_source(filename: str, native: bool = False) -> Tuple[str, Dict[str, int
         call_args = ", ".join(f"*({p.decl}*)a[{i}]" for i, p in enumerate(sig.params))
         if native:
             names = [p.name for p in sig.params]
-            if "C" not in names:
-                raise ValueError(f"{filename}: {expr} has no 'C' (output channels) parameter "
-                                 "for the native launch to split")
+            if "C" not in names or "n" not in names:
+                raise ValueError(f"{filename}: {expr} needs the parameters 'C' (output "
+                                 "channels) and 'n' (items) for the native launch to split")
             lines.append(
                 f'extern "C" void mx_roi_launch_{k}(int nthreads, void** a) {{\n'
                 f"  mx_roi_launch_channels(*(int*)a[{names.index('C')}], nthreads, "
