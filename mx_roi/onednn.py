@@ -154,8 +154,9 @@ def plain_nd(a):
 
     ``wait_to_read`` waits for ``a`` to be computed; ``MXNDArrayGetData`` then, when a
     oneDNN operator left it in a blocked layout, reorders its storage to the default
-    layout in place (``NDArray::Reorder2Default``).  ``custom.cc`` then has no temporary to make (and free too
-    early): the Custom node reads ``a``'s own memory, which lives as long as ``a``.  Costs
+    layout in place (``NDArray::Reorder2Default``).  ``custom.cc`` then has no temporary
+    to make (and free too early): the Custom node reads ``a``'s own memory, which lives
+    as long as ``a``.  Costs
     a wait (the imperative call is synchronous here anyway) and, only for a blocked
     array, one reorder -- no copy of a plain array (``clip`` cost 12 ms for a
     2x1029x38x50 map on the 2-core test machine)."""
@@ -173,8 +174,11 @@ def _is_array(x: Any) -> bool:
 def guard_inputs(F, *arrays, name=None):
     """Return ``arrays`` (as a tuple) made safe to feed a ``Custom`` node.
 
-    Non-array items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the
-    guard nodes are called ``{name}_guard_in{i}``.  A no-op when oneDNN is off."""
+    Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
+    no copy); in graphs it passes through ``identity`` and :func:`barrier`.  Non-array
+    items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
+    are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
+    off."""
     if not onednn_enabled():
         return tuple(arrays)
     # MXNet 1.9.1's clip backward ignores grad_req='add' (it overwrites): an identity in

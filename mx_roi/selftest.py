@@ -132,18 +132,10 @@ def check_numpy(quick=False):
 
 
 def check_native(quick=False):
-    return check_emulated(quick, "native") + ", " + \
-        f"{_builtin_checks(_get('native'), _cpu())} ops vs MXNet built-ins"
-
-
-def _get(name):
-    from .backends import get
-    return get(name)
-
-
-def _cpu():
     import mxnet as mx
-    return mx.cpu()
+    from .backends import get
+    detail = check_emulated(quick, "native")
+    return f"{detail}, {_builtin_checks(get('native'), mx.cpu())} ops vs MXNet built-ins"
 
 
 def check_emulated(quick=False, backend="emulated-cuda"):

@@ -26,7 +26,8 @@ data dtype when it is stored.
 
 Deterministic mode (``deterministic=True``): the backward kernels accumulate into an
 ``unsigned long long`` buffer in *fixed point*: each contribution ``v`` is added as the
-integer ``round(v * scale)`` with an integer ``atomicAdd``.  Integer addition is
+integer ``v * scale`` rounded to nearest, ties to even (``__double2ll_rn``; ``llrint``
+on the host), with an integer ``atomicAdd``.  Integer addition is
 associative, so the result is bit-identical from run to run whatever the order of the
 atomics.  ``scale = 2**(61 - e)`` where ``2**e > sum(|out_grad|) * spread``, a bound of the
 magnitude of any input-gradient element (a bin hands out its gradient with weights summing
