@@ -1,5 +1,5 @@
 """PSROIAlign against the reference and ``mx.nd.contrib.ROIAlign(position_sensitive=True)``
-(equal when group_size == pooled_size and the pool is square)."""
+(equal when the group grid is the pooled grid, square or not)."""
 import mxnet as mx
 import numpy as np
 
@@ -25,6 +25,16 @@ class TestPSROIAlign(PositionSensitiveTester):
                  aligned=True, group_size=0),
             dict(pooled_size=2, output_dim=1, spatial_scale=0.7, sample_ratio=3,
                  aligned=False, group_size=3),
+            # the pooled grid of a non-square pool: contrib.ROIAlign(position_sensitive=True)
+            dict(pooled_size=(3, 4), output_dim=3, spatial_scale=0.5, sample_ratio=2,
+                 aligned=False, group_size=0),
+            dict(pooled_size=(2, 3), output_dim=2, spatial_scale=0.25, sample_ratio=-1,
+                 aligned=True, group_size=0),
+            # (gh, gw) different from (P, Q): reference only
+            dict(pooled_size=(3, 4), output_dim=1, spatial_scale=0.7, sample_ratio=1,
+                 aligned=False, group_size=(2, 3)),
+            dict(pooled_size=2, output_dim=2, spatial_scale=1.0, sample_ratio=-1,
+                 aligned=True, group_size=(1, 3)),
         ]
 
     def reference_forward(self, data, rois, pooled_size, output_dim, spatial_scale,
@@ -43,7 +53,7 @@ class TestPSROIAlign(PositionSensitiveTester):
 
     def builtin_params(self, params):
         PH, PW = self.pooled(params)
-        if PH != PW or self.groups(params) != PH:
+        if self.groups(params) != (PH, PW):     # the built-in's group grid is the pool
             return None
         return dict(pooled_size=(PH, PW), spatial_scale=params["spatial_scale"],
                     sample_ratio=params["sample_ratio"], aligned=params["aligned"],
