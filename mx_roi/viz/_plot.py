@@ -30,9 +30,12 @@ def new_figure(ncols=1, size=(6.0, 5.0)):
 
 def _group_colour(cell, group_grid):
     import matplotlib
-    cells = int(np.prod(group_grid))
-    cmap = matplotlib.colormaps["tab20"] if cells > 10 else matplotlib.colormaps["tab10"]
-    return cmap(int(cell) % cmap.N)
+    cell, cells = int(cell), int(np.prod(group_grid))
+    if cells <= 10:
+        return matplotlib.colormaps["tab10"](cell)
+    # tab20 pairs a strong and a pale shade: the 10 strong ones first, then the pale ones
+    k = cell % 20
+    return matplotlib.colormaps["tab20"](2 * k if k < 10 else 2 * (k - 10) + 1)
 
 
 def _title(op) -> str:
