@@ -21,6 +21,7 @@ import numpy as np
 
 __all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "SampleGrid",
            "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index",
+           "ps_channel_map",
            "bilinear_axis", "MAX_SAMPLES_PER_AXIS"]
 
 #: Guard against boxes so large that the per-axis sample tables would not fit in memory.
@@ -113,15 +114,31 @@ def psroi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -
 
 
 def group_index(pooled: int, group_size: int, xp=np, dtype=np.float32):
-    """Position-sensitive group cell of each bin: ``floor(i*G/P)`` clipped to ``[0, G-1]``.
+    """Position-sensitive group cell of each bin along one axis: ``floor(i*G/P)`` clipped
+    to ``[0, G-1]``, with ``P`` bins and ``G`` group cells on that axis.
 
-    Returns (P,) int32.  The input channel of output channel ``c`` at bin (p, q) is
-    ``(c*G + gh[p])*G + gw[q]`` (R-FCN).
+    Returns (P,) int32.  See :func:`ps_channel_map` for the input channel it selects.
     """
     cdt = np.dtype(dtype)
     i = xp.arange(pooled, dtype=cdt)
+    # MXNet/R-FCN compute it in the data type: floor(static_cast<DType>(p) * G / P)
     g = xp.floor(i * cdt.type(group_size) / cdt.type(pooled)).astype(np.int32)
     return xp.clip(g, 0, group_size - 1).astype(np.int32)
+
+
+def ps_channel_map(output_dim: int, pooled_size, group_grid, xp=np):
+    """(C_out, P, Q) int32: the input channel output channel ``c`` reads at bin (p, q).
+
+    ``(c*Gh + gh[p])*Gw + gw[q]`` with ``gh = group_index(P, Gh)``, ``gw = group_index(Q, Gw)``
+    on a ``group_grid = (Gh, Gw)`` (R-FCN's rule, per axis).  With the pooled grid
+    (Gh, Gw) = (P, Q) this is ``c*P*Q + p*Q + q``, the channel of
+    ``contrib.ROIAlign(position_sensitive=True)``.
+    """
+    Gh, Gw = (int(g) for g in group_grid)
+    gh = group_index(int(pooled_size[0]), Gh, xp)
+    gw = group_index(int(pooled_size[1]), Gw, xp)
+    c = xp.arange(output_dim, dtype=np.int32)[:, None, None]
+    return ((c * Gh + gh[None, :, None]) * Gw + gw[None, None, :]).astype(np.int32)
 
 
 @dataclass

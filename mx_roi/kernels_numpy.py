@@ -259,8 +259,9 @@ def first_equal(values: np.ndarray, target: np.ndarray, axis: int) -> np.ndarray
 
 # ---- position-sensitive average ------------------------------------------------------
 #
-# Output channel o at bin (p, q) reads input channel (o*G + gh[p])*G + gw[q] (R-FCN).  The
-# input is laid out once per call as (N, G_h, G_w, H, W, O): then bin (p, q) of a roi
+# Output channel o at bin (p, q) reads input channel (o*G_h + gh[p])*G_w + gw[q] (R-FCN,
+# on a G_h x G_w group grid).  The input is laid out once per call as
+# (N, G_h, G_w, H, W, O): then bin (p, q) of a roi
 # reads the O-vectors of group cell (gh[p], gw[q]) at the cells of its y band x x band
 # (the short runs with non-zero weight in the bin's rows of the separable matrices) --
 # one gather of (P, Q, Ky, Kx, O) per roi, nothing a bin does not read.  The backward
@@ -286,11 +287,11 @@ def band(mat: np.ndarray):
     return start, np.take_along_axis(mat, idx, axis=2)
 
 
-def _cell_layout(data, O, G):
-    """(N, O*G*G, H, W) -> contiguous (N, G_h, G_w, H, W, O)."""
+def _cell_layout(data, O, Gh, Gw):
+    """(N, O*Gh*Gw, H, W) -> contiguous (N, Gh, Gw, H, W, O)."""
     N, _, H, W = data.shape
-    return np.ascontiguousarray(data.reshape(N, O, G * G * H * W).transpose(0, 2, 1)).reshape(
-        N, G, G, H, W, O)
+    return np.ascontiguousarray(data.reshape(N, O, Gh * Gw * H * W).transpose(0, 2, 1)).reshape(
+        N, Gh, Gw, H, W, O)
 
 
 def _ps_plan(sep, dt, gh, gw):
@@ -307,22 +308,23 @@ def _ps_plan(sep, dt, gh, gw):
     return gh_i, gw_i, rows, cols, wy, wx
 
 
-def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, gw):
+def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_grid, gh, gw):
     """Position-sensitive weighted average of each bin: (R, O, P, Q).
 
     Parameters
     ----------
     sep : (batch, ay (R, P, H), ax (R, Q, W), divisor (R, P, Q) or None)
         see :func:`separable`
-    data : (N, O*G*G, H, W) in the compute dtype
+    data : (N, O*Gh*Gw, H, W) in the compute dtype
+    group_grid : (Gh, Gw) group cells along y and x
     gh, gw : (P,), (Q,) int  group cell of each bin row / column
     """
     batch, ay, ax, divisor = sep
     R, P, _ = ay.shape
     Q = ax.shape[1]
-    O, G = output_dim, group_size
+    O, (Gh, Gw) = output_dim, group_grid
     dt = data.dtype
-    cells = _cell_layout(data, O, G)
+    cells = _cell_layout(data, O, Gh, Gw)
     gh_i, gw_i, rows, cols, wy, wx = _ps_plan(sep, dt, gh, gw)
     out = np.zeros((R, P, Q, O), dtype=dt)
 
@@ -337,14 +339,13 @@ def ps_avg_forward(sep, data: np.ndarray, output_dim: int, group_size: int, gh, 
     return out if divisor is None else out / divisor[:, None, :, :].astype(dt, copy=False)
 
 
-def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_size: int,
-                    gh, gw):
-    """Gradient of :func:`ps_avg_forward` w.r.t. the data, as (N, O, G, G, H, W)."""
+def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_grid, gh, gw):
+    """Gradient of :func:`ps_avg_forward` w.r.t. the data, as (N, O, Gh, Gw, H, W)."""
     batch, ay, ax, divisor = sep
     R, P, H = ay.shape
     Q, W = ax.shape[1:]
     N = data_shape[0]
-    O, G = output_dim, group_size
+    O, (Gh, Gw) = output_dim, group_grid
     dt = grad.dtype
     y0, wy = band(ay.astype(dt, copy=False))
     x0, wx = band(ax.astype(dt, copy=False))
@@ -357,26 +358,26 @@ def ps_avg_backward(sep, grad: np.ndarray, data_shape, output_dim: int, group_si
 
     def run(items, out):
         for r in items:
-            f = out[batch[r]]                                       # (G, H, W, O, G)
+            f = out[batch[r]]                                       # (Gh, H, W, O, Gw)
             rows = y0[r][:, None] + ky
             c_lo, c_hi = int(x0[r].min()), int(x0[r].max()) + Kx
             cols = x0[r][:, None] - c_lo + kx
             v = wx[r][:, :, None] * gq[r].reshape(Q, 1, P * O)       # (Q, Kx, P*O)
-            u = np.zeros((P, c_hi - c_lo, O, G), dtype=dt)
+            u = np.zeros((P, c_hi - c_lo, O, Gw), dtype=dt)
             if unique:
                 u[:, cols, :, gw[:, None]] = v.reshape(Q, Kx, P, O)
             else:
                 np.add.at(u, (slice(None), cols, slice(None), gw[:, None]),
                           v.reshape(Q, Kx, P, O))
             contrib = (wy[r][:, :, None] * u.reshape(P, 1, -1)).reshape(
-                P, Ky, c_hi - c_lo, O, G)
+                P, Ky, c_hi - c_lo, O, Gw)
             if unique:  # one bin row per group row: plain slices, no fancy indexing
                 for p in range(P):
                     f[gh[p], y0[r, p]:y0[r, p] + Ky, c_lo:c_hi] += contrib[p]
             else:
                 np.add.at(f, (gh[:, None], rows, slice(c_lo, c_hi)), contrib)
 
-    out = sum_into((N, G, H, W, O, G), dt, list(np.flatnonzero(batch >= 0)), run)
+    out = sum_into((N, Gh, H, W, O, Gw), dt, list(np.flatnonzero(batch >= 0)), run)
     # (N, G_h, H, W, O, G_w) seen as (N, O, G_h, G_w, H, W): the writer reshapes its
     # destination (a reshape here would copy)
     return out.transpose(0, 4, 1, 5, 2, 3)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
 __all__ = ["ROIPoolingParam", "ROIAlignParam", "PSROIPoolingParam", "PSROIAlignParam",
-           "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_choice"]
+           "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
+           "parse_choice"]
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -86,6 +87,21 @@ def parse_size2(name: str, value: Any) -> Tuple[int, int]:
     except ValueError:
         raise _fail(name, value, "an int or a (height, width) tuple") from None
     return size  # type: ignore[return-value]
+
+
+_GROUP_EXPECTED = "0 (= the pooled grid), a positive int or a (gh, gw) pair of positive ints"
+
+
+def parse_group(name: str, value: Any) -> Tuple[int, int]:
+    """Parse a position-sensitive group grid into ``(gh, gw)``.
+
+    ``0``/``"0"`` -> ``(0, 0)`` (the pooled grid, square or not), ``3`` -> ``(3, 3)``,
+    ``"(3, 4)"``/``[3, 4]`` -> ``(3, 4)``.  Signs are checked by the param structs.
+    """
+    try:
+        return parse_size2(name, value)
+    except ValueError:
+        raise _fail(name, value, _GROUP_EXPECTED) from None
 
 
 def parse_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
@@ -196,30 +212,54 @@ class ROIAlignParam(_ParamBase):
         self._check_positive("spatial_scale", self.spatial_scale)
 
 
+class _GroupGrid:
+    """``group_size`` of the position-sensitive ops: ``(gh, gw)``, ``(0, 0)`` = pooled grid.
+
+    Output channel ``c`` at bin ``(p, q)`` reads input channel ``(c*gh + i)*gw + j`` with
+    ``i = floor(p*gh/P)``, ``j = floor(q*gw/Q)`` (R-FCN's rule, per axis).
+    ``mx.nd.contrib.ROIAlign(position_sensitive=True)`` always uses the pooled grid.
+    """
+
+    def _check_group(self):
+        group = parse_group("group_size", self.group_size)  # also a directly passed int
+        object.__setattr__(self, "group_size", group)       # frozen dataclass
+        if group != (0, 0) and min(group) <= 0:
+            raise _fail("group_size", group[0] if group[0] == group[1] else group,
+                        _GROUP_EXPECTED)
+
+    @property
+    def group_grid(self) -> Tuple[int, int]:
+        """The ``(gh, gw)`` grid in use: ``group_size``, or ``pooled_size`` when 0."""
+        return tuple(self.group_size) if self.group_size != (0, 0) else tuple(self.pooled_size)
+
+    @property
+    def in_channels(self) -> int:
+        """Input channels the op needs: ``output_dim * gh * gw``."""
+        gh, gw = self.group_grid
+        return self.output_dim * gh * gw
+
+
 @dataclass(frozen=True)
-class PSROIPoolingParam(_ParamBase):
+class PSROIPoolingParam(_GroupGrid, _ParamBase):
     """Parameters of ``PSROIPooling`` (R-FCN position-sensitive average pooling)."""
 
     op_name = "PSROIPooling"
     pooled_size: Tuple[int, int] = _param(_size2, doc="output bins per side")
     output_dim: int = _param(parse_int, doc="output channels")
     spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
-    group_size: int = _param(parse_int, 0, "position-sensitive grid; 0 = pooled_size")
+    group_size: Tuple[int, int] = _param(parse_group, (0, 0),
+                                         "position-sensitive (gh, gw) grid; 0 = pooled_size")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
 
     def __post_init__(self):
         self._check_positive("pooled_size", self.pooled_size)
         self._check_positive("output_dim", self.output_dim)
         self._check_positive("spatial_scale", self.spatial_scale)
-        _check_group(self)
-
-    @property
-    def groups(self) -> int:
-        return self.group_size or self.pooled_size[0]
+        self._check_group()
 
 
 @dataclass(frozen=True)
-class PSROIAlignParam(_ParamBase):
+class PSROIAlignParam(_GroupGrid, _ParamBase):
     """Parameters of ``PSROIAlign`` (position-sensitive ROIAlign, average)."""
 
     op_name = "PSROIAlign"
@@ -228,7 +268,8 @@ class PSROIAlignParam(_ParamBase):
     spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
     sample_ratio: int = _param(parse_int, -1, "samples per bin side; <=0 adaptive")
     aligned: bool = _param(parse_bool, False, "half-pixel offset")
-    group_size: int = _param(parse_int, 0, "position-sensitive grid; 0 = pooled_size")
+    group_size: Tuple[int, int] = _param(parse_group, (0, 0),
+                                         "position-sensitive (gh, gw) grid; 0 = pooled_size")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
     legacy: str = _param(_legacy_psalign, "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
     sample_num: int = _param(parse_int, 2, "legacy='rfcn': interior samples per bin side")
@@ -238,16 +279,4 @@ class PSROIAlignParam(_ParamBase):
         self._check_positive("output_dim", self.output_dim)
         self._check_positive("spatial_scale", self.spatial_scale)
         self._check_positive("sample_num", self.sample_num)
-        _check_group(self)
-
-    @property
-    def groups(self) -> int:
-        return self.group_size or self.pooled_size[0]
-
-
-def _check_group(p):
-    if p.group_size < 0:
-        raise _fail("group_size", p.group_size, "0 (= pooled_size) or a positive int")
-    if p.group_size == 0 and p.pooled_size[0] != p.pooled_size[1]:
-        raise _fail("group_size", p.group_size,
-                    f"an explicit value for the non-square pooled_size {p.pooled_size}")
+        self._check_group()

@@ -53,7 +53,7 @@ def _op(name, params):
 def _problem(op, dtype, seed=0, N=2, H=9, W=11):
     rng = np.random.default_rng(seed)
     p = op.param
-    cin = p.output_dim * p.groups ** 2 if hasattr(p, "output_dim") else 3
+    cin = p.in_channels if hasattr(p, "output_dim") else 3
     data = rng.standard_normal((N, cin, H, W)).astype(dtype)
     s = p.spatial_scale
     x1 = rng.uniform(-1, W * 0.7, 8) / s

@@ -1,9 +1,11 @@
 """PSROIAlign: position-sensitive ROIAlign (average of bilinear samples per bin).
 
-Semantics of ``mx.nd.contrib.ROIAlign(..., position_sensitive=True)`` generalised to a
-``group_size`` different from ``pooled_size`` the way PSROIPooling does it: output
-channel ``c`` at bin (p, q) reads input channel ``(c*G + gh)*G + gw``.  The gradient is
-the true gradient of this forward (the R-FCN-PSROIAlign layer's backward is not).
+Semantics of ``mx.nd.contrib.ROIAlign(..., position_sensitive=True)``, whose group grid
+is the pooled grid (``group_size=0``, square or not: input channel ``c*P*Q + p*Q + q``),
+generalised to any group grid ``(Gh, Gw)`` the way PSROIPooling does it: output channel
+``c`` at bin (p, q) reads input channel ``(c*Gh + floor(p*Gh/P))*Gw + floor(q*Gw/Q)``.
+The gradient is the true gradient of this forward (the R-FCN-PSROIAlign layer's
+backward is not).
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """PSROIPooling: position-sensitive average pooling over quantised bins (R-FCN, Dai 2016).
 
-Semantics of ``mx.nd.contrib.PSROIPooling``: corners C-rounded *before* scaling, end ``round(x2) + 1``, size at least
-0.1, ``floor``/``ceil`` bins clipped to the map, mean over the bin (0 if empty).  Output
-channel ``c`` at bin (p, q) reads input channel ``(c*G + gh)*G + gw`` with
-``gh = floor(p*G/P)``: the input must have ``output_dim * group_size**2`` channels.
+Semantics of ``mx.nd.contrib.PSROIPooling``: corners C-rounded *before* scaling, end
+``round(x2) + 1``, size at least 0.1, ``floor``/``ceil`` bins clipped to the map, mean
+over the bin (0 if empty).  Output channel ``c`` at bin (p, q) reads input channel
+``(c*Gh + gh)*Gw + gw`` with ``gh = floor(p*Gh/P)``, ``gw = floor(q*Gw/Q)`` on the group
+grid ``(Gh, Gw)`` (``group_size``; 0 = the pooled grid): the input must have
+``output_dim * Gh * Gw`` channels.  The built-in takes ints only (square pool, square
+group grid); with those this is its rule exactly.
 """
 from __future__ import annotations
 
@@ -15,36 +18,36 @@ from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import int_bins_args
 
 
-def channel_map(output_dim, pooled_size, group_size, xp=np):
-    """(C_out, P, Q) int32: the input channel each output bin reads (R-FCN)."""
-    gh = geometry.group_index(pooled_size[0], group_size, xp)
-    gw = geometry.group_index(pooled_size[1], group_size, xp)
-    c = xp.arange(output_dim, dtype=np.int32)[:, None, None]
-    return ((c * group_size + gh[None, :, None]) * group_size + gw[None, None, :]).astype(
-        np.int32)
-
-
 class PositionSensitive(RoIOp):
     """Shared channel rule of the two position-sensitive ops."""
 
     def out_channels(self, channels):
         p = self.param
-        need = p.output_dim * p.groups * p.groups
+        need = p.in_channels
         if channels != need:
-            raise ValueError(f"{self.name}: data has {channels} channels but output_dim * "
-                             f"group_size^2 = {p.output_dim} * {p.groups}^2 = {need} are "
-                             "required")
+            gh, gw = p.group_grid
+            raise ValueError(f"{self.name}: data has {channels} channels but output_dim * gh "
+                             f"* gw = {p.output_dim} * {gh} * {gw} = {need} are required "
+                             f"(group grid (gh, gw) = ({gh}, {gw}), from group_size="
+                             f"{_spelled(p.group_size)} and pooled_size="
+                             f"{tuple(p.pooled_size)})")
         return p.output_dim
 
     def group_args(self, xp=np):
-        """(output_dim, group_size, gh (P,), gw (Q,)) for the position-sensitive kernels."""
+        """(output_dim, (Gh, Gw), gh (P,), gw (Q,)) for the position-sensitive kernels."""
         p = self.param
-        return (p.output_dim, p.groups, geometry.group_index(p.pooled_size[0], p.groups, xp),
-                geometry.group_index(p.pooled_size[1], p.groups, xp))
+        Gh, Gw = p.group_grid
+        return (p.output_dim, (Gh, Gw), geometry.group_index(p.pooled_size[0], Gh, xp),
+                geometry.group_index(p.pooled_size[1], Gw, xp))
 
     def channel_map(self, xp=np):
+        """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
         p = self.param
-        return channel_map(p.output_dim, p.pooled_size, p.groups, xp)
+        return geometry.ps_channel_map(p.output_dim, p.pooled_size, p.group_grid, xp)
+
+
+def _spelled(group):
+    return group[0] if group[0] == group[1] else tuple(group)
 
 
 @register

@@ -297,16 +297,30 @@ def roi_align_backward(data, rois, grad_out, pooled_size, spatial_scale, sample_
 
 
 # --------------------------------------------------------------------------- PS helpers
-def _group_channel(ctop, i, j, G, PH, PW):
-    gh = min(max((i * G) // PH, 0), G - 1)
-    gw = min(max((j * G) // PW, 0), G - 1)
-    return (ctop * G + gh) * G + gw
+def _group_channel(ctop, i, j, GH, GW, PH, PW):
+    """Input channel of output channel ``ctop`` at bin (i, j) on a GH x GW group grid.
+
+    Per axis the R-FCN rule ``floor(i * G / P)`` clipped to ``[0, G - 1]`` (integer
+    arithmetic here); with the pooled grid (GH, GW) = (PH, PW) this is
+    ``ctop*PH*PW + i*PW + j``, the channel of ``ROIAlign(position_sensitive=True)``.
+    """
+    gh = min(max((i * GH) // PH, 0), GH - 1)
+    gw = min(max((j * GW) // PW, 0), GW - 1)
+    return (ctop * GH + gh) * GW + gw
 
 
 def _groups(pooled_size, group_size):
+    """(PH, PW, GH, GW): ``group_size`` 0 means the pooled grid, an int a square grid,
+    a pair ``(GH, GW)`` a rectangular one."""
     PH, PW = _size2(pooled_size)
-    G = int(group_size) if int(group_size) > 0 else PH
-    return PH, PW, G
+    if isinstance(group_size, (tuple, list)):
+        GH, GW = _size2(group_size)
+    else:
+        GH = GW = int(group_size)
+    if GH == 0 and GW == 0:
+        GH, GW = PH, PW
+    assert GH > 0 and GW > 0, f"bad group_size {group_size!r}"
+    return PH, PW, GH, GW
 
 
 # --------------------------------------------------------------------------- PSROIPooling
@@ -315,9 +329,9 @@ def _psroi_pooling_impl(data, rois, pooled_size, output_dim, spatial_scale, grou
     data = np.asarray(data)
     x, r, T, scale = _prepare(data, rois, spatial_scale)
     N, Cin, H, W = x.shape
-    PH, PW, G = _groups(pooled_size, group_size)
+    PH, PW, GH, GW = _groups(pooled_size, group_size)
     O = int(output_dim)
-    assert Cin == O * G * G, "channels must be output_dim * group_size ** 2"
+    assert Cin == O * GH * GW, "channels must be output_dim * GH * GW"
     R = r.shape[0]
     out = np.zeros((R, O, PH, PW), T)
     grad = np.zeros((N, Cin, H, W), T)
@@ -350,7 +364,7 @@ def _psroi_pooling_impl(data, rois, pooled_size, output_dim, spatial_scale, grou
                     continue
                 area = T((hend - hstart) * (wend - wstart))
                 for ctop in range(O):
-                    c = _group_channel(ctop, i, j, G, PH, PW)
+                    c = _group_channel(ctop, i, j, GH, GW, PH, PW)
                     if g is None:
                         s = T(0)
                         for h in range(hstart, hend):
@@ -383,9 +397,9 @@ def _psroi_align_impl(data, rois, pooled_size, output_dim, spatial_scale, sample
     data = np.asarray(data)
     x, r, T, scale = _prepare(data, rois, spatial_scale)
     N, Cin, H, W = x.shape
-    PH, PW, G = _groups(pooled_size, group_size)
+    PH, PW, GH, GW = _groups(pooled_size, group_size)
     O = int(output_dim)
-    assert Cin == O * G * G, "channels must be output_dim * group_size ** 2"
+    assert Cin == O * GH * GW, "channels must be output_dim * GH * GW"
     R = r.shape[0]
     out = np.zeros((R, O, PH, PW), T)
     grad = np.zeros((N, Cin, H, W), T)
@@ -399,7 +413,7 @@ def _psroi_align_impl(data, rois, pooled_size, output_dim, spatial_scale, sample
         for (i, j), (count, samples) in bins.items():
             if count == 0 or not samples:
                 continue
-            chans = [_group_channel(ctop, i, j, G, PH, PW) for ctop in range(O)]
+            chans = [_group_channel(ctop, i, j, GH, GW, PH, PW) for ctop in range(O)]
             plane = x[b][chans]  # (O, H, W): channel ctop reads input channel chans[ctop]
             acc = np.zeros((O,), T)
             for taps in samples:

@@ -63,7 +63,7 @@ def make_op(name, params):
 def problem(op, dtype, seed=0, N=2, C=3, H=9, W=10, kind="randn"):
     rng = np.random.default_rng(seed)
     p = op.param
-    cin = C if not hasattr(p, "output_dim") else p.output_dim * p.groups ** 2
+    cin = C if not hasattr(p, "output_dim") else p.in_channels
     data = make_data(rng, (N, cin, H, W), dtype, kind)
     rois = np.concatenate([adversarial_rois(rng, N, H, W, p.spatial_scale, dtype=dtype),
                            random_rois(rng, 5, N, H, W, p.spatial_scale, dtype)])

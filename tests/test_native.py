@@ -83,7 +83,7 @@ def is_max(name, params):
 
 def in_channels(op):
     p = op.param
-    return p.output_dim * p.groups ** 2 if hasattr(p, "output_dim") else C_BASE
+    return p.in_channels if hasattr(p, "output_dim") else C_BASE
 
 
 def problem(op, dtype, kind="randn", seed=0, N=2, H=9, W=10):

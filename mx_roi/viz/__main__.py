@@ -43,7 +43,8 @@ def build_parser():
                     help="align ops: draw aligned=False and aligned=True side by side")
     ap.add_argument("--pool-mode", choices=("avg", "max"), default=None, help="ROIAlign only")
     ap.add_argument("--output-dim", type=int, default=None, help="PS ops (default 1)")
-    ap.add_argument("--group-size", type=int, default=None, help="PS ops (0 = pooled size)")
+    ap.add_argument("--group-size", type=_ints, default=None,
+                    help="PS ops: G or Gh,Gw group grid (0 = the pooled grid)")
     ap.add_argument("--channel", type=int, default=0, help="PS ops: output channel to label")
     ap.add_argument("--tap-sample", type=_ints, default=None,
                     help="align ops: p,q,iy,ix of the sample whose 4 taps are drawn")
@@ -63,7 +64,8 @@ def main(argv=None):
     if opname.startswith("ps"):
         params["output_dim"] = args.output_dim if args.output_dim is not None else 1
         if args.group_size is not None:
-            params["group_size"] = args.group_size
+            gs = args.group_size
+            params["group_size"] = tuple(gs) if len(gs) > 1 else gs[0]
     elif args.output_dim is not None or args.group_size is not None:
         build_parser().error("--output-dim/--group-size are for PSROIPooling/PSROIAlign")
     if opname.endswith("align"):

@@ -111,7 +111,8 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
     ``bin_y``/``bin_x`` (P, 2)/(Q, 2) bin edges; ``tap_sample`` (p, q, iy, ix) or None,
     ``taps`` (4, 2) int (row, col), ``tap_weights`` (4,) = wy * wx.
     Position-sensitive ops: ``channel``, ``channel_map`` (P, Q) input channel of output
-    channel ``channel``, ``group_cell`` (P, Q) = channel_map mod G^2.
+    channel ``channel``, ``group_grid`` (2,) = (Gh, Gw), ``group_cell`` (P, Q) = the
+    flat group cell ``gh*Gw + gw`` each bin reads (channel_map - channel*Gh*Gw).
     """
     op = make_op(op, **params)
     p = op.param
@@ -178,11 +179,11 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
         cmap = op.channel_map(np)
         if not 0 <= channel < cmap.shape[0]:
             raise ValueError(f"channel {channel} out of range: output_dim = {cmap.shape[0]}")
-        G = int(p.groups)
+        Gh, Gw = (int(g) for g in p.group_grid)
         out["channel"] = int(channel)
-        out["group_size"] = G
+        out["group_grid"] = np.array([Gh, Gw], dtype=np.int64)
         out["channel_map"] = cmap[channel].copy()
-        out["group_cell"] = cmap[channel] - channel * G * G
+        out["group_cell"] = cmap[channel] - channel * Gh * Gw
     return out
 
 

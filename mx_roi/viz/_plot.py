@@ -28,10 +28,14 @@ def new_figure(ncols=1, size=(6.0, 5.0)):
     return fig, axes
 
 
-def _group_colour(cell, groups):
+def _group_colour(cell, group_grid):
     import matplotlib
-    cmap = matplotlib.colormaps["tab20"] if groups * groups > 10 else matplotlib.colormaps["tab10"]
-    return cmap(int(cell) % cmap.N)
+    cell, cells = int(cell), int(np.prod(group_grid))
+    if cells <= 10:
+        return matplotlib.colormaps["tab10"](cell)
+    # tab20 pairs a strong and a pale shade: the 10 strong ones first, then the pale ones
+    k = cell % 20
+    return matplotlib.colormaps["tab20"](2 * k if k < 10 else 2 * (k - 10) + 1)
 
 
 def _title(op) -> str:
@@ -44,7 +48,9 @@ def _title(op) -> str:
     if getattr(p, "pool_mode", "avg") == "max":
         parts.append("pool_mode='max'")
     if is_position_sensitive(op):
-        parts.append(f"output_dim={p.output_dim}, group_size={p.groups}")
+        gh, gw = p.group_grid
+        grid = f"{gh}" if gh == gw else f"({gh}, {gw})"
+        parts.append(f"output_dim={p.output_dim}, group_size={grid}")
     import textwrap
     return op.name + "\n" + "\n".join(textwrap.wrap(", ".join(parts), 58))
 
@@ -77,7 +83,7 @@ def _draw_pooling(ax, op, c):
         if c["empty"][p, q]:
             continue
         if ps:
-            colour = _group_colour(c["group_cell"][p, q], c["group_size"])
+            colour = _group_colour(c["group_cell"][p, q], c["group_grid"])
         else:
             colour = _BIN_COLOURS[(p + q) % 2]
         ax.add_patch(Rectangle((w0, h0), w1 - w0, h1 - h0, facecolor=colour, alpha=0.22,
@@ -106,7 +112,7 @@ def _draw_align(ax, op, c):
                 y0, y1 = by[p] + PIXEL_CENTRE
                 x0, x1 = bx[q] + PIXEL_CENTRE
                 if ps:
-                    colour = _group_colour(c["group_cell"][p, q], c["group_size"])
+                    colour = _group_colour(c["group_cell"][p, q], c["group_grid"])
                     ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=colour,
                                            alpha=0.18, edgecolor="none", zorder=2))
                     ax.text((x0 + x1) / 2, y0 + 0.02 * (y1 - y0), f"ch {c['channel_map'][p, q]}",
@@ -121,7 +127,7 @@ def _draw_align(ax, op, c):
     s = np.asarray(c["samples"], dtype=np.float64)
     inside = ~c["outside"]
     if ps:
-        colours = [_group_colour(c["group_cell"][p, q], c["group_size"])
+        colours = [_group_colour(c["group_cell"][p, q], c["group_grid"])
                    for p, q in c["sample_bin"][inside]]
     else:
         colours = "tab:blue"

@@ -32,11 +32,20 @@ FIGURES: Dict[str, List[Dict[str, Any]]] = {
                              pooled_size=3, spatial_scale=0.125)],
     "roi_align.png": [dict(op="ROIAlign", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
                            spatial_scale=0.125, sample_ratio=-1, tap_sample=(1, 1, 2, 1))],
-    "psroi_pooling.png": [dict(op="PSROIPooling", feature_shape=_SHAPE, roi=_ROI,
-                               pooled_size=3, output_dim=2, spatial_scale=0.125, channel=1)],
-    "psroi_align.png": [dict(op="PSROIAlign", feature_shape=_SHAPE, roi=_ROI, pooled_size=4,
-                             group_size=2, output_dim=2, sample_ratio=2, spatial_scale=0.125,
-                             channel=1, tap_sample=(1, 2, 1, 0))],
+    "psroi_pooling.png": [
+        dict(op="PSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=3, output_dim=2,
+             spatial_scale=0.125, channel=1),
+        # a rectangular (gh, gw) = (2, 3) group grid under a 3 x 4 pool
+        dict(op="PSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=(3, 4),
+             group_size=(2, 3), output_dim=2, spatial_scale=0.125, channel=1)],
+    "psroi_align.png": [
+        dict(op="PSROIAlign", feature_shape=_SHAPE, roi=_ROI, pooled_size=4, group_size=2,
+             output_dim=2, sample_ratio=2, spatial_scale=0.125, channel=1,
+             tap_sample=(1, 2, 1, 0)),
+        # contrib.ROIAlign(position_sensitive=True) on a 3 x 4 pool: the pooled grid
+        dict(op="PSROIAlign", feature_shape=_SHAPE, roi=_ROI, pooled_size=(3, 4),
+             output_dim=2, sample_ratio=2, spatial_scale=0.125, channel=1,
+             tap_sample=(1, 2, 1, 0))],
     "roi_align_aligned.png": [
         dict(op="ROIAlign", feature_shape=(6, 7), roi=(0, 8, 8, 40, 32), pooled_size=2,
              spatial_scale=0.125, sample_ratio=2, aligned=False, tap_sample=(0, 0, 0, 0)),

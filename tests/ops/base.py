@@ -549,11 +549,14 @@ class PositionSensitiveTester(RoIOpTester):
     """Channel rules shared by the PSROIPooling and PSROIAlign testers."""
 
     def groups(self, params):
-        PH, _ = self.pooled(params)
-        return int(params.get("group_size", 0)) or PH
+        """(GH, GW): ``group_size`` 0 = the pooled grid, an int = square, or a pair."""
+        g = params.get("group_size", 0)
+        GH, GW = (int(g), int(g)) if isinstance(g, int) else tuple(g)
+        return self.pooled(params) if (GH, GW) == (0, 0) else (GH, GW)
 
     def in_channels(self, params, c):
-        return params["output_dim"] * self.groups(params) ** 2
+        GH, GW = self.groups(params)
+        return params["output_dim"] * GH * GW
 
     def out_channels(self, params, c):
         return params["output_dim"]
@@ -562,4 +565,7 @@ class PositionSensitiveTester(RoIOpTester):
         base = dict(self.param_cases()[0])
         return [dict(base, pooled_size=(2, 3), group_size=2),
                 dict(base, pooled_size=(3, 1), group_size=1),
-                dict(base, pooled_size=(1, 4), group_size=3)]
+                dict(base, pooled_size=(1, 4), group_size=3),
+                dict(base, pooled_size=(2, 3), group_size=0),         # the pooled grid
+                dict(base, pooled_size=(3, 4), group_size=(2, 3)),    # (gh, gw) != (P, Q)
+                dict(base, pooled_size=(2, 2), group_size=(1, 3))]

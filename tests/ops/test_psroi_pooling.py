@@ -19,14 +19,20 @@ class TestPSROIPooling(PositionSensitiveTester):
             dict(pooled_size=3, output_dim=1, spatial_scale=0.5, group_size=2),
             dict(pooled_size=2, output_dim=2, spatial_scale=0.25, group_size=3),
             dict(pooled_size=1, output_dim=3, spatial_scale=0.7, group_size=1),
+            # rectangular group grids: the pooled grid of a non-square pool, and (gh, gw)
+            # different from it (several bins per group cell, unused cells)
+            dict(pooled_size=(3, 4), output_dim=2, spatial_scale=0.5, group_size=0),
+            dict(pooled_size=(3, 4), output_dim=1, spatial_scale=0.25, group_size=(2, 3)),
+            dict(pooled_size=2, output_dim=2, spatial_scale=1.0, group_size=(3, 1)),
         ]
 
     def builtin_params(self, params):
         PH, PW = self.pooled(params)
-        if PH != PW:
+        GH, GW = self.groups(params)
+        if PH != PW or GH != GW:    # the built-in takes ints only: square pool and grid
             return None
         return dict(pooled_size=PH, output_dim=params["output_dim"],
-                    spatial_scale=params["spatial_scale"], group_size=self.groups(params))
+                    spatial_scale=params["spatial_scale"], group_size=GH)
 
     def builtin_ok(self, rois, params):
         return rois[:, 0] >= 0          # the built-in reads out of bounds for padding rois
