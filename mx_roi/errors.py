@@ -26,7 +26,8 @@ Which record belongs to which MXNet error (the generic error carries no identity
   ``kCustomOpBackward``).  The record of that kind issued by the synchronising thread is
   taken (the latest one; an earlier one, whose error MXNet may have dropped, stays
   until it is taken or :data:`MAX_PENDING` newer ones push it out); failing that, the
-  latest record of that kind from any thread.  Limitation: when one thread has several
+  latest record of that kind from any thread (MXNet 1.9.1 may raise one thread's
+  custom-op error at another thread's synchronisation; the message then says so).  Limitation: when one thread has several
   failing calls in flight before it synchronises, their messages may come out in the
   reverse order of its waits (MXNet's error names no call).  If a custom op that is not mx_roi's failed more
   recently with the same kind, the error is left as MXNet made it (it may be that op's).
@@ -194,8 +195,10 @@ def install() -> None:
         rec = _take(text)
         if rec is None:
             return err
-        new = RoIError(f"{rec.message}\n(raised inside an mx_roi custom op; MXNet's report "
-                       f"follows)\n{text}")
+        where = "" if rec.issuer in (None, issuer()) else (
+            "\n(that call was made on another thread; MXNet raised its error here)")
+        new = RoIError(f"{rec.message}{where}\n(raised inside an mx_roi custom op; MXNet's "
+                       f"report follows)\n{text}")
         new.mx_roi_traceback = rec.traceback
         return new
 
