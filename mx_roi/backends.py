@@ -154,6 +154,9 @@ class NumpyBackend:
             return None
         if rois.shape[0] == 0:
             return None
+        if data.size == 0:  # an empty map (H or W = 0 under np_shape): zeros
+            write_numpy(out_nd, req, np.zeros(out_nd.shape, out_nd.dtype))
+            return None
         geo = op.geometry(rois, data.shape[2], data.shape[3], np)
         cdt = compute_dtype(data.dtype)
         # a kernel may write its result straight into MXNet's buffer (one pass, and the
@@ -171,7 +174,9 @@ class NumpyBackend:
         shape = in_grad_nd.shape
         cdt = compute_dtype(in_grad_nd.dtype)
         rois = read_numpy(rois_nd)
-        if rois.shape[0] == 0:
+        # validated again here: the backward never indexes with rois it has not checked
+        op.check_inputs(shape, in_grad_nd.dtype, rois, np)
+        if rois.shape[0] == 0 or in_grad_nd.size == 0:
             write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
             return
         geo = op.geometry(rois, shape[2], shape[3], np)

@@ -72,8 +72,11 @@ def _int_bins(start, size, pooled, limit, xp, cdt, offset_in_float):
     i = xp.arange(pooled, dtype=cdt)
     bin_size = size / cdt.type(pooled)
     if offset_in_float:  # PSROIPooling: floor(i*bin + start)
-        lo = xp.floor(i[None, :] * bin_size[:, None] + start[:, None]).astype(np.int32)
-        hi = xp.ceil((i[None, :] + 1) * bin_size[:, None] + start[:, None]).astype(np.int32)
+        # clipped before the int cast: a huge coordinate (1e30) would overflow int32
+        lo = xp.clip(xp.floor(i[None, :] * bin_size[:, None] + start[:, None]), -1, limit + 1)
+        hi = xp.clip(xp.ceil((i[None, :] + 1) * bin_size[:, None] + start[:, None]), -1,
+                     limit + 1)
+        lo, hi = lo.astype(np.int32), hi.astype(np.int32)
     else:  # ROIPooling: floor(i*bin) + start, start an int
         lo = xp.floor(i[None, :] * bin_size[:, None]).astype(np.int32) + start[:, None]
         hi = xp.ceil((i[None, :] + 1) * bin_size[:, None]).astype(np.int32) + start[:, None]

@@ -27,7 +27,12 @@ _pool_lock = threading.Lock()
 def num_threads() -> int:
     env = os.environ.get("MX_ROI_NUM_THREADS", "").strip()
     if env:
-        return max(1, int(env))
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"MX_ROI_NUM_THREADS={env!r}: expected a positive integer (the "
+                             "number of CPU threads of a kernel; 1 disables threading)") \
+                from None
     return max(1, min(os.cpu_count() or 1, 8))
 
 

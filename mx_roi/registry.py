@@ -15,7 +15,7 @@ import mxnet as mx
 import numpy as np
 
 from . import backends
-from .errors import recording
+from .errors import issuer, recording
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op"]
 
@@ -117,6 +117,12 @@ class RoIOp:
                              "index marks a padding roi)")
 
 
+def _zero(req, nd) -> None:
+    """Zeros into ``nd`` for req write/inplace (nothing to add for add, nothing for null)."""
+    if req in ("write", "inplace") and nd.size:
+        nd[:] = 0
+
+
 def _row(rois, r):
     try:
         return [float(v) for v in rois[r].tolist()]
@@ -137,20 +143,41 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             self.op = op
             self.backend = backends.get(backend_name)
             self.saved = None
+            # whether the last forward raised (MXNet still runs its queued backward)
+            self.rejected = False
+            # the thread that made the call (create_operator runs on it): errors of the
+            # forward/backward, raised later by MXNet, are matched to it
+            self._mx_roi_issuer = issuer()
 
         @recording
         def forward(self, is_train, req, in_data, out_data, aux):
-            self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
-                                              out_data[0], keep=is_train)
+            self.saved, self.rejected = None, True
+            try:
+                self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
+                                                  out_data[0], keep=is_train)
+            except Exception:
+                # NaN output: should MXNet drop this error (it keeps one custom-op error
+                # at a time; seen with failing calls on several threads), the result
+                # cannot pass for numbers
+                if req[0] in ("write", "inplace") and out_data[0].size:
+                    out_data[0][:] = np.nan
+                raise
+            self.rejected = False
 
         @recording
         def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
             saved, self.saved = self.saved, None
-            self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
-                                  in_grad[0], saved)
+            if self.rejected:
+                # MXNet runs the backward of a forward that raised: the forward's error
+                # is the one the caller gets; the gradient is zeros and no kernel reads
+                # the rejected rois
+                _zero(req[0], in_grad[0])
+            else:
+                # the backend validates the rois again itself before any kernel runs
+                self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
+                                      in_grad[0], saved)
             # rois get no gradient: zeros for write, nothing to add for add
-            if req[1] in ("write", "inplace") and in_grad[1].size:
-                in_grad[1][:] = 0
+            _zero(req[1], in_grad[1])
 
     _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
 
@@ -195,6 +222,7 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             # lists break each other's backward ("unknown storage type: -1").
             return [out_grad[0], in_data[0], in_data[1]]
 
+        @recording
         def create_operator(self, ctx, in_shapes, in_dtypes):
             return _Op(self.op, backends.select(ctx, self.op))
 

@@ -275,6 +275,10 @@ class CudaBackend:
                 _check_plane(op, data.shape)
                 if req == "null" or rois.shape[0] == 0:
                     return None
+                if data.size == 0:  # an empty map (H or W = 0 under np_shape): zeros
+                    if req != "add":
+                        self._write(out_nd, req, xp.zeros(tuple(out_nd.shape), out_nd.dtype))
+                    return None
                 geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
                 launch = self._launch(op, data.dtype, data_nd)
                 launch.out_target = self._target(out_nd, req)
@@ -294,7 +298,10 @@ class CudaBackend:
                 shape = tuple(in_grad_nd.shape)
                 _check_plane(op, shape)
                 rois = self._read(rois_nd)
-                if rois.shape[0] == 0:
+                # validated again here: the backward never indexes with rois it has not
+                # checked (MXNet runs it even when the forward raised)
+                op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
+                if rois.shape[0] == 0 or in_grad_nd.size == 0:
                     if req != "add":
                         self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
                     return

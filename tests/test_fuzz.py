@@ -1,0 +1,62 @@
+"""Fuzz and soak of bad inputs as training steps, each run in a child process so that an
+abort or a hang fails the test instead of killing pytest (see tests/fuzz_child.py).
+
+Default: 2 x 150 fuzz cases and a 200-step-per-op soak.  ``MX_ROI_FUZZ_CASES=N`` sets
+the cases per child; ``-m slow`` adds 6 x 400 cases and the 2000-step soak."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child(args, timeout):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MX_ROI_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.fuzz_child", *map(str, args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.returncode, lines, proc.stderr[-3000:])
+    res = json.loads(lines[-1][len("RESULT "):])
+    # a rejected call prints nothing but the error it raises
+    assert "Error in CustomOp" not in proc.stdout
+    return res
+
+
+def _fuzz(seed, cases):
+    res = _child(["fuzz", seed, cases], timeout=600)
+    assert res["cases"] == cases and res["raised"] > 0 and res["valid"] > 0
+    for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad"):
+        assert res[k] == 0, res
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_fuzz(seed):
+    _fuzz(seed, int(os.environ.get("MX_ROI_FUZZ_CASES", "150")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 106))
+def test_fuzz_long(seed):
+    _fuzz(seed, int(os.environ.get("MX_ROI_FUZZ_CASES", "400")))
+
+
+def _soak(steps):
+    res = _child(["soak", steps], timeout=900)
+    assert res["steps"] == 4 * steps and res["raised"] == 2 * steps, res
+    for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad"):
+        assert res[k] == 0, res
+    first, last = res["rss_kb_first_last"]
+    assert last - first < 64 * 1024, res  # peak RSS flat after warm-up (< 64 MB growth)
+
+
+def test_soak_short():
+    _soak(200)
+
+
+@pytest.mark.slow
+def test_soak_2000():
+    _soak(2000)
