@@ -372,10 +372,25 @@ def _fake_cupy():
         def synchronize(self):
             fake.log.append(("sync",))
 
+    class _Pool:  # CuPy's MemoryPool accounting, set by the tests
+        cached = 0
+
+        def total_bytes(self):
+            return self.cached
+
+        def used_bytes(self):
+            return 0
+
+        def free_all_blocks(self):
+            fake.log.append(("free_all_blocks",))
+            self.cached = 0
+
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
         get_current_stream=lambda: _Stream())
     fake.from_dlpack, fake.RawModule, fake.cuda = from_dlpack, RawModule, cuda
+    fake.pool = _Pool()
+    fake.get_default_memory_pool = lambda: fake.pool
     return fake
 
 
