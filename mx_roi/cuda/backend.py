@@ -21,8 +21,17 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
 Dtypes: the kernels run on the data's own element type ``T`` (float16 as ``__half``);
 coordinates, weights and accumulation use the compute dtype ``A`` of
 :func:`mx_roi.geometry.compute_dtype` (float32 for float16), and the backward accumulates
-into a zeroed buffer of dtype ``A`` (float32 atomics for float16 data), converted to the
-data dtype when it is stored.
+straight into MXNet's input-gradient memory when its dtype is ``A`` (float32/float64:
+zeroed first for ``write``, added to as it is for ``add``, as MXNet's own kernels do); for
+float16 data into one zeroed float32 buffer of the input's size (float32 atomics),
+converted when it is stored.
+
+GPU memory: besides the forward's argmax (max modes, kept for the backward) the op holds
+no GPU memory between calls.  A call's temporaries (geometry tables, the float16 or
+fixed-point accumulator) are dropped when it returns, and after the stream sync CuPy's
+default memory pool frees its unused blocks whenever they exceed
+:data:`POOL_KEEP_BYTES` (32 MiB), so MXNet's allocator can reuse them; smaller caches are
+kept to spare per-call ``cudaMalloc``.
 
 Deterministic mode (``deterministic=True``): the backward kernels accumulate into an
 ``unsigned long long`` buffer in *fixed point*: each contribution ``v`` is added as the
@@ -31,8 +40,10 @@ on the host), with an integer ``atomicAdd``.  Integer addition is
 associative, so the result is bit-identical from run to run whatever the order of the
 atomics.  ``scale = 2**(61 - e)`` where ``2**e > sum(|out_grad|) * spread``, a bound of the
 magnitude of any input-gradient element (a bin hands out its gradient with weights summing
-to at most ``spread``: 1 for the standard geometries, ``max(samples / divisor)`` of a
-SampleGrid in general), so sums cannot overflow.  Precision trade-off: every contribution is
+to at most ``spread``, computed from the geometry tables by :meth:`Launch._spread`: 1 for
+the standard geometries, 4 on the Caffe legacy grid), so sums stay below ``2**61``, with
+a factor 4 to spare for rounding.  The ``uint64`` buffer (8 bytes per input element) is
+decoded in place into float64 and then stored into MXNet's gradient.  Precision trade-off: every contribution is
 rounded to an absolute step of ``1/scale <= 2**-60 * sum(|out_grad|)``; that is far below a
 float32 ulp of typical gradients, but for float64 data an element much smaller than the
 total gradient mass keeps fewer significant bits than with float atomics.  It costs one
