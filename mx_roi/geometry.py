@@ -312,11 +312,13 @@ def _caffe_axis(start, end, pooled, limit, xp, cdt, first_tap_is_ceil) -> Sample
         t1, t2, w1, w2 = ce, fl, w_ce, w_fl
     else:
         t1, t2, w1, w2 = fl, ce, w_fl, w_ce
-    # a tap is used only if inside [0, limit-1]; otherwise weight 0 (index kept valid)
+    # a tap is used only if inside [0, limit-1]; otherwise weight 0, its index that of the
+    # other tap when that one is inside (so the weight-0 read adds nothing new: a NaN
+    # elsewhere on the map cannot leak in as 0 * NaN), else 0
     in1 = alive & (t1 >= 0) & (t1 <= limit - 1)
     in2 = alive & (t2 >= 0) & (t2 <= limit - 1)
-    t1 = xp.where(in1, t1, 0).astype(np.int32)
-    t2 = xp.where(in2, t2, 0).astype(np.int32)
+    t1, t2 = (xp.where(in1, t1, xp.where(in2, t2, 0)).astype(np.int32),
+              xp.where(in2, t2, xp.where(in1, t1, 0)).astype(np.int32))
     w1 = xp.where(in1, w1, zero).astype(cdt)
     w2 = xp.where(in2, w2, zero).astype(cdt)
     return SampleAxis(count, coord, t1, t2, w1, w2)

@@ -10,6 +10,8 @@ holding each bin's summed tap weights, so a roi costs two small BLAS products ov
 window; the backward is the transpose, added into the window.  Max modes evaluate
 every sample point exactly as the scalar kernels do (same operation order, so ties
 break the same way) and route the gradient to the four taps of the winning sample.
+Every max mode follows MXNet's ROIPooling rule (:data:`MAX_INIT`): a non-empty bin starts
+at -FLT_MAX and a value replaces it only if strictly greater, so NaN never wins.
 Position-sensitive ops read, per bin, only the channels of that bin's group cell.
 """
 from __future__ import annotations
@@ -22,12 +24,31 @@ from .parallel import for_chunks, sum_into
 __all__ = ["channels_last", "tap_matrix", "window", "separable", "indicator_matrix",
            "avg_forward", "avg_backward", "band", "ps_avg_forward", "ps_avg_backward",
            "sample_values", "max_forward", "max_backward",
-           "first_equal", "for_chunks", "sum_into"]
+           "first_equal", "for_chunks", "sum_into", "MAX_INIT", "max_init"]
+
+# The start value of a non-empty max bin: -FLT_MAX (also for float64 data), as in MXNet's
+# roi_pooling.cc/.cu.  With strict '>' a NaN, -inf or any value <= -FLT_MAX never wins: a
+# bin nothing beat outputs -FLT_MAX (-inf once stored as float16) with argmax -1 and gets
+# no gradient.  The kernels clamp with ``fmax(v, MAX_INIT)`` (NaN -> MAX_INIT) and then
+# take a plain max, which gives the same winner as the scalar loop.
+MAX_INIT = -float(np.finfo(np.float32).max)
 
 
-def channels_last(data: np.ndarray) -> np.ndarray:
-    """(N, C, H, W) -> contiguous (N, H, W, C)."""
-    return np.ascontiguousarray(data.transpose(0, 2, 3, 1))
+def max_init(dtype):
+    """:data:`MAX_INIT` as a scalar of ``dtype``."""
+    return np.dtype(dtype).type(MAX_INIT)
+
+
+def channels_last(data: np.ndarray, floor=None) -> np.ndarray:
+    """(N, C, H, W) -> contiguous (N, H, W, C).
+
+    With ``floor``, every value below it or NaN becomes ``floor`` (``np.fmax``), in the
+    same single pass as the copy.
+    """
+    if floor is None:
+        return np.ascontiguousarray(data.transpose(0, 2, 3, 1))
+    out = np.empty(data.shape[:1] + data.shape[2:] + data.shape[1:2], dtype=data.dtype)
+    return np.fmax(data.transpose(0, 2, 3, 1), floor, out=out)
 
 
 def channels_first(data_cl: np.ndarray) -> np.ndarray:
@@ -178,32 +199,50 @@ def _live_mask(geo: SampleGrid, r: int):
     return gy[:, :, None, None] & gx[None, None, :, :]               # (P, Gy, Q, Gx)
 
 
+def _outside_mask(geo: SampleGrid, r: int):
+    """(P, Gy, Q, Gx): points outside the map (both weights of an axis are 0)."""
+    y, x = geo.y, geo.x
+    oy = (y.w_low[r] == 0) & (y.w_high[r] == 0)                      # (P, Gy)
+    ox = (x.w_low[r] == 0) & (x.w_high[r] == 0)                      # (Q, Gx)
+    return oy[:, :, None, None] | ox[None, None, :, :]
+
+
 def max_forward(geo: SampleGrid, data: np.ndarray, out_channels: int, need_arg: bool = True):
     """Max over each bin's bilinear samples; first sample (iy-major) wins ties.
 
+    NaN rule of :data:`MAX_INIT`: a sample that is NaN (a NaN on any of its four taps,
+    even one of weight 0, as MXNet's bilinear interpolation reads them) or <= -FLT_MAX
+    never wins; a point outside the map is 0 whatever its taps hold; a bin with samples none of which wins gives -FLT_MAX and
+    argmax -1, a bin without samples 0 and -1.
+
     Returns the (R, C, P, Q) output and the winning sample's flat index ``iy * Gx + ix``
-    as an (R, P, Q, C) array (-1 where a bin has no samples), or None without
-    ``need_arg``.
+    as an (R, P, Q, C) array (-1 where no sample won), or None without ``need_arg``.
     """
     R = geo.batch.shape[0]
     P, Q = geo.divisor.shape[1:]
     Gy, Gx = geo.y.size, geo.x.size
     dcl = channels_last(data)
+    lowest = max_init(data.dtype)
     out = np.zeros((R, P, Q, out_channels), dtype=data.dtype)
     arg = np.full((R, P, Q, out_channels), -1, dtype=np.int32) if need_arg else None
 
     def run(items):
         for r in items:
-            v = sample_values(geo, dcl[geo.batch[r]], r)           # (P, Gy, Q, Gx, C)
+            with np.errstate(invalid="ignore"):                    # 0 * inf taps
+                v = sample_values(geo, dcl[geo.batch[r]], r)       # (P, Gy, Q, Gx, C)
+            outside = _outside_mask(geo, r)
+            if outside.any():
+                v[outside] = 0                    # not 0 * NaN of a weight-0 tap
+            np.fmax(v, lowest, out=v)                              # NaN never wins
             live = _live_mask(geo, r)
             if not live.all():
-                v = np.where(live[..., None], v, -np.inf)
+                v = np.where(live[..., None], v, -np.inf)          # below MAX_INIT
             v = v.transpose(0, 2, 1, 3, 4).reshape(P, Q, Gy * Gx, out_channels)
             best = v.max(axis=2)
             empty = np.isneginf(best)
             out[r] = np.where(empty, 0, best)
             if need_arg:
-                arg[r] = np.where(empty, -1, first_equal(v, best, axis=2))
+                arg[r] = np.where(empty | (best == lowest), -1, first_equal(v, best, axis=2))
 
     for_chunks(list(np.flatnonzero(geo.batch >= 0)), run)
     return channels_first(out), arg

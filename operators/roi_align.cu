@@ -33,8 +33,11 @@ __global__ void roi_align_backward_avg(
   }
 }
 
-// Max over the same samples, iy-major, strict '>' (the first maximum wins); a bin
-// without samples (or a roi with a negative batch index) gives 0 and argmax -1.
+// Max over the same samples, iy-major, from max_init() (-FLT_MAX) with strict '>' (the
+// first maximum wins; a NaN sample -- a NaN on any of its taps, as in MXNet's bilinear
+// interpolation, even one of weight 0 -- never wins; a point outside the map is 0); a bin
+// without samples (or a roi with a negative batch index) gives 0 and argmax -1, a bin
+// whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1.
 template <typename T, typename A>
 __global__ void roi_align_forward_max(
     const T* data, const int* batch,
@@ -50,12 +53,14 @@ __global__ void roi_align_forward_max(
       const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
       const long long yb = (it.r * P + it.p) * (long long)Gy;
       const long long xb = (it.r * Q + it.q) * (long long)Gx;
+      if (ny > 0 && nx > 0) best = mx_roi::max_init<A>();
       for (int iy = 0; iy < ny; ++iy) {
         for (int ix = 0; ix < nx; ++ix) {
-          const A v = mx_roi::sample_value(
-              plane, W, mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh, x_low,
-                                          x_high, x_wl, x_wh));
-          if (arg < 0 || v > best) {
+          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                        y_wh, x_low, x_high, x_wl, x_wh);
+          // a point outside the map is 0 whatever the (weight-0) taps it names hold
+          const A v = s.outside ? (A)0 : mx_roi::sample_value(plane, W, s);
+          if (v > best) {
             best = v;
             arg = iy * Gx + ix;
           }

@@ -2,7 +2,10 @@
 
 Semantics of ``mx.nd.contrib.ROIAlign`` (Caffe2/Detectron) for ``pool_mode='avg'``;
 ``pool_mode='max'`` takes the maximum over the same sample points (out-of-map samples
-count as 0) and routes the gradient to the four taps of the winning sample.
+count as 0) and routes the gradient to the four taps of the winning sample, with
+ROIPooling's NaN rule (:data:`mx_roi.kernels_numpy.MAX_INIT`): a bin starts at -FLT_MAX
+and only a strictly greater sample replaces it, so a NaN sample (a NaN on any of its
+taps) never wins, and a bin none of whose samples wins gives -FLT_MAX and no gradient.
 Differences from the built-in: a zero-size or reversed box with ``aligned=True`` samples
 nothing and gives 0 (MXNet aborts the process), a negative batch index gives 0.
 """

@@ -40,6 +40,16 @@ struct Traits<__half> {
   static __device__ __forceinline__ __half store(float v) { return __float2half(v); }
 };
 
+// ---- max modes: MXNet's NaN rule ----------------------------------------------------
+// A non-empty max bin starts at -FLT_MAX (in A, also for double) with argmax -1, and a
+// value replaces the running max only if strictly greater (MXNet's roi_pooling): NaN,
+// -inf and values <= -FLT_MAX never win; a bin nothing beat keeps -FLT_MAX (-inf once
+// stored as __half) and argmax -1.  mx_roi.kernels_numpy.MAX_INIT is the same value.
+template <typename A>
+__device__ __forceinline__ A max_init() {
+  return (A)(-3.402823466385288598117e+38f);
+}
+
 // ---- the items (output elements) of a launch -----------------------------------------
 // Item: output element (r, c, p, q) of the (R, C, P, Q) output and its flat index i.
 struct Item {
@@ -201,6 +211,7 @@ template <typename A>
 struct Sample {
   int yl, yh, xl, xh;
   A w1, w2, w3, w4;  // wy_low*wx_low, wy_low*wx_high, wy_high*wx_low, wy_high*wx_high
+  bool outside;      // both weights of an axis are 0: a point outside the map (value 0)
 };
 
 template <typename A>
@@ -220,6 +231,7 @@ __device__ __forceinline__ Sample<A> sample_at(long long ybase, long long xbase,
   s.w2 = wyl * wxh;
   s.w3 = wyh * wxl;
   s.w4 = wyh * wxh;
+  s.outside = (wyl == 0 && wyh == 0) || (wxl == 0 && wxh == 0);
   return s;
 }
 

@@ -1,7 +1,8 @@
 // ROIPooling kernels: max over the integer bins of mx_roi.geometry.IntBins
-// ([hstart, hend) x [wstart, wend), already clipped to the map).  Row-major scan with
-// strict '>' (the first maximum wins); an empty bin or a negative batch index gives 0
-// and argmax -1; argmax is h*W + w within the (b, c) plane.
+// ([hstart, hend) x [wstart, wend), already clipped to the map).  Row-major scan from
+// max_init() (-FLT_MAX) with strict '>' (the first maximum wins, NaN never wins); an
+// empty bin or a negative batch index gives 0 and argmax -1, a bin nothing beat gives
+// -FLT_MAX and argmax -1; argmax is h*W + w within the (b, c) plane.
 #include "roi_common.cuh"
 
 template <typename T, typename A>
@@ -16,11 +17,12 @@ __global__ void roi_pooling_forward(
     int arg = -1;
     if (b >= 0 && he > hs && we > ws) {
       const T* plane = data + mx_roi::plane_offset(b, it.c, C, H, W);
+      best = mx_roi::max_init<A>();
       for (int h = hs; h < he; ++h) {
         for (int w = ws; w < we; ++w) {
           const int k = h * W + w;
           const A v = mx_roi::Traits<T>::load(plane[k]);
-          if (arg < 0 || v > best) {
+          if (v > best) {
             best = v;
             arg = k;
           }

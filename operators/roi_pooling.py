@@ -2,7 +2,10 @@
 
 Semantics of ``mx.nd.ROIPooling``: box corners scaled and C-rounded (half away from
 zero), end inclusive, ``floor``/``ceil`` bins clipped to the map, an empty bin gives 0,
-the first maximum in row-major order wins and receives the whole gradient.
+the first maximum in row-major order wins and receives the whole gradient.  NaN never
+wins (MXNet's rule, :data:`mx_roi.kernels_numpy.MAX_INIT`): a non-empty bin starts at
+-FLT_MAX and only a strictly greater value replaces it, so a bin of NaN / -inf / values
+<= -FLT_MAX gives -FLT_MAX (float16: -inf) and no gradient.
 Differences from the built-in: a batch index >= N is an error (MXNet silently gives 0),
 a negative batch index marks a padding roi (output 0, no gradient).
 """
@@ -31,13 +34,15 @@ class ROIPooling(RoIOp):
         """Max of every bin and its argmax (``h * W + w`` in the plane, -1 if empty).
 
         Two-stage max with row-major tie breaking: per row the first column attaining
-        the column bin's maximum, then the first row attaining the maximum of those.
-        Returns the (R, C, P, Q) output and, with ``keep``, the (R, P, Q, C) argmax.
+        the column bin's maximum, then the first row attaining the maximum of those; the
+        map is clamped to >= -FLT_MAX with NaN -> -FLT_MAX first (MXNet's NaN rule), and
+        a bin whose max is -FLT_MAX has argmax -1.  Returns the (R, C, P, Q) output and, with ``keep``, the (R, P, Q, C) argmax.
         """
         R = bins.batch.shape[0]
         _, C, H, W = data.shape
         P, Q = bins.hstart.shape[1], bins.wstart.shape[1]
-        dcl = K.channels_last(data)
+        lowest = K.max_init(data.dtype)
+        dcl = K.channels_last(data, floor=lowest)            # NaN never wins
         out = np.zeros((R, P, Q, C), dtype=data.dtype)
         arg = np.full((R, P, Q, C), -1, dtype=np.int32) if keep else None
         hlen, wlen = bins.hend - bins.hstart, bins.wend - bins.wstart
@@ -78,7 +83,8 @@ class ROIPooling(RoIOp):
                     row_vals = g1.reshape(-1)[base + (np.arange(kw) * C)[:, None, None, None]]
                     w_win = cols[qq, K.first_equal(row_vals, best, axis=0)]
                     a = (h_win + h_lo[r]) * W + (w_win + w_lo[r])
-                    arg[r] = a if empty is None else np.where(empty, -1, a)
+                    none = best == lowest                # nothing beat -FLT_MAX
+                    arg[r] = np.where(none if empty is None else none | empty, -1, a)
 
         K.for_chunks(list(np.flatnonzero(bins.batch >= 0)), run)
         return K.channels_first(out), arg

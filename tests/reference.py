@@ -15,6 +15,11 @@ into a zeros array of the compute dtype, in the loop order of the forward.
 
 Each ``*_forward`` returns ``out`` (input dtype); each ``*_backward`` returns
 ``grad_data`` (input dtype).  The gradient with respect to ``rois`` is always zero.
+
+Max modes (ROIPooling, ROIAlign ``pool_mode='max'``) follow MXNet's ROIPooling loop: a
+non-empty bin starts at -FLT_MAX with no argmax, and a value replaces the running max
+only if strictly greater -- so NaN, -inf and values <= -FLT_MAX never win, and a bin
+nothing beat outputs -FLT_MAX and passes no gradient.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ __all__ = [
     "psroi_pooling_forward", "psroi_pooling_backward",
     "psroi_align_forward", "psroi_align_backward",
 ]
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -115,12 +123,12 @@ def _roi_pooling_argmax(data, rois, pooled_size, spatial_scale):
                 if hend <= hstart or wend <= wstart:
                     continue  # empty bin: 0, no gradient
                 for c in range(C):
-                    best = None
+                    best = T(-FLT_MAX)
                     best_idx = -1
                     for h in range(hstart, hend):
                         for w in range(wstart, wend):
                             v = x[b, c, h, w]
-                            if best is None or v > best:  # strict: first max wins
+                            if v > best:  # strict: first max wins, NaN never
                                 best = v
                                 best_idx = h * W + w
                     out[n, c, i, j] = best
@@ -263,20 +271,19 @@ def _roi_align_impl(data, rois, pooled_size, spatial_scale, sample_ratio, aligne
                         for w, hh, ww in taps:
                             grad[b, :, hh, ww] += gb * w / T(count)
             else:
-                best = None
-                best_k = np.zeros((C,), np.int64)
+                best = np.full((C,), -FLT_MAX, T)
+                best_k = np.full((C,), -1, np.int64)
                 for k, taps in enumerate(samples):
                     v = _sample_value(plane, taps, T, C)
-                    if best is None:
-                        best = v
-                    else:
-                        better = v > best  # strict: first sample wins ties
-                        best = np.where(better, v, best)
-                        best_k = np.where(better, k, best_k)
+                    better = v > best  # strict: first sample wins ties, NaN never
+                    best = np.where(better, v, best)
+                    best_k = np.where(better, k, best_k)
                 out[n, :, i, j] = best
                 if g is not None:
                     gb = g[n, :, i, j]
                     for c in range(C):
+                        if best_k[c] < 0:
+                            continue
                         for w, hh, ww in samples[best_k[c]]:
                             grad[b, c, hh, ww] += gb[c] * w
     if grad_out is None:

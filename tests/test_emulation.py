@@ -372,10 +372,25 @@ def _fake_cupy():
         def synchronize(self):
             fake.log.append(("sync",))
 
+    class _Pool:  # CuPy's MemoryPool accounting, set by the tests
+        cached = 0
+
+        def total_bytes(self):
+            return self.cached
+
+        def used_bytes(self):
+            return 0
+
+        def free_all_blocks(self):
+            fake.log.append(("free_all_blocks",))
+            self.cached = 0
+
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
         get_current_stream=lambda: _Stream())
     fake.from_dlpack, fake.RawModule, fake.cuda = from_dlpack, RawModule, cuda
+    fake.pool = _Pool()
+    fake.get_default_memory_pool = lambda: fake.pool
     return fake
 
 
@@ -461,3 +476,109 @@ def test_grid_stride_covers_every_item(grid, block):
     _kernel()((grid,), (block,), args)
     np.testing.assert_array_equal(args[11], [[[[1, 3], [13, 15]]]])
     np.testing.assert_array_equal(args[12], [[[[1, 3], [13, 15]]]])
+
+
+# ------------------------------------ GPU backward memory: direct write, pool policy
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_backward_writes_into_mxnet_gradient(deterministic, monkeypatch):
+    """On the GPU path the backward adds straight into MXNet's gradient (zeroed for
+    write, kept for add) when its dtype is the compute dtype: no gradient-size
+    temporary; float16 and fixed point use one (and only one) bounded buffer."""
+    import sys
+    from mx_roi.cuda import backend as B
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    made = []
+    real_zeroed = B._zeroed
+    monkeypatch.setattr(B, "_zeroed", lambda xp, shape, dtype: (
+        made.append(np.dtype(dtype)), real_zeroed(xp, shape, dtype))[1])
+    gpu = CudaBackend(emulated=False)
+    for name, params in (CASES[0], CASES[2], CASES[4]):
+        op = make_op(name, dict(params, deterministic=deterministic))
+        for dtype in DTYPES:
+            data, rois, grad = problem(op, dtype, seed=7)
+            base_out = np.full(op.out_shape(data.shape, rois.shape), 9.0, dtype)
+            garbage = np.full(data.shape, 1e3, dtype)                # must be overwritten
+            for req in ("write", "add"):
+                made.clear()
+                got = run(gpu, op, data, rois, grad, req, req, base_out, garbage)
+                grad_temps = [d for d in made if d != np.dtype(np.int32)]
+                want = run(EMU, op, data, rois, grad, req, req, base_out, garbage)
+                np.testing.assert_array_equal(got[1], want[1], err_msg=f"{name} {req}")
+                _, ref = run(REF, op, data, rois, grad, "write", "write")
+                expect = ref + garbage if req == "add" else ref
+                close(got[1], expect.astype(dtype), dtype, what=f"{name} {dtype} {req}")
+                if deterministic and np.abs(grad).sum() > 0:
+                    assert grad_temps == [np.dtype(np.uint64)], (name, dtype, req)
+                elif np.dtype(dtype) == np.float16:
+                    assert grad_temps == [np.dtype(np.float32)], (name, req)
+                else:
+                    assert grad_temps == [], (name, dtype, req, grad_temps)
+
+
+def test_gpu_pool_trimmed_after_a_call(monkeypatch):
+    """After a GPU call CuPy's pool gives its unused blocks back once they exceed
+    POOL_KEEP_BYTES, and keeps a small cache; one stream sync per forward/backward."""
+    import sys
+    from mx_roi.cuda import backend as B
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    gpu = CudaBackend(emulated=False)
+    op = make_op(*CASES[2])
+    data, rois, grad = problem(op, np.float32)
+    for cached, freed in ((B.POOL_KEEP_BYTES, False), (B.POOL_KEEP_BYTES + 1, True)):
+        fake.log.clear()
+        fake.pool.cached = cached
+        run(gpu, op, data, rois, grad)
+        assert (("free_all_blocks",) in fake.log) == freed
+        assert fake.log.count(("sync",)) == 2                    # forward + backward
+        # the pool is trimmed only after the stream is synchronised
+        if freed:
+            assert fake.log.index(("sync",)) < fake.log.index(("free_all_blocks",))
+
+
+# ------------------------------------------------------ deterministic bound at the edge
+def test_deterministic_bound_caffe_grid_at_the_edge(monkeypatch):
+    """The Caffe legacy grid gives a point on integer coordinates four taps of weight 1
+    on one cell (weight sum 4): the fixed-point scale must account for it.  Out-grads
+    summing to just below a power of two, all routed to one cell with weight 4, must
+    stay within the 2^61 headroom (before the fix: ~2^63, the whole margin) and decode
+    to exactly the float result."""
+    seen = []
+    real = Launch.grad_value
+
+    def spy(self, buf):
+        if self.fixed:
+            seen.append((int(np.abs(buf.view(np.int64)).max()), self._spread()))
+            out = real(self, buf)
+            assert np.shares_memory(out, buf)     # decoded in place: no temporaries
+            return out
+        return real(self, buf)
+
+    monkeypatch.setattr(Launch, "grad_value", spy)
+    params = dict(pooled_size=(1, 1), spatial_scale=1.0, legacy="caffe")
+    op = make_op("ROIAlign", params)
+    det = make_op("ROIAlign", dict(params, deterministic=True))
+    data = np.zeros((1, 1, 4, 4), np.float32)
+    data[0, 0, 2, 1] = 5.0                                      # the single winner
+    rois = np.array([[0, 0, 0, 3, 3]] * 3, np.float32)           # points at 0, 1, 2, 3
+    grad = np.array([0.5, 0.25, np.nextafter(np.float32(0.25), np.float32(0))],
+                    np.float32).reshape(3, 1, 1, 1)              # sum just below 1
+    _, g_float = run(EMU, op, data, rois, grad)
+    _, g_fixed = run(EMU, det, data, rois, grad)
+    assert g_float[0, 0, 2, 1] == np.float32(4 * grad.astype(np.float64).sum())
+    np.testing.assert_array_equal(g_fixed, g_float)
+    (peak, spread), = seen
+    assert spread == 4.0
+    assert 2 ** 60 < peak <= 2 ** 61, peak                        # at the edge, within it
+
+
+def test_spread_of_standard_grids_is_one():
+    """The standard ROIAlign grid: weights of a sample sum to 1, average over count."""
+    op = make_op("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=-1))
+    rois = np.array([[0, 0, 0, 7, 5], [0, -9, -9, 30, 30]], np.float32)
+    launch = Launch(None, np, np.float32)
+    launch.geo = op.geometry(rois, 6, 7, np)
+    assert launch._spread() == pytest.approx(1.0, abs=1e-6)

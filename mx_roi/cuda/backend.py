@@ -21,8 +21,17 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
 Dtypes: the kernels run on the data's own element type ``T`` (float16 as ``__half``);
 coordinates, weights and accumulation use the compute dtype ``A`` of
 :func:`mx_roi.geometry.compute_dtype` (float32 for float16), and the backward accumulates
-into a zeroed buffer of dtype ``A`` (float32 atomics for float16 data), converted to the
-data dtype when it is stored.
+straight into MXNet's input-gradient memory when its dtype is ``A`` (float32/float64:
+zeroed first for ``write``, added to as it is for ``add``, as MXNet's own kernels do); for
+float16 data into one zeroed float32 buffer of the input's size (float32 atomics),
+converted when it is stored.
+
+GPU memory: besides the forward's argmax (max modes, kept for the backward) the op holds
+no GPU memory between calls.  A call's temporaries (geometry tables, the float16 or
+fixed-point accumulator) are dropped when it returns, and after the stream sync CuPy's
+default memory pool frees its unused blocks whenever they exceed
+:data:`POOL_KEEP_BYTES` (32 MiB), so MXNet's allocator can reuse them; smaller caches are
+kept to spare per-call ``cudaMalloc``.
 
 Deterministic mode (``deterministic=True``): the backward kernels accumulate into an
 ``unsigned long long`` buffer in *fixed point*: each contribution ``v`` is added as the
@@ -31,8 +40,10 @@ on the host), with an integer ``atomicAdd``.  Integer addition is
 associative, so the result is bit-identical from run to run whatever the order of the
 atomics.  ``scale = 2**(61 - e)`` where ``2**e > sum(|out_grad|) * spread``, a bound of the
 magnitude of any input-gradient element (a bin hands out its gradient with weights summing
-to at most ``spread``: 1 for the standard geometries, ``max(samples / divisor)`` of a
-SampleGrid in general), so sums cannot overflow.  Precision trade-off: every contribution is
+to at most ``spread``, computed from the geometry tables by :meth:`Launch._spread`: 1 for
+the standard geometries, 4 on the Caffe legacy grid), so sums stay below ``2**61``, with
+a factor 4 to spare for rounding.  The ``uint64`` buffer (8 bytes per input element) is
+decoded in place into float64 and then stored into MXNet's gradient.  Precision trade-off: every contribution is
 rounded to an absolute step of ``1/scale <= 2**-60 * sum(|out_grad|)``; that is far below a
 float32 ulp of typical gradients, but for float64 data an element much smaller than the
 total gradient mass keeps fewer significant bits than with float atomics.  It costs one
@@ -90,6 +101,8 @@ class Launch:
         # memory, which the kernels then fill directly (no temporary, no copy)
         self.out_target = None
         self.grad_target = None
+        # 'add': the kernels add into grad_target as it is (not zeroed)
+        self.grad_req = "write"
         self.launches = []  # (expression, n) of every launch, for tests
 
     # ---- argument helpers (kernel scalars are exact-width NumPy scalars) ----------
@@ -145,7 +158,13 @@ class Launch:
 
     # ---- gradient accumulation ------------------------------------------------------
     def grad_buffer(self, shape, grad):
-        """A zeroed accumulator for the input gradient; sets ``O`` and ``scale``."""
+        """The accumulator of the input gradient; sets ``O`` and ``scale``.
+
+        :attr:`grad_target` itself (MXNet's gradient memory, zeroed for ``write``, as it
+        is for ``add``) when its dtype is the compute dtype and no fixed point is used;
+        else a zeroed temporary of the input's size: ``uint64`` (fixed point) or float32
+        (float16 data).
+        """
         xp = self.xp
         self.fixed = False
         if self.deterministic and grad.size:
@@ -160,29 +179,48 @@ class Launch:
         self.O, self.scale = self.A, np.float64(1.0)
         t = self.grad_target
         if t is not None and tuple(t.shape) == tuple(shape) and t.dtype == self.acc:
-            t.fill(0)
+            if self.grad_req != "add":
+                t.fill(0)
             return t
         return _zeroed(xp, shape, self.acc)
 
     def _spread(self):
-        """How many times its out-grad a bin can hand out: 1 for integer bins and argmax
-        routing; for a SampleGrid the largest ``samples / divisor`` (each sample's four
-        bilinear weights sum to at most 1), which is 1 for every standard grid."""
+        """How many times its out-grad a bin can hand out, from the tables: 1 for integer
+        bins (argmax, or weights ``1/area``); for a SampleGrid the largest of
+
+        * ``Sy * Sx / divisor`` (average: every sample), ``S`` the sum over a bin's
+          samples of an axis of ``|w_low| + |w_high|``, and
+        * ``My * Mx`` (max: the winning sample), ``M`` their largest;
+
+        a sample's four weights sum to ``(|wyl| + |wyh|) * (|wxl| + |wxh|)``: 1 for the
+        standard bilinear rule, up to 4 on the Caffe legacy grid (both taps of weight 1
+        at an integer coordinate).  Every legacy grid is covered, whatever its weights."""
         geo = self.geo
         if geo is None or not hasattr(geo, "divisor") or not hasattr(geo, "y"):
             return 1.0
         xp = self.xp
         if geo.divisor.size == 0:
             return 1.0
-        n = geo.y.count[:, :, None].astype(np.float64) * geo.x.count[:, None, :]
-        return max(1.0, float(xp.max(n / geo.divisor.astype(np.float64))))
+        sums, peaks = [], []
+        for axis in (geo.y, geo.x):
+            w = xp.abs(axis.w_low.astype(np.float64)) + xp.abs(axis.w_high.astype(np.float64))
+            live = xp.arange(w.shape[2])[None, None, :] < axis.count[:, :, None]
+            w = xp.where(live, w, 0.0)                                   # (R, P, G)
+            sums.append(w.sum(axis=2))
+            peaks.append(w.max(axis=2) if w.shape[2] else xp.zeros(w.shape[:2]))
+        avg = sums[0][:, :, None] * sums[1][:, None, :] / geo.divisor.astype(np.float64)
+        peak = peaks[0][:, :, None] * peaks[1][:, None, :]
+        return max(1.0, float(xp.max(xp.maximum(avg, peak))))
 
     def grad_value(self, buf):
-        """The accumulated gradient in the compute dtype."""
+        """The accumulated gradient: ``buf`` itself, or for fixed point ``buf`` decoded in
+        place as float64 (no temporary: each element is read, then overwritten)."""
         if not self.fixed:
             return buf
         inv = np.float64(1.0) / self.scale  # a power of two: exact
-        return (buf.view(np.int64).astype(np.float64) * inv).astype(self.acc)
+        out = buf.view(np.float64)
+        self.xp.multiply(buf.view(np.int64), inv, out=out)
+        return out
 
 
 def _zeroed(xp, shape, dtype):
@@ -238,13 +276,39 @@ class CudaBackend:
         else:
             dst[...] = value
 
-    def _target(self, nd, req):
-        """MXNet's memory of ``nd`` for the kernels to write into (native backend, req
-        write/inplace), else None."""
-        if not self.native or req not in ("write", "inplace") or nd.size == 0:
+    def _target(self, nd, req, grad=False):
+        """The memory the kernels write ``nd``'s result into, else None:
+
+        * ``native``: MXNet's memory (NumPy view), req write/inplace;
+        * GPU: MXNet's memory (CuPy view through DLPack), req write/inplace, and for the
+          input gradient (``grad``) also ``add``: the kernels then add into it;
+        * ``emulated-cuda``: for the input gradient, a host copy standing in for MXNet's
+          GPU memory, written back whole (so the emulation adds exactly as a GPU does).
+        """
+        if req not in ("write", "inplace", "add") or nd.size == 0:
             return None
-        from ..backends import writable_numpy
-        return writable_numpy(nd)
+        if req == "add" and not (grad and not self.native):
+            return None
+        if self.native:
+            from ..backends import writable_numpy
+            return writable_numpy(nd)
+        if self.emulated:
+            return nd.asnumpy() if grad else None
+        return _cupy_view(nd.to_dlpack_for_write(), nd)
+
+    def _store_grad(self, nd, req, value, target):
+        """Store the backward's ``value`` honouring ``req``, through ``target``."""
+        if value is not target:
+            if target is None:
+                self._write(nd, req, value)
+                return
+            if req == "add":  # in the destination's dtype, as MXNet's kAddTo does
+                target += value.astype(target.dtype, copy=False)
+            else:
+                target[...] = value
+        if self.emulated and not self.native:  # the host copy back to the NDArray
+            from ..backends import write_numpy
+            write_numpy(nd, "write", target)
 
     def _device(self, nd):
         if self.emulated:
@@ -256,6 +320,7 @@ class CudaBackend:
         if not self.emulated:
             import cupy
             cupy.cuda.get_current_stream().synchronize()
+            _trim_pool(cupy)
 
     def _launch(self, op, dtype, nd):
         dev = -1 if self.emulated else nd.context.device_id
@@ -269,54 +334,73 @@ class CudaBackend:
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
         with self._device(data_nd):
             try:
-                xp = self._xp()
-                data, rois = self._read(data_nd), self._read(rois_nd)
-                op.check_inputs(data.shape, data.dtype, rois, xp)
-                _check_plane(op, data.shape)
-                if req == "null" or rois.shape[0] == 0:
-                    return None
-                if data.size == 0:  # an empty map (H or W = 0 under np_shape): zeros
-                    if req != "add":
-                        self._write(out_nd, req, xp.zeros(tuple(out_nd.shape), out_nd.dtype))
-                    return None
-                geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
-                launch = self._launch(op, data.dtype, data_nd)
-                launch.out_target = self._target(out_nd, req)
-                out, saved = op.forward_cuda(launch, geo, data)
-                if out is not launch.out_target:
-                    self._write(out_nd, req, out)
-                return saved if keep else None
-            finally:
+                return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+            finally:  # after _forward's temporaries are dropped: the pool can free them
                 self._sync()
+
+    def _forward(self, op, req, data_nd, rois_nd, out_nd, keep):
+        xp = self._xp()
+        data, rois = self._read(data_nd), self._read(rois_nd)
+        op.check_inputs(data.shape, data.dtype, rois, xp)
+        _check_plane(op, data.shape)
+        if req == "null" or rois.shape[0] == 0:
+            return None
+        if data.size == 0:  # an empty map (H or W = 0 under np_shape): zeros
+            if req != "add":
+                self._write(out_nd, req, xp.zeros(tuple(out_nd.shape), out_nd.dtype))
+            return None
+        geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
+        launch = self._launch(op, data.dtype, data_nd)
+        launch.out_target = self._target(out_nd, req)
+        out, saved = op.forward_cuda(launch, geo, data)
+        if out is not launch.out_target:
+            self._write(out_nd, req, out)
+        return saved if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
         if req == "null":
             return
         with self._device(in_grad_nd):
             try:
-                xp = self._xp()
-                shape = tuple(in_grad_nd.shape)
-                _check_plane(op, shape)
-                rois = self._read(rois_nd)
-                # validated again here: the backward never indexes with rois it has not
-                # checked (MXNet runs it even when the forward raised)
-                op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
-                if rois.shape[0] == 0 or in_grad_nd.size == 0:
-                    if req != "add":
-                        self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
-                    return
-                geo = op.geometry(rois, shape[2], shape[3], xp)
-                grad = self._read(grad_nd)
-                launch = self._launch(op, grad.dtype, in_grad_nd)
-                launch.geo = geo
-                if saved is None and op.backward_needs_data:
-                    _, saved = op.forward_cuda(launch, geo, self._read(data_nd))
-                launch.grad_target = self._target(in_grad_nd, req)
-                value = op.backward_cuda(launch, geo, grad, shape, saved)
-                if value is not launch.grad_target:
-                    self._write(in_grad_nd, req, value)
-            finally:
+                self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved)
+            finally:  # after _backward's temporaries are dropped: the pool can free them
                 self._sync()
+
+    def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
+        xp = self._xp()
+        shape = tuple(in_grad_nd.shape)
+        _check_plane(op, shape)
+        rois = self._read(rois_nd)
+        # validated again here: the backward never indexes with rois it has not
+        # checked (MXNet runs it even when the forward raised)
+        op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
+        if rois.shape[0] == 0 or in_grad_nd.size == 0:
+            if req != "add":
+                self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
+            return
+        geo = op.geometry(rois, shape[2], shape[3], xp)
+        grad = self._read(grad_nd)
+        launch = self._launch(op, grad.dtype, in_grad_nd)
+        launch.geo = geo
+        if saved is None and op.backward_needs_data:
+            _, saved = op.forward_cuda(launch, geo, self._read(data_nd))
+        target = self._target(in_grad_nd, req, grad=True)
+        launch.grad_target, launch.grad_req = target, req
+        value = op.backward_cuda(launch, geo, grad, shape, saved)
+        self._store_grad(in_grad_nd, req, value, target)
+
+
+#: CuPy memory-pool policy: after every GPU call (once the stream is synchronised and the
+#: call's temporaries are dropped) the default pool gives its unused blocks back to the
+#: driver -- where MXNet's allocator can get them -- whenever they exceed this many bytes.
+#: Smaller caches (the geometry tables of typical calls) are kept to spare the allocation.
+POOL_KEEP_BYTES = 32 << 20
+
+
+def _trim_pool(cupy):
+    pool = cupy.get_default_memory_pool()
+    if pool.total_bytes() - pool.used_bytes() > POOL_KEEP_BYTES:
+        pool.free_all_blocks()
 
 
 def _check_plane(op, shape):
