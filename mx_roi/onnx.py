@@ -27,9 +27,10 @@ taps, not of the interpolated samples), float64 ROIPooling (MaxRoiPool is float 
 float16 graphs compute in float32 between two Casts, as our ops do.
 
 The oneDNN guard nodes ``mx_roi`` puts around the op in graphs (``_copy`` and
-``clip(x, -3e38, 3e38)``) are exported by MXNet's own translations as ``Identity`` and
-``Clip``: the same numbers as in MXNet (finite values pass bit for bit; ±inf become ±3e38
-in float32; in float16 the bound is inf, so Clip is exact).
+``clip(x, -3e38, 3e38)``) export as ``Identity`` and ``Clip``: the same numbers as in MXNet
+(finite values pass bit for bit; ±inf become ±3e38 in float32/64).  In float16 the bound
+is inf, so the guard clip exports as ``Identity`` (:func:`convert_clip`; MXNet's own clip
+translation writes wrong float16 bounds with onnx 1.14).
 """
 from __future__ import annotations
 
@@ -71,13 +72,9 @@ class _Builder:
         return f"{self.name}__{what}{self._n}"
 
     def const(self, value, dtype):
-        from onnx import helper, mapping
-        arr = np.asarray(value, dtype=dtype)
+        from onnx import numpy_helper
         name = self.tmp("c")
-        vals = arr.view(np.uint16) if arr.dtype == np.float16 else arr
-        self.initializer.append(helper.make_tensor(
-            name, mapping.NP_TYPE_TO_TENSOR_TYPE[arr.dtype], arr.shape,
-            vals.flatten().tolist()))
+        self.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
     def op(self, op_type, inputs, out=None, **attrs):
@@ -88,8 +85,8 @@ class _Builder:
         return out
 
     def cast(self, x, dtype):
-        from onnx import mapping
-        return self.op("Cast", [x], to=int(mapping.NP_TYPE_TO_TENSOR_TYPE[np.dtype(dtype)]))
+        from onnx import helper
+        return self.op("Cast", [x], to=int(helper.np_dtype_to_tensor_dtype(np.dtype(dtype))))
 
     def slice_cols(self, x, start, end):
         return self.op("Slice", [x, self.const([start], np.int64), self.const([end], np.int64),
@@ -155,11 +152,11 @@ def _emit_roi_pooling(b, data, rois, p, cdt, out):
     return _mask(b, y, valid, cdt, out)
 
 
-def _c_round(b, x):
+def _c_round(b, x, dtype):
     """C ``round()`` (half away from zero); ONNX ``Round`` rounds half to even."""
     t = b.op("Floor", [b.op("Abs", [x])])
-    half = b.op("Cast", [b.op("GreaterOrEqual", [b.op("Sub", [b.op("Abs", [x]), t]),
-                                                 b.const(0.5, np.float32)])], to=1)
+    half = b.cast(b.op("GreaterOrEqual", [b.op("Sub", [b.op("Abs", [x]), t]),
+                                          b.const(0.5, dtype)]), dtype)
     return b.op("Mul", [b.op("Add", [t, half]), b.op("Sign", [x])])
 
 
@@ -168,29 +165,29 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
     from .geometry import group_index
     P, Q = p.pooled_size
     G, D = p.groups, p.output_dim
-    f32, i64 = np.float32, np.int64
+    ft, i64 = cdt, np.int64   # the compute dtype (geometry.compute_dtype)
     bidx, boxes, valid = _split_rois(b, rois)
     shape = b.op("Shape", [data])                                     # N, C, H, W
     dims = {k: b.op("Gather", [shape, b.const(k, i64)]) for k in (1, 2, 3)}
-    Hf, Wf = b.cast(dims[2], f32), b.cast(dims[3], f32)
-    s = b.const(np.float32(p.spatial_scale), f32)
+    Hf, Wf = b.cast(dims[2], ft), b.cast(dims[3], ft)
+    s = b.const(np.float32(p.spatial_scale), ft)   # MXNet keeps spatial_scale as a C float
     col = {k: b.slice_cols(boxes, k, k + 1) for k in range(4)}       # (R, 1) each
-    one = b.const(1, f32)
+    one = b.const(1, ft)
     # x1 = round(x1) * s, x2 = (round(x2) + 1) * s   (R-FCN; see geometry.psroi_pooling_bins)
-    x1 = b.op("Mul", [_c_round(b, col[0]), s])
-    y1 = b.op("Mul", [_c_round(b, col[1]), s])
-    x2 = b.op("Mul", [b.op("Add", [_c_round(b, col[2]), one]), s])
-    y2 = b.op("Mul", [b.op("Add", [_c_round(b, col[3]), one]), s])
-    tenth = b.const(np.float32(0.1), f32)
+    x1 = b.op("Mul", [_c_round(b, col[0], ft), s])
+    y1 = b.op("Mul", [_c_round(b, col[1], ft), s])
+    x2 = b.op("Mul", [b.op("Add", [_c_round(b, col[2], ft), one]), s])
+    y2 = b.op("Mul", [b.op("Add", [_c_round(b, col[3], ft), one]), s])
+    tenth = b.const(0.1, ft)
 
     def bins(start, end, pooled, limit):
         size = b.op("Max", [b.op("Sub", [end, start]), tenth])
-        bin_size = b.op("Div", [size, b.const(np.float32(pooled), f32)])
-        i = b.const(np.arange(pooled, dtype=f32)[None, :], f32)       # (1, pooled)
+        bin_size = b.op("Div", [size, b.const(np.float32(pooled), ft)])
+        i = b.const(np.arange(pooled, dtype=ft)[None, :], ft)       # (1, pooled)
         lo = b.op("Floor", [b.op("Add", [b.op("Mul", [i, bin_size]), start])])
         hi = b.op("Ceil", [b.op("Add", [b.op("Mul", [b.op("Add", [i, one]), bin_size]),
                                          start])])
-        zero = b.const(0, f32)
+        zero = b.const(0, ft)
         lo = b.op("Min", [b.op("Max", [lo, zero]), limit])
         hi = b.op("Min", [b.op("Max", [hi, zero]), limit])
         return b.cast(lo, i64), b.cast(hi, i64)                        # (R, pooled)
@@ -227,8 +224,8 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
                         b.op("Reshape", [dw, b.const([-1, 1, 1, Q], i64)])])
     empty = b.op("LessOrEqual", [area, b.const(0, i64)])
     safe = b.cast(b.op("Max", [area, b.const(1, i64)]), np.float64)
-    y = b.cast(b.op("Div", [total, safe]), np.float32)
-    y = b.op("Where", [empty, b.const(0, f32), y])
+    y = b.cast(b.op("Div", [total, safe]), ft)
+    y = b.op("Where", [empty, b.const(0, ft), y])
     return _mask(b, y, valid, cdt, out)
 
 
@@ -249,7 +246,7 @@ def _check(op_type, name, p, dtype, opset):
                       "ONNX RoiAlign's max mode takes the max of the weighted taps, not of "
                       "the interpolated samples, and an adaptive sample count per roi has no "
                       "static composite; use sample_ratio > 0")
-    if dtype == np.float64 and op_type in ("ROIPooling", "PSROIPooling"):
+    if dtype == np.float64 and op_type == "ROIPooling":
         raise _refuse(op_type, name, "float64 data",
                       "the ONNX form computes in float32 (MaxRoiPool is float only) while "
                       "the op computes float64 in float64")
@@ -287,6 +284,55 @@ def convert_custom_ours(node, **kwargs):
 
 
 _PREVIOUS: Dict[int, Callable] = {}
+_PREVIOUS_CLIP: Dict[int, Callable] = {}
+
+
+def _is_guard_clip(attrs):
+    from .onednn import _BOUND
+    try:
+        return (float(attrs.get("a_min", "nan")) == -_BOUND
+                and float(attrs.get("a_max", "nan")) == _BOUND)
+    except ValueError:
+        return False
+
+
+def convert_clip(node, **kwargs):
+    """mx2onnx translation of ``clip``: our oneDNN guard ``clip(x, -3e38, 3e38)`` becomes
+    an exact ONNX ``Clip`` (float16: ``Identity``, the bound is inf there); any other clip
+    goes to MXNet's translation.  (MXNet 1.9.1's own translation writes float16 bounds
+    as their bit patterns read as numbers, e.g. ``Clip(x, 64500, 31740)``, with onnx 1.14.)"""
+    attrs = node.get("attrs", {})
+    if not _is_guard_clip(attrs):
+        return _chain(_PREVIOUS_CLIP, "clip", node, kwargs)
+    from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import (
+        get_inputs, get_input_dtypes)
+    name, inputs, _ = get_inputs(node, kwargs)
+    dtype = np.dtype(get_input_dtypes(node, kwargs)[0])
+    b = _Builder(name, kwargs)
+    if dtype == np.float16:
+        b.op("Identity", [inputs[0]], name)
+    else:
+        lo, hi = _guard_bounds(dtype)
+        b.op("Clip", [inputs[0], b.const(lo, dtype), b.const(hi, dtype)], name)
+    return b.nodes
+
+
+def _guard_bounds(dtype):
+    """The bounds MXNet's clip really applies in ``dtype`` (its parser makes 3e38 one ulp
+    larger than ``np.float32(3e38)``): measured once by clipping -inf and inf."""
+    import mxnet as mx
+    from .onednn import _BOUND
+    ends = mx.nd.array([-np.inf, np.inf], dtype=dtype)
+    lo, hi = mx.nd.clip(ends, -_BOUND, _BOUND).asnumpy()
+    return lo, hi
+
+
+def _chain(previous, op, node, kwargs):
+    opset = kwargs.get("opset_version", 12)
+    for version in sorted(previous, reverse=True):
+        if version <= opset:
+            return previous[version](node, **kwargs)
+    raise AttributeError(f"No conversion function registered for op type {op} yet")
 
 
 def convert_custom(node, **kwargs):
@@ -294,27 +340,31 @@ def convert_custom(node, **kwargs):
     op_type = node.get("attrs", {}).get("op_type")
     if op_type in _PARAMS:
         return convert_custom_ours(node, **kwargs)
-    opset = kwargs.get("opset_version", 12)
-    for version in sorted(_PREVIOUS, reverse=True):
-        if version <= opset:
-            return _PREVIOUS[version](node, **kwargs)
-    raise AttributeError(f"No conversion function registered for op type Custom yet "
-                         f"(op_type={op_type!r}; mx_roi exports only {', '.join(_PARAMS)})")
+    try:
+        return _chain(_PREVIOUS, "Custom", node, kwargs)
+    except AttributeError:
+        raise AttributeError(f"No conversion function registered for op type Custom "
+                             f"(op_type={op_type!r}); mx_roi exports only its own: "
+                             f"{', '.join(_PARAMS)}") from None
 
 
 convert_custom._mx_roi = True
+convert_clip._mx_roi = True
 
 
 def install():
-    """Register :func:`convert_custom` for ``Custom`` with mx2onnx.  Idempotent."""
+    """Register :func:`convert_custom` (``Custom``) and :func:`convert_clip` (``clip``) with
+    mx2onnx, keeping the translations they replace for other nodes.  Idempotent."""
     try:
         from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
     except ImportError:  # pragma: no cover - an MXNet without mx2onnx
         return
     registry = MXNetGraph.registry_
-    for version, ops in registry.items():
-        fn = ops.get("Custom")
-        if fn is not None and not getattr(fn, "_mx_roi", False):
-            _PREVIOUS[version] = fn
-    for version in set(registry) | {12}:
-        registry.setdefault(version, {})["Custom"] = convert_custom
+    for op, mine, previous in (("Custom", convert_custom, _PREVIOUS),
+                               ("clip", convert_clip, _PREVIOUS_CLIP)):
+        for version, ops in registry.items():
+            fn = ops.get(op)
+            if fn is not None and not getattr(fn, "_mx_roi", False):
+                previous[version] = fn
+        for version in set(registry) | {12}:
+            registry.setdefault(version, {})[op] = mine
