@@ -336,3 +336,26 @@ def test_mxnet_builtin_roialign_export_differs():
     want = ours("ROIAlign", data, rois, dict(pooled_size=(3, 3), spatial_scale=1.0,
                                              sample_ratio=2))
     assert np.abs(got - want).max() > 0.01
+
+
+# ------------------------------------------------------------------- end to end: the example
+@pytest.mark.parametrize("roi_op", ["pool", "align", "psalign"])
+def test_example_rcnn_head_exports_with_same_detections(tmp_path, roi_op):
+    """The example's test graph (tiny backbone, untrained weights) from (data, rois) on,
+    in ONNX Runtime, with MXNet's own proposals: the same raw outputs and detections."""
+    from example_rcnn.config import default_config
+    from example_rcnn.export_onnx import compare, export
+    from example_rcnn.symbol import get_test_symbol, initializer
+    cfg = default_config("tiny", roi_op)
+    s = cfg.image_size
+    mod = mx.mod.Module(get_test_symbol(cfg), data_names=("data", "im_info"),
+                        label_names=None, context=mx.cpu())
+    mod.bind(data_shapes=[("data", (1, 3, s, s)), ("im_info", (1, 3))], for_training=False)
+    mx.random.seed(3)
+    mod.init_params(initializer())
+    arg, aux = mod.get_params()
+    path = export(cfg, arg, aux, str(tmp_path / "head.onnx"))
+    res = compare(mod, cfg, path, n_images=2)
+    assert res["detections"] > 0
+    assert res["same_detections"], res
+    assert res["max_abs_diff"] < 1e-4, res
