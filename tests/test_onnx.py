@@ -25,6 +25,10 @@ def _sym(op_type, params, entry):
     data, rois = mx.sym.var("data"), mx.sym.var("rois")
     if entry == "custom":
         return mx.sym.Custom(data, rois, op_type=op_type, **params)
+    if entry == "gluon":  # a hybridized block called on symbols: its graph
+        block = getattr(mx_roi.gluon, op_type)(**params)
+        block.hybridize()
+        return block(data, rois)
     return getattr(mx_roi.sym, op_type)(data=data, rois=rois, **params)
 
 
@@ -135,9 +139,10 @@ def test_parity_other_dtypes(tmp_path, op_type, params, dtype):
 @pytest.mark.parametrize("op_type,params", [("ROIAlign", ALIGN[2]), ("ROIPooling", POOL[0]),
                                             ("PSROIAlign", PSALIGN[0]),
                                             ("PSROIPooling", PSPOOL[1])])
-def test_mx_roi_sym_entry_point(tmp_path, op_type, params):
-    """mx_roi.sym puts the oneDNN guard nodes around the op; they export too."""
-    check(tmp_path, op_type, params, entry="mx_roi.sym", kinds=("randn",))
+@pytest.mark.parametrize("entry", ["mx_roi.sym", "gluon"])
+def test_guarded_entry_points(tmp_path, op_type, params, entry):
+    """mx_roi.sym and Gluon put the oneDNN guard nodes around the op; they export too."""
+    check(tmp_path, op_type, params, entry=entry, kinds=("randn",))
 
 
 def test_hybridized_gluon_block_exported_files(tmp_path):
@@ -193,7 +198,7 @@ REFUSED = [
 @pytest.mark.parametrize("op_type,params,match", REFUSED,
                          ids=["align-caffe", "psalign-rfcn", "align-max-adaptive",
                               "align-max-zero"])
-@pytest.mark.parametrize("entry", ["custom", "mx_roi.sym"])
+@pytest.mark.parametrize("entry", ["custom", "mx_roi.sym", "gluon"])
 def test_refused_at_export_time(tmp_path, op_type, params, match, entry):
     sym = _sym(op_type, params, entry)
     with pytest.raises(ExportError, match=match):
