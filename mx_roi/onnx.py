@@ -20,7 +20,8 @@ Forms (opset >= 16; every form is checked number by number against our MXNet out
     PSROIPooling              integral image (CumSum in float64) + Gather of 4 corners
 
 Every form zeroes padding rois (``int(batch) < 0``) and clamps their batch index to 0
-before the ONNX op sees it.  What has no exact form is refused when exporting, with an
+before the ONNX op sees it; an index >= N (our op raises) also gives zeros, never a read
+out of bounds.  What has no exact form is refused when exporting, with an
 ``ExportError`` naming op, parameter and why: ``legacy`` modes, ROIAlign ``pool_mode='max'``
 with adaptive ``sample_ratio`` (ONNX Runtime's own max mode takes the max of the weighted
 taps, not of the interpolated samples), float64 ROIPooling (MaxRoiPool is float only).
@@ -93,18 +94,25 @@ class _Builder:
                                  self.const([1], np.int64)])
 
 
-def _split_rois(b, rois):
-    """(batch index clamped to >= 0 (R,) int64, boxes (R, 4), valid (R, 1, 1, 1) bool)."""
+def _split_rois(b, data, rois):
+    """(batch index clamped to [0, N-1] (R,) int64, boxes (R, 4), valid (R, 1, 1, 1) bool).
+
+    ``valid``: ``0 <= int(batch) < N``.  Our op zeroes a padding roi (< 0) and raises for
+    an index >= N; an ONNX model cannot raise, so it zeroes both (ONNX Runtime's RoiAlign
+    does not check the index, MaxRoiPool rejects it)."""
     bcol = b.slice_cols(rois, 0, 1)                                  # (R, 1)
     bint = b.cast(b.op("Reshape", [bcol, b.const([-1], np.int64)]), np.int64)  # C truncation
-    valid = b.op("Not", [b.op("Less", [bint, b.const(0, np.int64)])])
+    n = b.op("Slice", [b.op("Shape", [data]), b.const([0], np.int64), b.const([1], np.int64)])
+    valid = b.op("And", [b.op("Not", [b.op("Less", [bint, b.const(0, np.int64)])]),
+                         b.op("Less", [bint, n])])
     valid = b.op("Reshape", [valid, b.const([-1, 1, 1, 1], np.int64)])
-    clamped = b.op("Max", [bint, b.const(0, np.int64)])
+    last = b.op("Sub", [n, b.const([1], np.int64)])
+    clamped = b.op("Min", [b.op("Max", [bint, b.const(0, np.int64)]), last])
     return clamped, b.slice_cols(rois, 1, 5), valid
 
 
 def _roi_align(b, data, rois, p, out_h, out_w, sampling_ratio):
-    bidx, boxes, valid = _split_rois(b, rois)
+    bidx, boxes, valid = _split_rois(b, data, rois)
     y = b.op("RoiAlign", [data, boxes, bidx], mode="avg", output_height=int(out_h),
              output_width=int(out_w), sampling_ratio=max(int(sampling_ratio), 0),  # 0: adaptive
              spatial_scale=float(p.spatial_scale),
@@ -144,9 +152,9 @@ def _emit_ps_align(b, data, rois, p, cdt, out):
 
 
 def _emit_roi_pooling(b, data, rois, p, cdt, out):
-    bidx, boxes, valid = _split_rois(b, rois)
+    bidx, boxes, valid = _split_rois(b, data, rois)
     bcol = b.op("Unsqueeze", [b.cast(bidx, np.float32), b.const([1], np.int64)])
-    rois5 = b.op("Concat", [bcol, boxes], axis=0 + 1)
+    rois5 = b.op("Concat", [bcol, boxes], axis=1)
     y = b.op("MaxRoiPool", [data, rois5], pooled_shape=list(p.pooled_size),
              spatial_scale=float(p.spatial_scale))
     return _mask(b, y, valid, cdt, out)
@@ -166,7 +174,7 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
     P, Q = p.pooled_size
     G, D = p.groups, p.output_dim
     ft, i64 = cdt, np.int64   # the compute dtype (geometry.compute_dtype)
-    bidx, boxes, valid = _split_rois(b, rois)
+    bidx, boxes, valid = _split_rois(b, data, rois)
     shape = b.op("Shape", [data])                                     # N, C, H, W
     dims = {k: b.op("Gather", [shape, b.const(k, i64)]) for k in (1, 2, 3)}
     Hf, Wf = b.cast(dims[2], ft), b.cast(dims[3], ft)
@@ -214,7 +222,7 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
         h = b.op("Reshape", [hv, b.const([-1, 1, P, 1], i64)])
         w = b.op("Reshape", [wv, b.const([-1, 1, 1, Q], i64)])
         idx = b.op("Add", [b.op("Mul", [b.op("Add", [bch, h]), W1]), w])
-        return b.op("Gather", [Sf, idx], axis=0 + 0)
+        return b.op("Gather", [Sf, idx], axis=0)
 
     total = b.op("Add", [b.op("Sub", [b.op("Sub", [corner(he, we), corner(hs, we)]),
                                       corner(he, ws)]), corner(hs, ws)])

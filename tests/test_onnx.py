@@ -178,6 +178,27 @@ def test_hybridized_gluon_block_exported_files(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", [("ROIAlign", ALIGN[0]), ("ROIAlign", ALIGN_MAX[0]),
+                                  ("ROIPooling", POOL[0]), ("PSROIAlign", PSALIGN[0]),
+                                  ("PSROIPooling", PSPOOL[0])], ids=lambda c: c[0])
+def test_zero_rois_and_out_of_range_batch(tmp_path, case):
+    """R = 0 gives (0, C, P, Q); a batch index >= N (our op raises; a model cannot) gives
+    zeros in ONNX Runtime instead of an out-of-bounds read, the other rois unchanged."""
+    op_type, params = case
+    data, rois = problem(0, op_type, params, np.float32)
+    sess = export(_sym(op_type, params, "custom"), tmp_path / "m.onnx", data.shape,
+                  np.float32)
+    empty = run_onnx(sess, data, rois[:0])
+    assert empty.shape == (0,) + ours(op_type, data, rois[:1], params).shape[1:]
+    bad = rois[:6].copy()
+    bad[1, 0], bad[4, 0] = 2.0, 7.5          # N = 2
+    got = run_onnx(sess, data, bad)
+    assert np.all(got[[1, 4]] == 0)
+    keep = [0, 2, 3, 5]
+    np.testing.assert_allclose(got[keep], ours(op_type, data, bad[keep], params),
+                               rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------- refused combinations
 REFUSED = [
     ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, pool_mode="max",
