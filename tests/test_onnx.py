@@ -67,13 +67,14 @@ def problem(seed, op_type, params, dtype, kind="randn", N=2, H=9, W=11):
     return data, rois
 
 
-def check(tmp_path, op_type, params, dtype=np.float32, entry="custom", kinds=("randn", "int")):
+def check(tmp_path, op_type, params, dtype=np.float32, entry="custom", kinds=("randn", "int"),
+          size=(9, 11), seed=0):
     """Export once (3 rois), run on every data kind with ~23 rois; returns the max diff."""
     dtype = np.dtype(dtype)
     worst = 0.0
     sess = None
-    for seed, kind in enumerate(kinds):
-        data, rois = problem(seed, op_type, params, dtype, kind)
+    for i, kind in enumerate(kinds):
+        data, rois = problem(seed + i, op_type, params, dtype, kind, H=size[0], W=size[1])
         if sess is None:
             sess = export(_sym(op_type, params, entry), tmp_path / "m.onnx", data.shape, dtype)
         want = ours(op_type, data, rois, params)
@@ -197,6 +198,31 @@ def test_zero_rois_and_out_of_range_batch(tmp_path, case):
     keep = [0, 2, 3, 5]
     np.testing.assert_allclose(got[keep], ours(op_type, data, bad[keep], params),
                                rtol=1e-5, atol=1e-5)
+
+
+def random_case(rng):
+    """A random exportable (op_type, params, data kind, (H, W))."""
+    op = str(rng.choice(["ROIAlign", "ROIAlign-max", "ROIPooling", "PSROIAlign",
+                         "PSROIPooling"]))
+    p = dict(pooled_size=(int(rng.integers(1, 8)), int(rng.integers(1, 8))),
+             spatial_scale=float(rng.choice([2.0, 1.0, 0.7, 0.5, 0.25, 0.0625, 1 / 32])))
+    if op.startswith("ROIAlign"):
+        p.update(sample_ratio=int(rng.integers(-1, 4)), aligned=bool(rng.integers(0, 2)))
+        if op == "ROIAlign-max":
+            p.update(pool_mode="max", sample_ratio=int(rng.integers(1, 4)))
+    if op.startswith("PS"):
+        p.update(output_dim=int(rng.integers(1, 3)), group_size=int(rng.integers(1, 4)))
+        if op == "PSROIAlign":
+            p.update(sample_ratio=int(rng.integers(-1, 4)), aligned=bool(rng.integers(0, 2)))
+    kind = str(rng.choice(["randn", "int", "relu", "neg"]))
+    return op.split("-")[0], p, kind, (int(rng.integers(2, 20)), int(rng.integers(2, 20)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(60))
+def test_parity_random_configurations(tmp_path, seed):
+    op_type, params, kind, size = random_case(np.random.default_rng(seed))
+    check(tmp_path, op_type, params, kinds=(kind,), size=size, seed=seed)
 
 
 # ------------------------------------------------------------------- refused combinations
