@@ -1,10 +1,12 @@
 """ONNX export of the four ops through MXNet 1.9.1's ``mx.onnx.export_model``.
 
-``import mx_roi`` calls :func:`install`, which puts one translation for op name ``Custom``
-into mx2onnx's registry (``MXNetGraph.registry_``).  It dispatches on the node's
-``op_type``: our four op types get the ONNX forms below; any other ``Custom`` node goes to
-the translation that was registered before ours (if any), else fails as MXNet would.  The
-``onnx`` package is imported only when a graph is exported.
+``import mx_roi`` calls :func:`install`, which puts translations for op names ``Custom``
+and ``clip`` into mx2onnx's registry (``MXNetGraph.registry_``).  The ``Custom`` one
+dispatches on the node's ``op_type``: our four op types get the ONNX forms below; any
+other ``Custom`` node goes to the translation that was registered before ours (if any),
+else fails as MXNet would.  ``clip`` handles only our oneDNN guard clips (below) and
+passes every other clip to MXNet's translation.  Registering is a dict insertion; this
+module imports ``onnx`` only when a graph is exported.
 
 Forms (opset >= 16; every form is checked number by number against our MXNet output in
 ``tests/test_onnx.py``)::
