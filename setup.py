@@ -20,6 +20,7 @@ setup(
         "cpu": ["mxnet==1.9.1", NUMPY],
         "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
         "plot": ["matplotlib<3.9"],
+        "onnx": ["onnx==1.14.1"],  # + onnxruntime==1.16.3 with --no-deps: README "Export to ONNX"
         "example": ["tqdm", "Pillow", "matplotlib<3.9"],
         # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels
         "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",

@@ -2,7 +2,8 @@
 
 ``import mx_roi`` registers the four ops (``mx.nd.Custom(data, rois, op_type='ROIAlign',
 ...)``) and exposes :mod:`mx_roi.nd`, :mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the
-built-ins' signatures.
+built-ins' signatures, and registers their ONNX export with ``mx.onnx.export_model``
+(:mod:`mx_roi.onnx`).
 """
 import atexit
 
@@ -14,6 +15,9 @@ errors.install()
 from . import operators  # noqa: F401  (registers the four ops)
 from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
 from . import nd, sym, gluon  # noqa: F401
+from . import onnx as _onnx
+
+_onnx.install()  # mx.onnx.export_model translates our Custom nodes (onnx imported lazily)
 from . import onednn as _onednn
 
 _onednn.install(registry.REGISTERED)  # plain mx.nd.Custom(op_type=...) is guarded too
