@@ -5,7 +5,9 @@ kernel and every instantiated template (float, double, __half; plain and fixed-p
 backward) compiles for the supported architectures with exactly the code, name
 expressions and options that :class:`mx_roi.cuda.loader.KernelModule` hands to
 ``cupy.RawModule``.  ``libnvrtc`` comes from the ``nvidia-cuda-nvrtc-cu11`` wheel (or
-``$MX_ROI_NVRTC``); ``cuda_fp16.h`` from the ``nvidia-cuda-runtime-cu11`` wheel.
+``$MX_ROI_NVRTC``); ``cuda_fp16.h`` from a directory whose headers are of the same CUDA
+major version as that NVRTC (:func:`mx_roi.cuda.source.cuda_include_dirs`: CuPy's bundled
+copy, the ``nvidia-cuda-runtime-cu11`` wheel, ``$CUDA_PATH``), as CuPy itself does.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 from . import source as S
 
 __all__ = ["NvrtcError", "find_library", "load", "version", "supported_archs", "compile_ptx",
-           "compile_source", "CompileResult"]
+           "compile_source", "include_options", "CompileResult"]
 
 
 class NvrtcError(RuntimeError):
@@ -134,9 +136,21 @@ def compile_ptx(code: str, name: str, name_expressions: Sequence[str],
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def include_options() -> tuple:
+    """``-I`` of the first ``cuda_fp16.h`` matching this NVRTC's major version."""
+    major = version()[0]
+    dirs = S.cuda_include_dirs(major)
+    if not dirs:
+        raise NvrtcError(f"no cuda_fp16.h for NVRTC {major}.x: pip install "
+                         f"nvidia-cuda-runtime-cu{major} (or cupy-cuda{major}x, or set "
+                         "CUDA_PATH to a CUDA toolkit of that version)")
+    return (f"-I{dirs[0]}",)
+
+
 def compile_source(filename: str, arch: int) -> CompileResult:
     """Compile ``operators/<filename>`` for ``compute_<arch>`` exactly as the RawModule
-    does (same code, name expressions and options) plus ``--gpu-architecture``."""
+    does (same code, name expressions and options), plus ``--gpu-architecture`` and the
+    ``cuda_fp16.h`` of this NVRTC's version (CuPy adds its own the same way)."""
     code, exprs, options = S.module_source(filename)
-    return compile_ptx(code, filename, exprs,
-                       tuple(options) + (f"--gpu-architecture=compute_{arch}",))
+    return compile_ptx(code, filename, exprs, tuple(options) + include_options()
+                       + (f"--gpu-architecture=compute_{arch}",))
