@@ -14,13 +14,15 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from . import source as S
 
 __all__ = ["NvrtcError", "find_library", "load", "version", "supported_archs", "compile_ptx",
-           "compile_source", "include_options", "CompileResult"]
+           "compile_source", "include_options", "CompileResult", "CUPY_NVRTC_SONAMES",
+           "cupy_cuda_major", "wheel_library", "preload_for_cupy"]
 
 
 class NvrtcError(RuntimeError):
@@ -44,6 +46,76 @@ def find_library() -> Optional[str]:
     return None
 
 
+#: The NVRTC library each CuPy wheel opens by name (CuPy 13 on Linux; it does not look
+#: inside the ``nvidia-cuda-nvrtc-cu*`` wheels).
+CUPY_NVRTC_SONAMES = {11: "libnvrtc.so.11.2", 12: "libnvrtc.so.12"}
+
+
+def cupy_cuda_major() -> Optional[int]:
+    """CUDA major version of the installed CuPy wheel (``cupy-cuda11x`` -> 11), read from
+    the package metadata without importing CuPy; None if no such wheel is installed."""
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover (Python < 3.8)
+        return None
+    for major in sorted(CUPY_NVRTC_SONAMES):
+        try:
+            metadata.version(f"cupy-cuda{major}x")
+            return major
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def wheel_library(soname: str) -> Optional[str]:
+    """Path of ``soname`` inside the ``nvidia-cuda-nvrtc-cu*`` wheel, if installed."""
+    try:
+        import nvidia
+        roots = list(getattr(nvidia, "__path__", []))
+    except ImportError:
+        roots = []
+    for root in roots:
+        path = os.path.join(root, "cuda_nvrtc", "lib", soname)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def preload_for_cupy(major: Optional[int] = None) -> Optional[str]:
+    """Make the NVRTC that CuPy opens by name loadable (Linux).
+
+    CuPy 13 opens ``libnvrtc.so.11.2`` (cupy-cuda11x) by name: found only in a CUDA
+    toolkit on the loader path or on ``LD_LIBRARY_PATH``.  If that fails and the
+    ``nvidia-cuda-nvrtc-cu11`` wheel is installed, its copy is loaded here with
+    ``RTLD_GLOBAL``; the dynamic loader then hands CuPy's later ``dlopen`` of the same
+    name this already loaded library.
+
+    Returns
+    -------
+    ``""`` if the library was loadable already (or not Linux, or no CuPy wheel), the
+    wheel's path if it was preloaded, None if neither worked (CuPy will fail to compile).
+    """
+    if not sys.platform.startswith("linux"):
+        return ""
+    major = cupy_cuda_major() if major is None else major
+    if major not in CUPY_NVRTC_SONAMES:
+        return ""
+    soname = CUPY_NVRTC_SONAMES[major]
+    try:
+        ctypes.CDLL(soname)  # what CuPy will do: a toolkit or LD_LIBRARY_PATH copy wins
+        return ""
+    except OSError:
+        pass
+    path = wheel_library(soname)
+    if path is None:
+        return None
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    return path
+
+
 _LIB = None
 
 
@@ -65,6 +137,9 @@ def load():
         lib.nvrtcGetProgramLog.argtypes = [P, ctypes.c_char_p]
         lib.nvrtcGetPTXSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
         lib.nvrtcGetPTX.argtypes = [P, ctypes.c_char_p]
+        if hasattr(lib, "nvrtcGetCUBIN"):  # NVRTC >= 11.1
+            lib.nvrtcGetCUBINSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+            lib.nvrtcGetCUBIN.argtypes = [P, ctypes.c_char_p]
         lib.nvrtcGetLoweredName.argtypes = [P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(P)]
         _LIB = lib
