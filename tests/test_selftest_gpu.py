@@ -125,7 +125,9 @@ def test_checklist_runs_host_parts_and_skips_gpu_parts(host_steps):
     assert by[("emulated references", "host")].detail.startswith("15 op x dtype")
 
 
-def test_checklist_skip_reasons_with_setup_complete_but_no_gpu():
+def test_checklist_skip_reasons_with_setup_complete_but_no_gpu(monkeypatch):
+    monkeypatch.setattr(gpucheck, "_emulated_references", lambda: "stubbed")
+    monkeypatch.setattr(gpucheck, "_grid_wrap", lambda *a: "stubbed")
     steps = gpucheck.checklist(gpucheck.diagnose(FakeProbe()), gpus=0, sanitizer="")
     skips = {s.name: s.detail for s in steps if s.status == "SKIP"}
     assert skips["sanitizer"] == "no GPU visible"
