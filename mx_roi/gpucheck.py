@@ -33,6 +33,8 @@ import numpy as np
 __all__ = ["Probe", "Piece", "diagnose", "Step", "checklist", "GRID_WRAP_ITEMS",
            "gpu_kernels_main"]
 
+#: the CuPy releases the GPU path supports (setup.py's ``CUPY`` says the same)
+CUPY_REQUIREMENT = "cupy-cuda11x>=12,<14"
 CUPY_RANGE = ((12, 0), (14, 0))
 MIN_DRIVER = 11020  # CUDA 11.2, what mxnet-cu112 and cupy-cuda11x need
 #: one past what a single pass of the largest grid covers: the kernels' grid-stride loops
@@ -43,7 +45,7 @@ FIX = {
     "driver": "install an NVIDIA driver for CUDA 11.2+ (R460 or newer, e.g. "
               "`sudo apt-get install nvidia-driver-535`), reboot, check `nvidia-smi`",
     "mxnet": "pip uninstall -y mxnet && pip install mxnet-cu112==1.9.1",
-    "cupy": 'pip install "cupy-cuda11x>=12,<14"',
+    "cupy": f'pip install "{CUPY_REQUIREMENT}"',
     "nvrtc": "pip install nvidia-cuda-nvrtc-cu11 (mx_roi preloads it), or put a CUDA "
              "toolkit's lib64 on the path: export LD_LIBRARY_PATH=/usr/local/cuda/lib64"
              ":$LD_LIBRARY_PATH",
@@ -100,7 +102,7 @@ class Probe:
                           f"{str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''})"
         version = tuple(int(x) for x in cupy.__version__.split(".")[:2])
         if not CUPY_RANGE[0] <= version < CUPY_RANGE[1]:
-            return False, f"CuPy {cupy.__version__} is outside the supported >=12,<14"
+            return False, f"CuPy {cupy.__version__} is outside the supported {CUPY_REQUIREMENT}"
         return True, f"CuPy {cupy.__version__}"
 
     def nvrtc(self) -> Tuple[bool, str]:

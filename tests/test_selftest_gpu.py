@@ -67,6 +67,17 @@ def test_fix_commands():
     assert "pip install nvidia-cuda-runtime-cu11" in gpucheck.FIX["headers"]
 
 
+def test_supported_cupy_range_is_the_one_setup_py_installs():
+    import os
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "setup.py")
+    with open(setup_py, encoding="utf-8") as f:
+        text = f.read()
+    assert f'CUPY = "{gpucheck.CUPY_REQUIREMENT}"' in text
+    assert gpucheck.CUPY_REQUIREMENT.endswith(">=12,<14")
+    assert gpucheck.CUPY_RANGE == ((12, 0), (14, 0))
+
+
 def test_crashing_probe_is_reported_not_raised():
     pieces = {p.name: p for p in gpucheck.diagnose(FakeProbe(broken={"cupy"}))}
     assert not pieces["cupy"].ok

@@ -54,9 +54,6 @@ CTYPES: Dict[str, np.dtype] = {
 #: is given, so the sources (plain C++11) compile with the same dialect on both.
 NVRTC_OPTIONS = ("--fmad=false", "--std=c++11")
 
-#: The CuPy releases the GPU path supports (setup.py's ``gpu`` extra says the same).
-CUPY_SUPPORTED = ">=12,<14"
-
 
 def ctype_of(dtype) -> str:
     """The C type of a NumPy dtype (float16 -> ``__half``)."""
