@@ -86,7 +86,11 @@ class Probe:
         return True, f"driver for CUDA {cuda}, {n.value} GPU(s)"
 
     def mxnet(self) -> Tuple[bool, str]:
-        import mxnet as mx
+        try:
+            import mxnet as mx
+        except Exception as e:  # mxnet-cu112 does not import without the driver
+            return False, f"mxnet not importable ({type(e).__name__}: " \
+                          f"{str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''})"
         if not mx.runtime.Features().is_enabled("CUDA"):
             return False, f"mxnet {mx.__version__} is a CPU build"
         n = mx.context.num_gpus()
