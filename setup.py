@@ -3,6 +3,9 @@ from setuptools import setup
 
 # mxnet 1.9.1 uses ``np.bool`` (removed in numpy 1.24), so numpy is pinned below 1.24.
 NUMPY = "numpy<1.24"
+# The GPU path is checked with CuPy 12 (Python 3.8) and 13; CuPy 12 refuses template code
+# without --std (we pass one), CuPy 13 needs Python >= 3.9 and libnvrtc.so.11.2 loadable.
+CUPY = "cupy-cuda11x>=12,<14"
 
 setup(
     name="mx_roi",
@@ -18,12 +21,14 @@ setup(
     install_requires=[NUMPY],
     extras_require={
         "cpu": ["mxnet==1.9.1", NUMPY],
-        "gpu": ["mxnet-cu112==1.9.1", "cupy-cuda11x", NUMPY],
+        "gpu": ["mxnet-cu112==1.9.1", CUPY, "nvidia-cuda-nvrtc-cu11", NUMPY],
         "plot": ["matplotlib<3.9"],
         "onnx": ["onnx==1.14.1"],  # + onnxruntime==1.16.3 with --no-deps: README "Export to ONNX"
         "example": ["tqdm", "Pillow", "matplotlib<3.9"],
-        # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels
+        # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels;
+        # CuPy (imports without a driver): tests/test_cupy_compile.py runs its compile path
         "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",
+                 CUPY,
                  "wheel", "tqdm", "Pillow", "matplotlib<3.9"],
     },
 )

@@ -92,7 +92,14 @@ class _Capsule:
     def __init__(self, capsule):
         self.capsule = capsule
 
-    def __dlpack__(self, stream=None):
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # the array API's full signature; MXNet's capsule is unversioned (allowed for any
+        # max_version), on the CPU, and cannot be copied by us
+        if copy:
+            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
+        if dl_device is not None and tuple(dl_device) != (1, 0):
+            raise BufferError(f"the NDArray lives on the CPU, not DLPack device "
+                              f"{tuple(dl_device)}")
         return self.capsule
 
     def __dlpack_device__(self):

@@ -16,7 +16,14 @@ GPU is reported, not a failure):
 * ``cuda``           needs CuPy, an MXNet GPU build and a GPU: the kernels on ``mx.gpu(0)``
                      against the NumPy backend on the CPU, and the built-ins on the GPU.
 
-Options: ``--archs 70,80,90`` (NVRTC architectures), ``--quick`` (float32 only).
+Below the table, the GPU setup: driver, MXNet GPU build, CuPy, the NVRTC library CuPy
+loads, ``cuda_fp16.h`` -- each OK or MISSING with the command that fixes it
+(:mod:`mx_roi.gpucheck`).  A CPU-only machine passes with these missing.
+
+Options: ``--archs 70,80,90`` (NVRTC architectures), ``--quick`` (float32 only),
+``--gpu`` (also the first-GPU-run checklist of the README: host parts here, GPU-only
+steps SKIP with their reason without a GPU), ``--require-gpu`` (exit 1 unless the GPU
+setup is complete and no GPU step was skipped: for the first run on a GPU machine).
 """
 from __future__ import annotations
 
@@ -226,9 +233,16 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="float32 only")
     ap.add_argument("--archs", default="70", help="NVRTC architectures, e.g. 70,80,90")
+    ap.add_argument("--gpu", action="store_true", help="run the first-GPU-run checklist")
+    ap.add_argument("--require-gpu", action="store_true",
+                    help="fail unless the GPU setup is complete and every GPU step ran")
+    ap.add_argument("--gpu-kernels", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    archs = tuple(int(a) for a in args.archs.split(",") if a.strip())
     import mx_roi  # noqa: F401  (registers the ops)
+    from . import gpucheck
+    if args.gpu_kernels:  # the child compute-sanitizer watches
+        return gpucheck.gpu_kernels_main()
+    archs = tuple(int(a) for a in args.archs.split(",") if a.strip())
 
     rows = run_checks(quick=args.quick, archs=archs)
     print(f"mx_roi {mx_roi.__version__} selftest")
@@ -238,11 +252,37 @@ def main(argv=None) -> int:
         print(f"{name:<15} {status:<6} {secs:>6.1f}s  {detail}")
     failed = [r[0] for r in rows if r[1] == "FAIL"]
     usable = [r[0] for r in rows if r[1] != "SKIP"]
+
+    pieces = gpucheck.diagnose()
+    print("-" * 79)
+    print("GPU setup (README, 'What a GPU machine needs')")
+    for p in pieces:
+        print(f"  {p.name:<8} {'OK' if p.ok else 'MISSING':<8} {p.detail}")
+        if not p.ok:
+            print(f"  {'':<8} {'fix:':<8} {p.fix}")
+    missing = [p.name for p in pieces if not p.ok]
+    skipped_gpu = []
+    if args.gpu:
+        steps = gpucheck.checklist(pieces)
+        print("-" * 79)
+        print("First GPU run (README, 'First GPU run')")
+        for st in steps:
+            print(f"  {st.name:<25} {st.where:<5} {st.status:<5} {st.detail}")
+        failed += [f"{st.name} ({st.where})" for st in steps if st.status == "FAIL"]
+        skipped_gpu = [st.name for st in steps if st.status == "SKIP"]
     print("-" * 79)
     if failed:
         print(f"FAILED: {', '.join(failed)}")
         return 1
-    print(f"OK: every usable backend passed ({', '.join(usable)})")
+    if args.require_gpu and (missing or skipped_gpu or not args.gpu):
+        why = (f"GPU setup missing: {', '.join(missing)}" if missing else
+               f"GPU steps skipped: {', '.join(skipped_gpu)}" if skipped_gpu else
+               "--require-gpu needs --gpu")
+        print(f"FAILED (--require-gpu): {why}")
+        return 1
+    print(f"OK: every usable backend passed ({', '.join(usable)})"
+          + (f"; GPU setup incomplete ({', '.join(missing)}), the GPU path is not usable "
+             "here" if missing else ""))
     return 0
 
 

@@ -197,7 +197,20 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
 // ---- gradient accumulation ---------------------------------------------------------
 // Plain atomics (order of additions, hence the last bits, vary from run to run) ...
 __device__ __forceinline__ void grad_add(float* dst, float v, double) { atomicAdd(dst, v); }
-__device__ __forceinline__ void grad_add(double* dst, double v, double) { atomicAdd(dst, v); }
+__device__ __forceinline__ void grad_add(double* dst, double v, double) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+  // No double atomicAdd before sm_60 (Maxwell): the CUDA C++ Programming Guide's
+  // compare-and-swap loop on the 64-bit pattern (retry until no other thread wrote).
+  unsigned long long* addr = (unsigned long long*)dst;
+  unsigned long long old = *addr, assumed;
+  do {
+    assumed = old;
+    old = atomicCAS(addr, assumed, __double_as_longlong(v + __longlong_as_double(assumed)));
+  } while (assumed != old);  // integer compare: also ends when the value is NaN
+#else
+  atomicAdd(dst, v);
+#endif
+}
 // ... or fixed point: round(v * scale) added as a 64-bit integer.  Integer addition is
 // associative, so the result does not depend on the order (deterministic mode).
 __device__ __forceinline__ void grad_add(unsigned long long* dst, double v, double scale) {

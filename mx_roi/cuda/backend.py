@@ -244,6 +244,8 @@ class CudaBackend:
         self.name = "native" if self.native else (
             "emulated-cuda" if self.emulated else "cuda")
         if not self.emulated:
+            from .nvrtc import preload_for_cupy
+            preload_for_cupy()  # the nvrtc wheel's library, if CuPy cannot find one
             import cupy  # noqa: F401  (fail early, with CuPy's own message)
 
     # ---- array I/O ----------------------------------------------------------------
@@ -419,7 +421,14 @@ class _DLPackCapsule:
         self._capsule = capsule
         self._device = (2, int(device_id))  # (kDLCUDA, device)
 
-    def __dlpack__(self, stream=None):
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # the array API's full signature (CuPy 13 passes max_version/copy); MXNet's
+        # capsule is unversioned (allowed for any max_version), on its device, no copy
+        if copy:
+            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
+        if dl_device is not None and tuple(dl_device) != self._device:
+            raise BufferError(f"the NDArray lives on DLPack device {self._device}, "
+                              f"not {tuple(dl_device)}")
         return self._capsule
 
     def __dlpack_device__(self):

@@ -5,20 +5,24 @@ kernel and every instantiated template (float, double, __half; plain and fixed-p
 backward) compiles for the supported architectures with exactly the code, name
 expressions and options that :class:`mx_roi.cuda.loader.KernelModule` hands to
 ``cupy.RawModule``.  ``libnvrtc`` comes from the ``nvidia-cuda-nvrtc-cu11`` wheel (or
-``$MX_ROI_NVRTC``); ``cuda_fp16.h`` from the ``nvidia-cuda-runtime-cu11`` wheel.
+``$MX_ROI_NVRTC``); ``cuda_fp16.h`` from a directory whose headers are of the same CUDA
+major version as that NVRTC (:func:`mx_roi.cuda.source.cuda_include_dirs`: CuPy's bundled
+copy, the ``nvidia-cuda-runtime-cu11`` wheel, ``$CUDA_PATH``), as CuPy itself does.
 """
 from __future__ import annotations
 
 import ctypes
 import glob
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from . import source as S
 
 __all__ = ["NvrtcError", "find_library", "load", "version", "supported_archs", "compile_ptx",
-           "compile_source", "CompileResult"]
+           "compile_source", "include_options", "CompileResult", "CUPY_NVRTC_SONAMES",
+           "cupy_cuda_major", "wheel_library", "preload_for_cupy"]
 
 
 class NvrtcError(RuntimeError):
@@ -42,6 +46,76 @@ def find_library() -> Optional[str]:
     return None
 
 
+#: The NVRTC library each CuPy wheel opens by name (CuPy 13 on Linux; it does not look
+#: inside the ``nvidia-cuda-nvrtc-cu*`` wheels).
+CUPY_NVRTC_SONAMES = {11: "libnvrtc.so.11.2", 12: "libnvrtc.so.12"}
+
+
+def cupy_cuda_major() -> Optional[int]:
+    """CUDA major version of the installed CuPy wheel (``cupy-cuda11x`` -> 11), read from
+    the package metadata without importing CuPy; None if no such wheel is installed."""
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover (Python < 3.8)
+        return None
+    for major in sorted(CUPY_NVRTC_SONAMES):
+        try:
+            metadata.version(f"cupy-cuda{major}x")
+            return major
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def wheel_library(soname: str) -> Optional[str]:
+    """Path of ``soname`` inside the ``nvidia-cuda-nvrtc-cu*`` wheel, if installed."""
+    try:
+        import nvidia
+        roots = list(getattr(nvidia, "__path__", []))
+    except ImportError:
+        roots = []
+    for root in roots:
+        path = os.path.join(root, "cuda_nvrtc", "lib", soname)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def preload_for_cupy(major: Optional[int] = None) -> Optional[str]:
+    """Make the NVRTC that CuPy opens by name loadable (Linux).
+
+    CuPy 13 opens ``libnvrtc.so.11.2`` (cupy-cuda11x) by name: found only in a CUDA
+    toolkit on the loader path or on ``LD_LIBRARY_PATH``.  If that fails and the
+    ``nvidia-cuda-nvrtc-cu11`` wheel is installed, its copy is loaded here with
+    ``RTLD_GLOBAL``; the dynamic loader then hands CuPy's later ``dlopen`` of the same
+    name this already loaded library.
+
+    Returns
+    -------
+    ``""`` if the library was loadable already (or not Linux, or no CuPy wheel), the
+    wheel's path if it was preloaded, None if neither worked (CuPy will fail to compile).
+    """
+    if not sys.platform.startswith("linux"):
+        return ""
+    major = cupy_cuda_major() if major is None else major
+    if major not in CUPY_NVRTC_SONAMES:
+        return ""
+    soname = CUPY_NVRTC_SONAMES[major]
+    try:
+        ctypes.CDLL(soname)  # what CuPy will do: a toolkit or LD_LIBRARY_PATH copy wins
+        return ""
+    except OSError:
+        pass
+    path = wheel_library(soname)
+    if path is None:
+        return None
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    return path
+
+
 _LIB = None
 
 
@@ -63,6 +137,9 @@ def load():
         lib.nvrtcGetProgramLog.argtypes = [P, ctypes.c_char_p]
         lib.nvrtcGetPTXSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
         lib.nvrtcGetPTX.argtypes = [P, ctypes.c_char_p]
+        if hasattr(lib, "nvrtcGetCUBIN"):  # NVRTC >= 11.1
+            lib.nvrtcGetCUBINSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+            lib.nvrtcGetCUBIN.argtypes = [P, ctypes.c_char_p]
         lib.nvrtcGetLoweredName.argtypes = [P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(P)]
         _LIB = lib
@@ -134,9 +211,21 @@ def compile_ptx(code: str, name: str, name_expressions: Sequence[str],
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def include_options() -> tuple:
+    """``-I`` of the first ``cuda_fp16.h`` matching this NVRTC's major version."""
+    major = version()[0]
+    dirs = S.cuda_include_dirs(major)
+    if not dirs:
+        raise NvrtcError(f"no cuda_fp16.h for NVRTC {major}.x: pip install "
+                         f"nvidia-cuda-runtime-cu{major} (or cupy-cuda{major}x, or set "
+                         "CUDA_PATH to a CUDA toolkit of that version)")
+    return (f"-I{dirs[0]}",)
+
+
 def compile_source(filename: str, arch: int) -> CompileResult:
     """Compile ``operators/<filename>`` for ``compute_<arch>`` exactly as the RawModule
-    does (same code, name expressions and options) plus ``--gpu-architecture``."""
+    does (same code, name expressions and options), plus ``--gpu-architecture`` and the
+    ``cuda_fp16.h`` of this NVRTC's version (CuPy adds its own the same way)."""
     code, exprs, options = S.module_source(filename)
-    return compile_ptx(code, filename, exprs,
-                       tuple(options) + (f"--gpu-architecture=compute_{arch}",))
+    return compile_ptx(code, filename, exprs, tuple(options) + include_options()
+                       + (f"--gpu-architecture=compute_{arch}",))

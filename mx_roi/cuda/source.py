@@ -48,9 +48,11 @@ CTYPES: Dict[str, np.dtype] = {
 
 #: Options of every CUDA compile (CuPy RawModule and the NVRTC test).  ``--fmad=false``
 #: keeps ``a*b + c*d`` as two roundings, like the NumPy backend and the host emulation
-#: (ties in the max modes then break identically on every backend).  No ``--std``: the
-#: sources are plain C++11 and CuPy may add its own dialect option.
-NVRTC_OPTIONS = ("--fmad=false",)
+#: (ties in the max modes then break identically on every backend).  ``--std=c++11``:
+#: CuPy 12 refuses template code without a ``--std`` option ("need to specify C++
+#: standard for compiling template code"); CuPy 13 adds its own default only when none
+#: is given, so the sources (plain C++11) compile with the same dialect on both.
+NVRTC_OPTIONS = ("--fmad=false", "--std=c++11")
 
 
 def ctype_of(dtype) -> str:
@@ -187,26 +189,63 @@ def name_expressions(filename: str) -> Tuple[str, ...]:
     return tuple(exprs)
 
 
-def cuda_include_dirs() -> List[str]:
-    """Directories with ``cuda_fp16.h`` from the pip wheels (nvidia-cuda-runtime-cu11,
-    nvidia-cuda-nvrtc-cu11), if installed; CuPy adds its CUDA include path itself."""
+def _cuda_header_version(include_dir: str):
+    """``(major, minor)`` of the CUDA headers in ``include_dir`` (``CUDART_VERSION`` of
+    ``cuda_runtime_api.h``), or None when the directory does not say."""
+    try:
+        with open(os.path.join(include_dir, "cuda_runtime_api.h"), encoding="utf-8",
+                  errors="replace") as f:
+            m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", f.read())
+    except OSError:
+        return None
+    return (int(m.group(1)) // 1000, int(m.group(1)) % 1000 // 10) if m else None
+
+
+def cuda_include_dirs(nvrtc_major: int = 11) -> List[str]:
+    """Directories with a ``cuda_fp16.h`` for NVRTC ``nvrtc_major``.x, best first.
+
+    Only for our own NVRTC path (:mod:`mx_roi.cuda.nvrtc`): ``cupy.RawModule`` adds the
+    ``cuda_fp16.h`` CuPy bundles for the NVRTC it loaded, and :func:`module_source`
+    adds none, so CuPy's headers always match CuPy's compiler.  Candidates, each kept
+    only if its headers are of the same CUDA major version: CuPy's bundled
+    ``cupy/_core/include/cupy/_cuda/cuda-<major>``, the ``nvidia-cuda-runtime-cu<major>``
+    wheel, ``$CUDA_PATH/include``.
+    """
     dirs = []
     try:
-        import nvidia  # namespace package of the NVIDIA wheels
-        for root in list(getattr(nvidia, "__path__", [])):
-            for sub in ("cuda_runtime", "cuda_nvrtc"):
-                inc = os.path.join(root, sub, "include")
+        import importlib.util
+        spec = importlib.util.find_spec("cupy")  # without importing CuPy (needs no driver)
+        if spec and spec.submodule_search_locations:
+            for root in spec.submodule_search_locations:
+                inc = os.path.join(root, "_core", "include", "cupy", "_cuda",
+                                   f"cuda-{nvrtc_major}")
                 if os.path.exists(os.path.join(inc, "cuda_fp16.h")):
                     dirs.append(inc)
+    except (ImportError, ValueError):  # pragma: no cover
+        pass
+    candidates = []
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels
+        candidates += [os.path.join(r, "cuda_runtime", "include")
+                       for r in getattr(nvidia, "__path__", [])]
     except ImportError:
         pass
+    if os.environ.get("CUDA_PATH"):
+        candidates.append(os.path.join(os.environ["CUDA_PATH"], "include"))
+    for inc in candidates:
+        version = _cuda_header_version(inc)
+        if (os.path.exists(os.path.join(inc, "cuda_fp16.h")) and version
+                and version[0] == nvrtc_major):
+            dirs.append(inc)
     return dirs
 
 
 def module_source(filename: str):
-    """``(code, name_expressions, options)`` for compiling ``filename`` with NVRTC."""
-    options = NVRTC_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
-    return read_source(filename), name_expressions(filename), options
+    """``(code, name_expressions, options)`` exactly as ``cupy.RawModule`` gets them.
+
+    No include path: CuPy adds its own ``cuda_fp16.h`` for the NVRTC it uses (our NVRTC
+    path adds headers of its own NVRTC's version, :func:`cuda_include_dirs`)."""
+    return read_source(filename), name_expressions(filename), NVRTC_OPTIONS
 
 
 def source_hash(*parts: str) -> str:

@@ -1,0 +1,373 @@
+"""What a GPU machine needs (:func:`diagnose`) and the first-GPU-run checklist (:func:`checklist`).
+
+Both are run by ``python -m mx_roi.selftest`` (the checklist with ``--gpu``).  The diagnosis
+names every missing piece with the command that fixes it:
+
+=========  ==========================================================================
+driver     ``libcuda.so.1`` loads, ``cuInit`` succeeds, CUDA 11.2+ driver, >= 1 GPU
+mxnet      the MXNet build has CUDA (``mxnet-cu112``) and sees the GPUs
+cupy       CuPy imports, in the supported range (``cupy-cuda11x>=12,<14``)
+nvrtc      the ``libnvrtc`` CuPy opens by name loads (a CUDA toolkit on the loader path,
+           ``LD_LIBRARY_PATH``, or the ``nvidia-cuda-nvrtc-cu11`` wheel that mx_roi
+           preloads)
+headers    a ``cuda_fp16.h`` for that NVRTC (CuPy bundles it for CUDA 11.x and 12.0/12.1)
+=========  ==========================================================================
+
+The checklist runs on the host what can run there (the emulated references, the
+grid-stride wrap on the emulation) and reports each GPU-only step as SKIP with its reason.
+Every machine query goes through :class:`Probe`, so tests can simulate a missing piece.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Probe", "Piece", "diagnose", "Step", "checklist", "GRID_WRAP_ITEMS",
+           "gpu_kernels_main"]
+
+#: the CuPy releases the GPU path supports (setup.py's ``CUPY`` says the same)
+CUPY_REQUIREMENT = "cupy-cuda11x>=12,<14"
+CUPY_RANGE = ((12, 0), (14, 0))
+MIN_DRIVER = 11020  # CUDA 11.2, what mxnet-cu112 and cupy-cuda11x need
+#: one past what a single pass of the largest grid covers: the kernels' grid-stride loops
+#: must wrap (``MAX_GRID * BLOCK`` of mx_roi.cuda.loader)
+GRID_WRAP_ITEMS = 65535 * 256 + 3
+
+FIX = {
+    "driver": "install an NVIDIA driver for CUDA 11.2+ (R460 or newer, e.g. "
+              "`sudo apt-get install nvidia-driver-535`), reboot, check `nvidia-smi`",
+    "mxnet": "pip uninstall -y mxnet && pip install mxnet-cu112==1.9.1",
+    "cupy": f'pip install "{CUPY_REQUIREMENT}"',
+    "nvrtc": "pip install nvidia-cuda-nvrtc-cu11 (mx_roi preloads it), or put a CUDA "
+             "toolkit's lib64 on the path: export LD_LIBRARY_PATH=/usr/local/cuda/lib64"
+             ":$LD_LIBRARY_PATH",
+    "headers": "pip install nvidia-cuda-runtime-cu11 (or set CUDA_PATH to a CUDA toolkit "
+               "of the NVRTC's version)",
+}
+
+
+@dataclass
+class Piece:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+class Probe:
+    """The machine queries of :func:`diagnose`: each returns ``(ok, detail)``."""
+
+    def driver(self) -> Tuple[bool, str]:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            return False, f"no NVIDIA driver: libcuda.so.1 not loadable ({e})"
+        rc = lib.cuInit(0)
+        if rc != 0:
+            return False, f"cuInit failed (CUresult {rc}): no usable GPU, or the driver " \
+                          "does not match its kernel module"
+        v, n = ctypes.c_int(), ctypes.c_int()
+        lib.cuDriverGetVersion(ctypes.byref(v))
+        lib.cuDeviceGetCount(ctypes.byref(n))
+        cuda = f"{v.value // 1000}.{v.value % 1000 // 10}"
+        if v.value < MIN_DRIVER:
+            return False, f"the driver supports CUDA {cuda}; 11.2 or newer is needed"
+        if n.value < 1:
+            return False, f"driver for CUDA {cuda}, but no GPU visible " \
+                          "(CUDA_VISIBLE_DEVICES?)"
+        return True, f"driver for CUDA {cuda}, {n.value} GPU(s)"
+
+    def mxnet(self) -> Tuple[bool, str]:
+        try:
+            import mxnet as mx
+        except Exception as e:  # mxnet-cu112 does not import without the driver
+            return False, f"mxnet not importable ({type(e).__name__}: " \
+                          f"{str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''})"
+        if not mx.runtime.Features().is_enabled("CUDA"):
+            return False, f"mxnet {mx.__version__} is a CPU build"
+        n = mx.context.num_gpus()
+        if n < 1:
+            return False, f"mxnet {mx.__version__} (CUDA build) sees no GPU"
+        return True, f"mxnet {mx.__version__} with CUDA, {n} GPU(s)"
+
+    def cupy(self) -> Tuple[bool, str]:
+        try:
+            import cupy
+        except Exception as e:  # ImportError, or CuPy's own load errors
+            return False, f"CuPy not importable ({type(e).__name__}: " \
+                          f"{str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''})"
+        version = tuple(int(x) for x in cupy.__version__.split(".")[:2])
+        if not CUPY_RANGE[0] <= version < CUPY_RANGE[1]:
+            return False, f"CuPy {cupy.__version__} is outside the supported {CUPY_REQUIREMENT}"
+        return True, f"CuPy {cupy.__version__}"
+
+    def nvrtc(self) -> Tuple[bool, str]:
+        from .cuda import nvrtc
+        major = nvrtc.cupy_cuda_major() or 11
+        soname = nvrtc.CUPY_NVRTC_SONAMES[major]
+        if self.loadable_by_name(soname):
+            return True, f"{soname} on the loader path (CUDA toolkit or LD_LIBRARY_PATH)"
+        wheel = nvrtc.wheel_library(soname)
+        if wheel and nvrtc.preload_for_cupy(major) is not None:
+            return True, f"{soname} not on the loader path; mx_roi preloads the " \
+                         f"nvidia-cuda-nvrtc-cu{major} wheel's copy {wheel}"
+        return False, f"{soname} (the NVRTC CuPy {major}.x wheels open by name) is neither " \
+                      f"on the loader path nor in an nvidia-cuda-nvrtc-cu{major} wheel"
+
+    def loadable_by_name(self, soname: str) -> bool:
+        """Whether a fresh process finds ``soname`` by name, as CuPy does (this process
+        may hold a copy loaded by path already)."""
+        code = f"import ctypes; ctypes.CDLL({soname!r})"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+    def nvrtc_version(self) -> Optional[Tuple[int, int]]:
+        from .cuda import nvrtc
+        major = nvrtc.cupy_cuda_major() or 11
+        try:
+            lib = ctypes.CDLL(nvrtc.CUPY_NVRTC_SONAMES[major])
+        except OSError:
+            return None
+        a, b = ctypes.c_int(), ctypes.c_int()
+        return (a.value, b.value) if lib.nvrtcVersion(ctypes.byref(a), ctypes.byref(b)) == 0 \
+            else None
+
+    def headers(self) -> Tuple[bool, str]:
+        from .cuda import source as S
+        version = self.nvrtc_version()
+        if version is None:
+            return False, "no NVRTC, so no header check (fix nvrtc first)"
+        dirs = S.cuda_include_dirs(version[0])
+        if version[0] == 12 and version[1] >= 2:  # CuPy bundles none for 12.2+
+            dirs = [d for d in dirs if not d.endswith("cuda-12")]
+        if not dirs:
+            return False, f"no cuda_fp16.h for NVRTC {version[0]}.{version[1]}"
+        return True, f"cuda_fp16.h for NVRTC {version[0]}.{version[1]}: {dirs[0]}"
+
+
+def diagnose(probe: Optional[Probe] = None) -> List[Piece]:
+    """One :class:`Piece` per requirement of the GPU path, in dependency order."""
+    probe = probe or Probe()
+    pieces = []
+    for name in ("driver", "mxnet", "cupy", "nvrtc", "headers"):
+        try:
+            ok, detail = getattr(probe, name)()
+        except Exception as e:  # a probe must never stop the diagnosis
+            ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        pieces.append(Piece(name, bool(ok), detail, "" if ok else FIX[name]))
+    return pieces
+
+
+# --------------------------------------------------------------------------- checklist
+@dataclass
+class Step:
+    name: str
+    where: str      # "host" or "gpu"
+    status: str     # PASS, FAIL, SKIP
+    detail: str
+
+
+CASES_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def _all_cases():
+    from .selftest import CASES
+    return [(name, params, dtype) for name, params in CASES for dtype in CASES_DTYPES]
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def _against_emulation(gpu_id: int, what: str) -> str:
+    """GPU forward (``what='forward'``) or deterministic data gradient (``'grad'``) of
+    every op x dtype bit-equal to ``emulated-cuda``."""
+    import mxnet as mx
+    from .backends import get
+    from .selftest import _op, _problem, _run
+    n = 0
+    for name, params, dtype in _all_cases():
+        op = _op(name, dict(params, deterministic=True))
+        data, rois, grad = _problem(op, dtype)
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id))
+        o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+        a, b = (o1, o2) if what == "forward" else (g1, g2)
+        if not np.array_equal(_bits(a), _bits(b)):
+            bad = int(np.count_nonzero(_bits(a) != _bits(b)))
+            raise AssertionError(f"{name} {params} {np.dtype(dtype).name}: {what} differs "
+                                 f"from emulated-cuda in {bad} of {a.size} elements")
+        n += 1
+    return f"{n} op x dtype cases bit-equal to emulated-cuda ({what})"
+
+
+def _emulated_references() -> str:
+    """The host half of the bit-equality steps: every op x dtype on ``emulated-cuda``
+    (deterministic mode), twice, bit-identical."""
+    import mxnet as mx
+    from .backends import get
+    from .selftest import _op, _problem, _run
+    n = 0
+    for name, params, dtype in _all_cases():
+        op = _op(name, dict(params, deterministic=True))
+        data, rois, grad = _problem(op, dtype)
+        first = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+        again = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+        for x, y in zip(first, again):
+            assert np.array_equal(_bits(x), _bits(y)), f"{name} {dtype}: not reproducible"
+        n += 1
+    return f"{n} op x dtype emulated-cuda references (forward + deterministic grad)"
+
+
+def _grid_wrap(backend: str, ctx) -> str:
+    """ROIPooling over ``GRID_WRAP_ITEMS`` items (one 1x1 bin per channel): the last items
+    are reached only when the grid-stride loop wraps; forward and gradient vs NumPy."""
+    from .backends import get
+    from .selftest import _op, _run
+    op = _op("ROIPooling", dict(pooled_size=(1, 1), spatial_scale=1.0))
+    C = GRID_WRAP_ITEMS
+    data = (np.arange(C, dtype=np.float32) % 7).reshape(1, C, 1, 1)
+    rois = np.zeros((1, 5), np.float32)
+    grad = (np.arange(C, dtype=np.float32) % 5 + 1).reshape(1, C, 1, 1)
+    out, dg = _run(get(backend), op, data, rois, grad, ctx)
+    if not (np.array_equal(out, data) and np.array_equal(dg, grad)):
+        first = int(np.argmax((out != data).ravel() | (dg != grad).ravel()))
+        raise AssertionError(f"{backend}: item {first} of {C} wrong (grid-stride wrap)")
+    return f"{backend}: {C} items (> 65535 blocks x 256 threads), forward + grad exact"
+
+
+def _device(gpu_id: int) -> str:
+    import mxnet as mx
+    from .backends import get
+    from .selftest import CASES, _close, _op, _problem, _run
+    for name, params in CASES:
+        op = _op(name, params)
+        data, rois, grad = _problem(op, np.float32)
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id))
+        o2, g2 = _run(get("numpy"), op, data, rois, grad, mx.cpu())
+        _close(o1, o2, np.float32, f"{name} forward on gpu({gpu_id})")
+        _close(g1, g2, np.float32, f"{name} grad on gpu({gpu_id})")
+    return f"{len(CASES)} ops on mx.gpu({gpu_id}) vs numpy"
+
+
+def _memory(steps: int = 200) -> str:
+    """A training loop (record -> backward -> read, no wait in between); CuPy's pool must
+    not grow after warm-up, and what it holds is reported."""
+    import cupy
+    import mxnet as mx
+    from mxnet import autograd
+    from . import nd as mx_roi_nd
+    pool = cupy.get_default_memory_pool()
+    ctx = mx.gpu(0)
+    x = mx.nd.random.normal(shape=(2, 256, 64, 64), ctx=ctx)
+    x.attach_grad()
+    rois = mx.nd.array([[0, 4, 4, 200, 180], [1, 0, 0, 120, 250]] * 64, ctx=ctx)
+    held = []
+    for i in range(steps):
+        with autograd.record():
+            y = mx_roi_nd.ROIAlign(x, rois, pooled_size=(7, 7), spatial_scale=0.25,
+                                   sample_ratio=2)
+        y.backward()
+        float(x.grad[0, 0, 0, 0].asscalar())
+        if i in (10, steps - 1):
+            held.append(pool.total_bytes())
+    if held[1] > held[0]:
+        raise AssertionError(f"CuPy's pool grew from {held[0]} to {held[1]} bytes between "
+                             f"step 10 and step {steps}")
+    free, total = mx.context.gpu_memory_info(0)
+    return (f"{steps} steps: CuPy pool holds {held[1] / 2**20:.1f} MiB (used "
+            f"{pool.used_bytes() / 2**20:.1f} MiB); GPU free {free / 2**30:.2f} of "
+            f"{total / 2**30:.2f} GiB")
+
+
+def _sanitizer_tool() -> str:
+    for d in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                           "/usr/local/cuda")):
+        path = os.path.join(d, "bin", "compute-sanitizer")
+        if os.path.exists(path):
+            return path
+    return shutil.which("compute-sanitizer") or ""
+
+
+def _sanitize(tool: str) -> str:
+    done = []
+    for check in ("memcheck", "initcheck"):
+        cmd = [tool, "--tool", check, "--error-exitcode", "97", sys.executable, "-m",
+               "mx_roi.selftest", "--gpu-kernels"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = " | ".join((res.stdout + res.stderr).strip().splitlines()[-3:])
+            raise AssertionError(f"{check} (exit {res.returncode}): {tail[:300]}")
+        done.append(check)
+    return f"{' and '.join(done)} clean on every op x dtype (forward + backward, both modes)"
+
+
+def gpu_kernels_main() -> int:
+    """``--gpu-kernels``: every op x dtype x mode forward + backward once on ``mx.gpu(0)``
+    (what compute-sanitizer watches)."""
+    import mxnet as mx
+    from .backends import get
+    from .selftest import _op, _problem, _run
+    for name, params, dtype in _all_cases():
+        for det in (False, True):
+            op = _op(name, dict(params, deterministic=det))
+            _run(get("cuda"), op, *_problem(op, dtype), mx.gpu(0))
+    return 0
+
+
+def _gpu_count(pieces: List[Piece]) -> int:
+    if not all(p.ok for p in pieces):
+        return 0
+    import mxnet as mx
+    return mx.context.num_gpus()
+
+
+def checklist(pieces: Optional[List[Piece]] = None,
+              gpus: Optional[int] = None, sanitizer: Optional[str] = None) -> List[Step]:
+    """The first-GPU-run checklist (README, "First GPU run"): host parts run here, GPU
+    parts when :func:`diagnose` found everything and a GPU is visible."""
+    pieces = diagnose() if pieces is None else pieces
+    missing = [p.name for p in pieces if not p.ok]
+    gpus = _gpu_count(pieces) if gpus is None else gpus
+    no_gpu = (f"GPU setup incomplete ({', '.join(missing)} missing; see the diagnosis)"
+              if missing else "no GPU visible")
+    sanitizer = _sanitizer_tool() if sanitizer is None else sanitizer
+    import mxnet as mx
+
+    plan: List[Tuple[str, str, Callable[[], str], str]] = [
+        ("sanitizer", "gpu", lambda: _sanitize(sanitizer),
+         no_gpu if not gpus else ("" if sanitizer else
+                                  "compute-sanitizer not found (CUDA toolkit's bin/, or "
+                                  "CUDA_HOME)")),
+        ("emulated references", "host", _emulated_references, ""),
+        ("grad bits = emulation", "gpu", lambda: _against_emulation(0, "grad"),
+         "" if gpus else no_gpu),
+        ("forward bits = emulation", "gpu", lambda: _against_emulation(0, "forward"),
+         "" if gpus else no_gpu),
+        ("grid-stride wrap", "host", lambda: _grid_wrap("emulated-cuda", mx.cpu()), ""),
+        ("grid-stride wrap", "gpu", lambda: _grid_wrap("cuda", mx.gpu(0)),
+         "" if gpus else no_gpu),
+        ("device 1", "gpu", lambda: _device(1),
+         "" if gpus >= 2 else f"needs two GPUs ({gpus} visible)"),
+        ("memory after training", "gpu", _memory, "" if gpus else no_gpu),
+    ]
+    steps = []
+    for name, where, fn, skip in plan:
+        if skip:
+            steps.append(Step(name, where, "SKIP", skip))
+            continue
+        t0 = time.perf_counter()
+        try:
+            detail, status = fn(), "PASS"
+        except Exception as e:  # report and go on
+            status, detail = "FAIL", f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        steps.append(Step(name, where, status,
+                          f"{detail} ({time.perf_counter() - t0:.1f}s)"))
+    return steps

@@ -1,0 +1,194 @@
+"""The GPU-setup diagnosis and the first-GPU-run checklist of ``python -m mx_roi.selftest``.
+
+No GPU here: missing pieces are simulated by a :class:`mx_roi.gpucheck.Probe` whose answers
+are replaced (the machine queries are the only thing stubbed); the checklist's host steps
+really run, and its GPU steps must be reported as SKIP with their reason.
+"""
+import re
+
+import pytest
+
+from mx_roi import gpucheck, selftest
+
+REAL_DIAGNOSE = gpucheck.diagnose
+
+MISSING = {
+    "driver": "no NVIDIA driver: libcuda.so.1 not loadable",
+    "mxnet": "mxnet 1.9.1 is a CPU build",
+    "cupy": "CuPy not importable (ImportError: No module named 'cupy')",
+    "nvrtc": "libnvrtc.so.11.2 is neither on the loader path nor in a wheel",
+    "headers": "no cuda_fp16.h for NVRTC 11.8",
+}
+
+
+class FakeProbe(gpucheck.Probe):
+    """Answers ``(False, MISSING[name])`` for the pieces in ``missing``, OK otherwise."""
+
+    def __init__(self, missing=(), broken=()):
+        self.missing, self.broken = set(missing), set(broken)
+
+    def _answer(self, name):
+        if name in self.broken:
+            raise RuntimeError(f"probe {name} crashed")
+        return (False, MISSING[name]) if name in self.missing else (True, f"{name} fine")
+
+    def driver(self):
+        return self._answer("driver")
+
+    def mxnet(self):
+        return self._answer("mxnet")
+
+    def cupy(self):
+        return self._answer("cupy")
+
+    def nvrtc(self):
+        return self._answer("nvrtc")
+
+    def headers(self):
+        return self._answer("headers")
+
+
+@pytest.mark.parametrize("name", sorted(MISSING))
+def test_each_missing_piece_named_with_its_fix(name):
+    pieces = {p.name: p for p in gpucheck.diagnose(FakeProbe(missing={name}))}
+    assert list(pieces) == ["driver", "mxnet", "cupy", "nvrtc", "headers"]
+    assert not pieces[name].ok
+    assert pieces[name].detail == MISSING[name]
+    assert pieces[name].fix == gpucheck.FIX[name]
+    assert all(p.ok and p.fix == "" for n, p in pieces.items() if n != name)
+
+
+def test_fix_commands():
+    assert "nvidia-smi" in gpucheck.FIX["driver"]
+    assert "pip install mxnet-cu112==1.9.1" in gpucheck.FIX["mxnet"]
+    assert 'pip install "cupy-cuda11x>=12,<14"' == gpucheck.FIX["cupy"]
+    assert "pip install nvidia-cuda-nvrtc-cu11" in gpucheck.FIX["nvrtc"]
+    assert "LD_LIBRARY_PATH" in gpucheck.FIX["nvrtc"]
+    assert "pip install nvidia-cuda-runtime-cu11" in gpucheck.FIX["headers"]
+
+
+def test_supported_cupy_range_is_the_one_setup_py_installs():
+    import os
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "setup.py")
+    with open(setup_py, encoding="utf-8") as f:
+        text = f.read()
+    assert f'CUPY = "{gpucheck.CUPY_REQUIREMENT}"' in text
+    assert gpucheck.CUPY_REQUIREMENT.endswith(">=12,<14")
+    assert gpucheck.CUPY_RANGE == ((12, 0), (14, 0))
+
+
+def test_crashing_probe_is_reported_not_raised():
+    pieces = {p.name: p for p in gpucheck.diagnose(FakeProbe(broken={"cupy"}))}
+    assert not pieces["cupy"].ok
+    assert pieces["cupy"].detail == "RuntimeError: probe cupy crashed"
+    assert pieces["nvrtc"].ok  # the diagnosis went on
+
+
+def test_real_probes_for_what_the_test_extra_installs():
+    """CuPy, its NVRTC (by name, or the wheel mx_roi preloads) and cuda_fp16.h are found
+    on any machine with the test extra, GPU or not."""
+    probe = gpucheck.Probe()
+    ok, detail = probe.cupy()
+    assert ok and re.fullmatch(r"CuPy 1[23]\.\d+\.\d+", detail), detail
+    ok, detail = probe.nvrtc()
+    assert ok and "libnvrtc.so.11.2" in detail, detail
+    ok, detail = probe.headers()
+    assert ok and detail.startswith("cuda_fp16.h for NVRTC 11."), detail
+
+
+def test_real_driver_probe_without_a_driver():
+    ok, detail = gpucheck.Probe().driver()
+    try:
+        import ctypes
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        assert not ok and detail.startswith("no NVIDIA driver: libcuda.so.1 not loadable")
+    else:  # pragma: no cover (a GPU machine)
+        assert isinstance(ok, bool) and detail
+
+
+@pytest.fixture(scope="module")
+def host_steps():
+    """The checklist on this machine, the GPU setup simulated as missing."""
+    pieces = gpucheck.diagnose(FakeProbe(missing={"driver", "mxnet"}))
+    return gpucheck.checklist(pieces, sanitizer="")
+
+
+def test_checklist_runs_host_parts_and_skips_gpu_parts(host_steps):
+    by = {(s.name, s.where): s for s in host_steps}
+    assert set(by) == {
+        ("sanitizer", "gpu"), ("emulated references", "host"),
+        ("grad bits = emulation", "gpu"), ("forward bits = emulation", "gpu"),
+        ("grid-stride wrap", "host"), ("grid-stride wrap", "gpu"), ("device 1", "gpu"),
+        ("memory after training", "gpu")}
+    for s in host_steps:
+        if s.where == "host":
+            assert s.status == "PASS", s
+        else:
+            assert s.status == "SKIP", s
+    reason = "GPU setup incomplete (driver, mxnet missing; see the diagnosis)"
+    assert by[("sanitizer", "gpu")].detail == reason
+    assert by[("memory after training", "gpu")].detail == reason
+    assert by[("device 1", "gpu")].detail == "needs two GPUs (0 visible)"
+    assert str(gpucheck.GRID_WRAP_ITEMS) in by[("grid-stride wrap", "host")].detail
+    assert gpucheck.GRID_WRAP_ITEMS > 65535 * 256
+    assert by[("emulated references", "host")].detail.startswith("15 op x dtype")
+
+
+def test_checklist_skip_reasons_with_setup_complete_but_no_gpu(monkeypatch):
+    monkeypatch.setattr(gpucheck, "_emulated_references", lambda: "stubbed")
+    monkeypatch.setattr(gpucheck, "_grid_wrap", lambda *a: "stubbed")
+    steps = gpucheck.checklist(gpucheck.diagnose(FakeProbe()), gpus=0, sanitizer="")
+    skips = {s.name: s.detail for s in steps if s.status == "SKIP"}
+    assert skips["sanitizer"] == "no GPU visible"
+    assert skips["device 1"] == "needs two GPUs (0 visible)"
+
+
+def test_sanitizer_reason_when_the_tool_is_missing(monkeypatch):
+    monkeypatch.setattr(gpucheck, "_emulated_references", lambda: "stubbed")
+    monkeypatch.setattr(gpucheck, "_grid_wrap", lambda *a: "stubbed")
+    # gpus=1 with everything GPU-side replaced: only the sanitizer's own reason is left
+    for name in ("_against_emulation", "_memory"):
+        monkeypatch.setattr(gpucheck, name, lambda *a: "ran")
+    steps = gpucheck.checklist(gpucheck.diagnose(FakeProbe()), gpus=1, sanitizer="")
+    by = {s.name: s for s in steps if s.where == "gpu"}
+    assert by["sanitizer"].status == "SKIP"
+    assert by["sanitizer"].detail.startswith("compute-sanitizer not found")
+    assert by["memory after training"].status == "PASS"
+    assert by["device 1"].detail == "needs two GPUs (1 visible)"
+
+
+def _main(monkeypatch, capsys, argv, steps, missing=("driver", "mxnet"), backend="PASS"):
+    monkeypatch.setattr(selftest, "run_checks", lambda **kw: [
+        ("numpy", backend, 0.0, "stand-in row"), ("cuda", "SKIP", 0.0, "no GPU")])
+    monkeypatch.setattr(gpucheck, "diagnose",
+                        lambda probe=None: REAL_DIAGNOSE(FakeProbe(missing=missing)))
+    monkeypatch.setattr(gpucheck, "checklist", lambda pieces: steps)
+    rc = selftest.main(argv)
+    return rc, capsys.readouterr().out
+
+
+def test_selftest_exit_codes(monkeypatch, capsys, host_steps):
+    rc, out = _main(monkeypatch, capsys, ["--gpu"], host_steps)
+    assert rc == 0, out
+    assert "OK: every usable backend passed (numpy); GPU setup incomplete (driver, mxnet)" \
+        in out
+    assert f"fix:     {gpucheck.FIX['driver']}" in out
+    assert f"fix:     {gpucheck.FIX['mxnet']}" in out
+    assert re.search(r"device 1\s+gpu\s+SKIP\s+needs two GPUs \(0 visible\)", out), out
+    assert re.search(r"grid-stride wrap\s+host\s+PASS", out), out
+
+    rc, out = _main(monkeypatch, capsys, ["--gpu", "--require-gpu"], host_steps)
+    assert rc == 1 and "FAILED (--require-gpu): GPU setup missing: driver, mxnet" in out
+
+    rc, out = _main(monkeypatch, capsys, ["--gpu", "--require-gpu"], host_steps, missing=())
+    assert rc == 1 and "FAILED (--require-gpu): GPU steps skipped: sanitizer" in out
+
+    failing = host_steps + [gpucheck.Step("memory after training", "gpu", "FAIL", "grew")]
+    rc, out = _main(monkeypatch, capsys, ["--gpu"], failing)
+    assert rc == 1 and "FAILED: memory after training (gpu)" in out
+
+    rc, out = _main(monkeypatch, capsys, [], host_steps, backend="FAIL")
+    assert rc == 1 and "FAILED: numpy" in out
+    assert "First GPU run" not in out  # the checklist only with --gpu
