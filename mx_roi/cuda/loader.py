@@ -4,15 +4,19 @@
 ``kernel(grid, block, args)`` -- the CuPy ``RawKernel`` calling convention -- for a name
 expression such as ``roi_align_forward_avg<float, float>``:
 
-* ``emulated=False``: ``cupy.RawModule(code=..., options=..., name_expressions=[...])``
-  (NVRTC), compiled once per (source, device) and memoised;
+* ``emulated=False``: compiled with NVRTC through CuPy (``RawModule``'s own compile
+  function, :class:`CupyToolchain`) for the arch of the intended device, once per
+  (source, device) and memoised; the binary and its name-expression -> mangled-name map
+  are cached on disk by us (CuPy never reuses its own cache with name expressions), keyed
+  by source, options, arch, NVRTC and CuPy versions, and loaded without recompiling;
 * ``emulated=True``: the same text compiled with ``g++`` through
   ``mx_roi/cuda/host_shim.h`` into a shared library with one generated
   ``extern "C" void mx_roi_launch_<k>(unsigned grid, unsigned block, void** args)``
   per name expression (``args[i]`` points at parameter ``i``'s value, as in
   ``cuLaunchKernel``), loaded with ctypes.  The library is cached by a hash of the
-  generated source, the shim, the compiler and its flags under ``$MX_ROI_CACHE`` (default
-  ``~/.cache/mx_roi``) and built on first use (a few seconds per source).  ``$CXX`` picks
+  generated source, the shim, the compiler and its flags in :func:`cache_dir` (only a
+  directory and file that are ours and not group/other-writable are trusted; a damaged
+  entry is rebuilt once) and built on first use (a few seconds per source).  ``$CXX`` picks
   the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
   The launch runs the grid serially (a faithful emulation of the GPU's grid-stride loops);
 * ``native=True``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
+import json
 import os
 import shutil
 import stat
@@ -149,12 +155,9 @@ class KernelModule:
             self._lib, self._index = _build_host_library(filename, self.native)
             self.array_type = np.ndarray
         else:
-            import cupy
-            code, exprs, options = S.module_source(filename)
-            with cupy.cuda.Device(device_id):
-                self._module = cupy.RawModule(code=code, options=options,
-                                              name_expressions=list(exprs))
-            self.array_type = cupy.ndarray
+            toolchain = _cupy_toolchain()
+            self._module, self._mangled = _cupy_module(toolchain, filename, device_id)
+            self.array_type = toolchain.ndarray
 
     def get(self, expr: str) -> _Kernel:
         k = self._kernels.get(expr)
@@ -167,7 +170,7 @@ class KernelModule:
             elif self.emulated:
                 launch = self._host_launcher(expr)
             else:
-                fn = self._module.get_function(expr)
+                fn = self._module.get_function(self._mangled[expr])
 
                 def launch(grid, block, args, fn=fn):
                     fn(grid, block, args)
@@ -612,6 +615,140 @@ def _compile_host(filename, code, flags, lib_path):
         os.replace(out, lib_path)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- CuPy build
+class CupyToolchain:
+    """The few CuPy calls of the GPU path (tests stand in for it without a GPU).
+
+    :meth:`compile` goes through ``cupy._core.core.compile_with_cache``, the function
+    ``RawModule`` itself compiles with (same options, headers and ``-ftz=true``), for the
+    arch of the intended device (not the device current at a lazy first
+    ``get_function``).  CuPy writes the binary into its cache folder even when it will
+    never read it back (it does not, with name expressions); we give it a private scratch
+    folder and keep that binary in our own cache."""
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.ndarray = cupy.ndarray
+        self.version = cupy.__version__
+
+    def arch(self, device_id: int) -> str:
+        """The ``sm_`` arch NVRTC compiles for on ``device_id`` (capped by NVRTC)."""
+        from cupy.cuda import compiler
+        with self.cupy.cuda.Device(device_id):
+            return str(compiler._get_arch())
+
+    def nvrtc_version(self) -> str:
+        from cupy.cuda import nvrtc
+        return ".".join(str(v) for v in nvrtc.getVersion())
+
+    def compile(self, code, options, exprs, arch, device_id, scratch):
+        """``(loaded module, binary or None, {expression: mangled name})``."""
+        from cupy._core import core
+        with self.cupy.cuda.Device(device_id):
+            mod = core.compile_with_cache(code, tuple(options), arch, scratch, False,
+                                          name_expressions=list(exprs))
+        binary = None
+        files = [f for f in os.listdir(scratch) if f.endswith(".cubin")]
+        if len(files) == 1:  # CUPY_CACHE_IN_MEMORY=1 writes none: no disk cache then
+            with open(os.path.join(scratch, files[0]), "rb") as f:
+                data = f.read()
+            # CuPy's format: 40 hex digits of the binary's SHA-1, then the binary
+            if hashlib.sha1(data[40:]).hexdigest().encode() == data[:40]:
+                binary = data[40:]
+        return mod, binary, dict(mod.mapping)
+
+    def load(self, binary: bytes, device_id: int):
+        from cupy.cuda import function
+        with self.cupy.cuda.Device(device_id):
+            mod = function.Module()
+            mod.load(binary)
+        return mod
+
+
+def _cupy_toolchain():
+    return CupyToolchain()
+
+
+def cupy_options(filename: str) -> Tuple[str, ...]:
+    """NVRTC options of the GPU build: :func:`mx_roi.cuda.source.module_source`'s, with a
+    C++ dialect if none is given (CuPy 12 refuses templates without one; CuPy 13's
+    ``RawModule`` adds ``--std=c++11`` itself).  CuPy appends ``-ftz=true`` to every
+    compile (NVRTC rejects a second ``-ftz``), so float32 subnormals flush to zero on
+    the GPU, unlike NumPy and the host builds; see the README."""
+    options = tuple(S.module_source(filename)[2])
+    if not any(o.startswith(("-std", "--std")) for o in options):
+        options += ("--std=c++11",)
+    return options
+
+
+def cupy_binary_path(toolchain, filename: str, device_id: int) -> Tuple[str, str]:
+    """``(cache file, arch)`` of ``filename``'s GPU binary for ``device_id``: keyed by the
+    source, the options, the arch, the NVRTC version and the CuPy version."""
+    code, _, _ = S.module_source(filename)
+    arch = toolchain.arch(device_id)
+    key = S.source_hash(code, " ".join(cupy_options(filename)), arch,
+                        toolchain.nvrtc_version(), toolchain.version)
+    stem = os.path.splitext(filename)[0]
+    return os.path.join(cache_dir(), f"{stem}-sm{arch}-{key}.cubin"), arch
+
+
+def _read_binary(path: str, exprs):
+    """``(binary, mapping, '')``; ``(None, None, '')`` if absent, ``(None, None, why)`` if
+    the entry must not or cannot be used."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, None, ""
+    problem = path_problem(path, False, st)
+    if problem:
+        return None, None, f"it {problem}"
+    try:
+        with open(path, "rb") as f:
+            head, _, binary = f.read().partition(b"\n")
+        meta = json.loads(head)
+        if hashlib.sha256(binary).hexdigest() != meta["sha256"]:
+            return None, None, "its checksum does not match"
+        mapping = {e: meta["mapping"][e] for e in exprs}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, None, f"it is not a valid entry ({type(exc).__name__})"
+    return binary, mapping, ""
+
+
+_GPU_BUILD_LOCK = threading.Lock()
+
+
+def _cupy_module(toolchain, filename: str, device_id: int):
+    """The loaded GPU module of ``filename`` and its ``{expression: mangled name}``: from
+    our cache if a valid, trusted entry exists, else compiled and stored (atomically)."""
+    code, exprs, _ = S.module_source(filename)
+    path, arch = cupy_binary_path(toolchain, filename, device_id)
+    with _GPU_BUILD_LOCK:
+        binary, mapping, why = _read_binary(path, exprs)
+        if binary is not None:
+            try:
+                return toolchain.load(binary, device_id), mapping
+            except Exception as exc:  # noqa: BLE001 - e.g. an image the driver rejects
+                why = f"it cannot be loaded ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+        if why:
+            _warn_once(("heal", path), f"mx_roi: recompiling the damaged cache entry {path} "
+                                       f"({why})")
+            _remove(path)
+        scratch = tempfile.mkdtemp(prefix="nvrtc-", dir=os.path.dirname(path))
+        try:
+            module, binary, mapping = toolchain.compile(
+                code, cupy_options(filename), exprs, arch, device_id, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        mapping = {e: mapping[e] for e in exprs}
+        if binary is not None:
+            meta = json.dumps({"sha256": hashlib.sha256(binary).hexdigest(),
+                               "mapping": mapping}, sort_keys=True).encode()
+            write_private(os.path.dirname(path), os.path.basename(path),
+                          meta + b"\n" + binary)
+        return module, mapping
 
 
 _MODULES: Dict[Tuple[str, bool, int, bool], KernelModule] = {}
