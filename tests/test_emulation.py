@@ -331,7 +331,7 @@ class _CpuCapsule:
 
 
 def _fake_cupy():
-    """A stand-in ``cupy`` on NumPy: arrays are NumPy arrays, ``RawModule`` checks it gets
+    """A stand-in ``cupy`` on NumPy: arrays are NumPy arrays, its toolchain checks it gets
     exactly the code/options/name expressions of :func:`mx_roi.cuda.source.module_source`
     and launches the host-compiled kernels, ``from_dlpack`` reads the DLPack capsule."""
     import contextlib
@@ -352,15 +352,32 @@ def _fake_cupy():
         fake.views.append(ro)  # keeps the NDArray's memory alive
         return view
 
-    class RawModule:
-        def __init__(self, code, options, name_expressions):
-            filename = next(f for f in S.SOURCES if S.read_source(f) == code)
-            assert (code, tuple(name_expressions), tuple(options)) == \
-                S.module_source(filename)
-            self.host = loader.get_module(filename, True)
-            fake.log.append(("compile", filename))
+    class Toolchain:
+        """Stands in for loader.CupyToolchain: "compiles" by checking it gets exactly the
+        code/options/name expressions of the GPU build and binding the host-compiled
+        kernels; no binary (like CUPY_CACHE_IN_MEMORY), so nothing is cached on disk."""
+        ndarray, version = np.ndarray, "fake"
 
-        def get_function(self, expr):
+        def arch(self, device_id):
+            return "80"
+
+        def nvrtc_version(self):
+            return "11.8"
+
+        def compile(self, code, options, exprs, arch, device_id, scratch):
+            filename = next(f for f in S.SOURCES if S.read_source(f) == code)
+            assert (code, tuple(exprs)) == S.module_source(filename)[:2]
+            assert tuple(options) == loader.cupy_options(filename) and arch == "80"
+            host = loader.get_module(filename, True)
+            fake.log.append(("compile", filename))
+            return HostModule(host), None, {e: f"_mangled_{e}" for e in exprs}
+
+    class HostModule:
+        def __init__(self, host):
+            self.host = host
+
+        def get_function(self, mangled):
+            expr = mangled[len("_mangled_"):]
             kernel = self.host.get(expr)
 
             def launch(grid, block, args):
@@ -388,7 +405,7 @@ def _fake_cupy():
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
         get_current_stream=lambda: _Stream())
-    fake.from_dlpack, fake.RawModule, fake.cuda = from_dlpack, RawModule, cuda
+    fake.from_dlpack, fake.cuda, fake.toolchain = from_dlpack, cuda, Toolchain()
     fake.pool = _Pool()
     fake.get_default_memory_pool = lambda: fake.pool
     return fake
@@ -396,12 +413,13 @@ def _fake_cupy():
 
 @pytest.mark.parametrize("name,params", CASES[:10:2], ids=_ids(CASES[:10:2]))
 def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
-    """The non-emulated CudaBackend path (DLPack views, RawModule, req handling, stream
+    """The non-emulated CudaBackend path (DLPack views, the GPU module seam, req handling, stream
     sync) driven with NumPy standing in for CuPy: same results as the emulation."""
     import sys
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
     gpu = CudaBackend(emulated=False)
     op = make_op(name, params)
     for dtype in (np.float16, np.float64):

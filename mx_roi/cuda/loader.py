@@ -4,15 +4,19 @@
 ``kernel(grid, block, args)`` -- the CuPy ``RawKernel`` calling convention -- for a name
 expression such as ``roi_align_forward_avg<float, float>``:
 
-* ``emulated=False``: ``cupy.RawModule(code=..., options=..., name_expressions=[...])``
-  (NVRTC), compiled once per (source, device) and memoised;
+* ``emulated=False``: compiled with NVRTC through CuPy (``RawModule``'s own compile
+  function, :class:`CupyToolchain`) for the arch of the intended device, once per
+  (source, device) and memoised; the binary and its name-expression -> mangled-name map
+  are cached on disk by us (CuPy never reuses its own cache with name expressions), keyed
+  by source, options, arch, NVRTC and CuPy versions, and loaded without recompiling;
 * ``emulated=True``: the same text compiled with ``g++`` through
   ``mx_roi/cuda/host_shim.h`` into a shared library with one generated
   ``extern "C" void mx_roi_launch_<k>(unsigned grid, unsigned block, void** args)``
   per name expression (``args[i]`` points at parameter ``i``'s value, as in
   ``cuLaunchKernel``), loaded with ctypes.  The library is cached by a hash of the
-  generated source, the shim, the compiler and its flags under ``$MX_ROI_CACHE`` (default
-  ``~/.cache/mx_roi``) and built on first use (a few seconds per source).  ``$CXX`` picks
+  generated source, the shim, the compiler and its flags in :func:`cache_dir` (only a
+  directory and file that are ours and not group/other-writable are trusted; a damaged
+  entry is rebuilt once) and built on first use (a few seconds per source).  ``$CXX`` picks
   the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
   The launch runs the grid serially (a faithful emulation of the GPU's grid-stride loops);
 * ``native=True``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
@@ -29,13 +33,19 @@ emulation too, so the emulated run proves the marshalling of the real launch.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import hashlib
+import json
 import os
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from typing import Dict, Tuple
 
 import numpy as np
@@ -43,6 +53,7 @@ import numpy as np
 from . import source as S
 
 __all__ = ["KernelArgumentError", "KernelModule", "get_module", "check_args", "cache_dir",
+           "CacheWarning", "HostLibraryError", "path_problem", "host_library_path",
            "host_compiler", "launch_config", "BLOCK", "MAX_GRID"]
 
 BLOCK = 256
@@ -144,12 +155,9 @@ class KernelModule:
             self._lib, self._index = _build_host_library(filename, self.native)
             self.array_type = np.ndarray
         else:
-            import cupy
-            code, exprs, options = S.module_source(filename)
-            with cupy.cuda.Device(device_id):
-                self._module = cupy.RawModule(code=code, options=options,
-                                              name_expressions=list(exprs))
-            self.array_type = cupy.ndarray
+            toolchain = _cupy_toolchain()
+            self._module, self._mangled = _cupy_module(toolchain, filename, device_id)
+            self.array_type = toolchain.ndarray
 
     def get(self, expr: str) -> _Kernel:
         k = self._kernels.get(expr)
@@ -162,7 +170,7 @@ class KernelModule:
             elif self.emulated:
                 launch = self._host_launcher(expr)
             else:
-                fn = self._module.get_function(expr)
+                fn = self._module.get_function(self._mangled[expr])
 
                 def launch(grid, block, args, fn=fn):
                     fn(grid, block, args)
@@ -220,23 +228,174 @@ def _arg_slots(args):
     return slots, keep
 
 
-# --------------------------------------------------------------------------- host build
-def cache_dir() -> str:
-    """``$MX_ROI_CACHE``, else ``$XDG_CACHE_HOME/mx_roi`` or ``~/.cache/mx_roi``; if that
-    cannot be created or written (read-only home), a per-user folder in the temp dir."""
-    d = os.environ.get("MX_ROI_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "mx_roi")
+# --------------------------------------------------------------------------- trusted cache
+# Every compiled artifact (host libraries, CuPy binaries) is loaded from a directory that
+# only the current user can write, and only after the file itself passed the same check:
+# otherwise another local user could plant code under the predictable file name and have
+# it run in our process (the attack class of pip's /tmp/pip-build and PyTorch's
+# /tmp/torch_extensions).  The rules are those of ssh's StrictModes.
+
+class CacheWarning(RuntimeWarning):
+    """A cache directory was not trusted, or a damaged cache entry was rebuilt."""
+
+
+class HostLibraryError(RuntimeError):
+    """A host library could not be built, or could not be loaded even after a rebuild."""
+
+
+_CACHE_DIRS: Dict[str, str] = {}     # requested directory -> directory used (per process)
+_CACHE_LOCK = threading.Lock()
+_WARNED: set = set()
+
+
+def _uid():
+    return os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def path_problem(path: str, directory: bool, st=None) -> str:
+    """Why ``path`` may not be trusted ('' if it may): it must be a real directory (or a
+    regular file, ``directory=False``), not a symbolic link, owned by the current user and
+    not writable by group or others."""
     try:
-        os.makedirs(d, exist_ok=True)
-        if os.access(d, os.W_OK | os.X_OK):
-            return d
+        st = st or os.lstat(path)
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    uid = _uid()
+    if uid is not None and st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by you (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def _parents_problem(path: str) -> str:
+    """Why a parent of the (resolved) ``path`` lets others replace it ('' if none does): each
+    must be owned by root or us and not writable by group/others unless sticky (``/tmp``)."""
+    uid = _uid()
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            st = os.stat(parent)
+        except OSError as exc:
+            return f"its parent {parent} cannot be inspected ({exc.strerror})"
+        if uid is not None and st.st_uid not in (0, uid):
+            return f"its parent {parent} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"its parent {parent} is writable by group or others (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o})")
+        up = os.path.dirname(parent)
+        if up == parent:
+            return ""
+        parent = up
+
+
+def _dir_problem(path: str) -> str:
+    return path_problem(path, True) or _parents_problem(path)
+
+
+def _warn_once(key, message):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def _requested_cache_dir() -> Tuple[str, str]:
+    env = os.environ.get("MX_ROI_CACHE")
+    if env:
+        return env, "MX_ROI_CACHE"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mx_roi"), "the default cache"
+
+
+def cache_dir() -> str:
+    """The trusted directory compiled kernels are cached in (checked once per process).
+
+    ``$MX_ROI_CACHE``, else ``$XDG_CACHE_HOME/mx_roi`` or ``~/.cache/mx_roi`` (created
+    0700).  It is used only if it (and each parent) is ours and not writable by group or
+    others; if not, a :class:`CacheWarning` names it and the fix, once, and the builds go
+    to the private per-user folder ``<tmp>/mx_roi-<uid>`` (created 0700 and verified); if
+    that one is not ours either, to a fresh ``mkdtemp`` folder removed at exit.  A folder
+    that cannot be created (read-only home) falls back the same way, silently.
+    """
+    requested, what = _requested_cache_dir()
+    with _CACHE_LOCK:
+        d = _CACHE_DIRS.get(requested)
+        if d is None or not os.path.isdir(d):
+            d = _CACHE_DIRS[requested] = _resolve_cache_dir(requested, what)
+        return d
+
+
+def _resolve_cache_dir(requested: str, what: str) -> str:
+    try:
+        os.makedirs(requested, mode=0o700, exist_ok=True)
     except OSError:
+        return _private_dir()  # cannot be created: a per-user temp folder instead
+    real = os.path.realpath(requested)
+    problem = _dir_problem(real)
+    if not problem:
+        return real
+    fix = (f"chmod go-w {real}" if "writable" in problem and "parent" not in problem
+           else "point MX_ROI_CACHE at a directory of your own that only you can write")
+    private = _private_dir()
+    _warn_once(("dir", real), f"mx_roi: not loading compiled kernels from {real} ({what}): "
+                              f"it {problem}; nothing is loaded from it (fix: {fix}); "
+                              f"building into the private directory {private} instead")
+    return private
+
+
+def _private_dir() -> str:
+    """``<tmp>/mx_roi-<uid>``, created 0700 here or verified ours; else a fresh mkdtemp."""
+    uid = _uid()
+    d = os.path.join(tempfile.gettempdir(), f"mx_roi-{uid if uid is not None else 'user'}")
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
         pass
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    d = os.path.join(tempfile.gettempdir(), f"mx_roi-{uid}")
-    os.makedirs(d, exist_ok=True)
-    return d
+    except OSError:
+        d = ""
+    problem = _dir_problem(d) if d else "cannot be created"
+    if not problem:
+        return d
+    fresh = tempfile.mkdtemp(prefix=f"mx_roi-{uid}-")  # 0700, ours by construction
+    atexit.register(shutil.rmtree, fresh, True)
+    if d:
+        _warn_once(("dir", d), f"mx_roi: not using {d}: it {problem} (someone else may have "
+                               f"created it; remove it); building into {fresh} instead")
+    problem = _dir_problem(fresh)
+    if problem:  # pragma: no cover - a temp dir others can write
+        raise HostLibraryError(f"mx_roi: no private cache directory: {fresh} {problem}")
+    return fresh
+
+
+def write_private(directory: str, name: str, data: bytes, mode: int = 0o644) -> str:
+    """Write ``data`` as ``directory/name`` atomically (private temp file, then rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        path = os.path.join(directory, name)
+        os.replace(tmp, path)
+        return path
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def host_compiler() -> str:
@@ -284,40 +443,312 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def _build_host_library(filename: str, native: bool = False):
+def host_library_path(filename: str, native: bool = False) -> Tuple[str, str, Dict[str, int]]:
+    """``(path, code, {expr: wrapper index})`` of the host library of ``filename``: its
+    file in :func:`cache_dir`, named by a hash of the source, shim, compiler and flags."""
     cxx = host_compiler()
     if not cxx:
-        raise RuntimeError(f"the {'native' if native else 'emulated-cuda'} backend needs a C++ "
-                           "compiler (g++ or $CXX) to build the kernels for the host; none was "
-                           "found")
+        raise HostLibraryError(
+            f"the {'native' if native else 'emulated-cuda'} backend needs a C++ compiler "
+            "(g++ or $CXX) to build the kernels for the host; none was found")
     code, index = host_source(filename, native)
     with open(SHIM, encoding="utf-8") as f:
         shim = f.read()
-    flags = (NATIVE_FLAGS if native else HOST_FLAGS) + tuple(
-        os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
-    key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(flags), sys.platform)
+    key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(_host_flags(native)),
+                        sys.platform)
+    # the library says which build it is: a file of another build under this name
+    # (copied, or planted in our own directory) is rejected like a damaged one
+    code += f'extern "C" const char mx_roi_build_key[] = "{key}";\n'
     stem = os.path.splitext(filename)[0] + ("-native" if native else "")
-    lib_path = os.path.join(cache_dir(), f"{stem}-{key}.so")
+    return os.path.join(cache_dir(), f"{stem}-{key}.so"), code, index
+
+
+def _host_flags(native):
+    return (NATIVE_FLAGS if native else HOST_FLAGS) + tuple(
+        os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
+
+
+_FAILED: Dict[str, str] = {}  # library path -> why it could not be built/loaded
+
+
+def _build_host_library(filename: str, native: bool = False):
+    """Load the cached host library of ``filename``, building it if missing.
+
+    An entry that fails to load (truncated, wrong architecture, lacking a launch symbol,
+    of another build, or not trusted) is removed and rebuilt, once; if that fails too, a
+    :class:`HostLibraryError` says why, and later calls in this process repeat it without
+    rebuilding."""
+    lib_path, code, index = host_library_path(filename, native)
     with _BUILD_LOCK:
-        if not os.path.exists(lib_path):
-            tmpdir = tempfile.mkdtemp(prefix="build-", dir=cache_dir())
+        if lib_path in _FAILED:
+            raise HostLibraryError(_FAILED[lib_path])
+        lib, why = _try_load(lib_path, len(index))
+        if lib is None:
+            if why:  # a damaged entry: heal it
+                _warn_once(("heal", lib_path), f"mx_roi: rebuilding the damaged cache entry "
+                                               f"{lib_path} ({why})")
+                _remove(lib_path)
             try:
-                src = os.path.join(tmpdir, f"{stem}.cpp")
-                shim_copy = os.path.join(tmpdir, "host_shim.h")
-                with open(src, "w", encoding="utf-8") as f:
-                    f.write(code)
-                with open(shim_copy, "w", encoding="utf-8") as f:
-                    f.write(shim)
-                out = os.path.join(tmpdir, f"{stem}.so")
-                cmd = [cxx, *flags, "-include", shim_copy, "-x", "c++", src, "-o", out]
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                if res.returncode != 0:
-                    raise RuntimeError(f"building the host emulation of {filename} failed:\n"
-                                       f"{' '.join(cmd)}\n{res.stderr[-4000:]}")
-                os.replace(out, lib_path)  # atomic: concurrent builders are harmless
-            finally:
-                shutil.rmtree(tmpdir, ignore_errors=True)
-    return ctypes.CDLL(lib_path), index
+                _compile_host(filename, code, _host_flags(native), lib_path)
+            except HostLibraryError as exc:
+                _FAILED[lib_path] = str(exc)
+                raise
+            lib, why = _try_load(lib_path, len(index))
+            if lib is None:
+                _FAILED[lib_path] = (f"the host build of {filename} cannot be loaded even "
+                                     f"after a rebuild: {why}")
+                raise HostLibraryError(_FAILED[lib_path])
+    return lib, index
+
+
+def _try_load(lib_path: str, n_launch: int):
+    """``(library, '')``, ``(None, '')`` if there is no file, ``(None, why)`` if the file
+    must not or cannot be used."""
+    try:
+        st = os.lstat(lib_path)
+    except FileNotFoundError:
+        return None, ""
+    problem = path_problem(lib_path, False, st)
+    if problem:
+        return None, f"it {problem}"
+    problem = elf_problem(lib_path)
+    if problem:
+        return None, problem
+    try:
+        lib = ctypes.CDLL(lib_path)
+    except OSError as exc:
+        return None, str(exc)
+    key = os.path.basename(lib_path).rsplit("-", 1)[-1][:-3].encode()
+    try:
+        got = (ctypes.c_char * (len(key) + 1)).in_dll(lib, "mx_roi_build_key").value
+        missing = [k for k in range(n_launch) if not hasattr(lib, f"mx_roi_launch_{k}")]
+    except ValueError:
+        got, missing = b"", []
+    if got != key or missing:
+        _dlclose(lib)
+        return None, ("it lacks " + ", ".join(f"mx_roi_launch_{k}" for k in missing[:3])
+                      if missing and got == key else "it is not the build of this name")
+    return lib, ""
+
+
+_ELF_HEADER = {1: ("16sHHIIIIIHHHHHH", "IIIIIIII", (1, 4)),     # 32-bit: offset, filesz
+               2: ("16sHHIQQQIHHHHHH", "IIQQQQQQ", (2, 5))}     # 64-bit
+
+
+def _elf_machine(path):
+    with open(path, "rb") as f:
+        head = f.read(20)
+    return head[:7], head[18:20]
+
+
+def elf_problem(path: str) -> str:
+    """Why the shared library ``path`` must not be handed to ``dlopen`` ('' if none): not an
+    ELF file of this process's class and machine, or shorter than its own headers say.  A
+    truncated library would otherwise be mapped past its end, and the loader itself dies
+    of SIGBUS touching it.  ('' off Linux, where libraries are not ELF.)"""
+    if not sys.platform.startswith("linux"):
+        return ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+            if data[:4] != b"\x7fELF" or data[4] not in _ELF_HEADER or data[5] not in (1, 2):
+                return "it is not an ELF shared library"
+            hdr, phdr, (i_off, i_size) = _ELF_HEADER[data[4]]
+            end = "<" if data[5] == 1 else ">"
+            hsize = struct.calcsize(end + hdr)
+            if size < hsize:
+                return f"it is truncated ({size} bytes)"
+            if (data[:7], data[18:20]) != _elf_machine(sys.executable):
+                return "it is an ELF file for another architecture"
+            h = struct.unpack(end + hdr, data[:hsize])
+            phoff, shoff = h[5], h[6]
+            phentsize, phnum, shentsize, shnum = h[9], h[10], h[11], h[12]
+            need = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+            if phentsize < struct.calcsize(end + phdr) or need > size:
+                return f"it is truncated ({size} bytes, its headers need {need})"
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for k in range(phnum):
+                ph = struct.unpack_from(end + phdr, table, k * phentsize)
+                if ph[0] == 1 and ph[i_off] + ph[i_size] > size:  # PT_LOAD past the end
+                    return (f"it is truncated ({size} bytes, a segment ends at "
+                            f"{ph[i_off] + ph[i_size]})")
+    except (OSError, struct.error) as exc:
+        return f"it cannot be read ({exc})"
+    return ""
+
+
+def _dlclose(lib):
+    """Unload a rejected library, so that its rebuilt successor under the same path is
+    really loaded (the dynamic loader hands out a loaded library again by name)."""
+    try:
+        import _ctypes
+        _ctypes.dlclose(lib._handle)
+    except Exception:  # pragma: no cover - no dlclose on this platform
+        pass
+
+
+def _compile_host(filename, code, flags, lib_path):
+    """Compile into a private build directory next to ``lib_path``, then rename it there
+    atomically (concurrent builders are harmless: each renames a complete file)."""
+    cxx = host_compiler()
+    stem = os.path.basename(lib_path)[:-3]
+    directory = os.path.dirname(lib_path)
+    with open(SHIM, encoding="utf-8") as f:
+        shim = f.read()
+    tmpdir = tempfile.mkdtemp(prefix="build-", dir=directory)  # 0700
+    try:
+        src = os.path.join(tmpdir, f"{stem}.cpp")
+        shim_copy = os.path.join(tmpdir, "host_shim.h")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(code)
+        with open(shim_copy, "w", encoding="utf-8") as f:
+            f.write(shim)
+        out = os.path.join(tmpdir, f"{stem}.so")
+        cmd = [cxx, *flags, "-include", shim_copy, "-x", "c++", src, "-o", out]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise HostLibraryError(f"building the host kernels of {filename} failed:\n"
+                                   f"{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        os.chmod(out, 0o755)  # whatever the umask: never group/other-writable
+        os.replace(out, lib_path)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- CuPy build
+class CupyToolchain:
+    """The few CuPy calls of the GPU path (tests stand in for it without a GPU).
+
+    :meth:`compile` goes through ``cupy._core.core.compile_with_cache``, the function
+    ``RawModule`` itself compiles with (same options, headers and ``-ftz=true``), for the
+    arch of the intended device (not the device current at a lazy first
+    ``get_function``).  CuPy writes the binary into its cache folder even when it will
+    never read it back (it does not, with name expressions); we give it a private scratch
+    folder and keep that binary in our own cache."""
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.ndarray = cupy.ndarray
+        self.version = cupy.__version__
+
+    def arch(self, device_id: int) -> str:
+        """The ``sm_`` arch NVRTC compiles for on ``device_id`` (capped by NVRTC)."""
+        from cupy.cuda import compiler
+        with self.cupy.cuda.Device(device_id):
+            return str(compiler._get_arch())
+
+    def nvrtc_version(self) -> str:
+        from cupy.cuda import nvrtc
+        return ".".join(str(v) for v in nvrtc.getVersion())
+
+    def compile(self, code, options, exprs, arch, device_id, scratch):
+        """``(loaded module, binary or None, {expression: mangled name})``."""
+        from cupy._core import core
+        with self.cupy.cuda.Device(device_id):
+            mod = core.compile_with_cache(code, tuple(options), arch, scratch, False,
+                                          name_expressions=list(exprs))
+        binary = None
+        files = [f for f in os.listdir(scratch) if f.endswith(".cubin")]
+        if len(files) == 1:  # CUPY_CACHE_IN_MEMORY=1 writes none: no disk cache then
+            with open(os.path.join(scratch, files[0]), "rb") as f:
+                data = f.read()
+            # CuPy's format: 40 hex digits of the binary's SHA-1, then the binary
+            if hashlib.sha1(data[40:]).hexdigest().encode() == data[:40]:
+                binary = data[40:]
+        return mod, binary, dict(mod.mapping)
+
+    def load(self, binary: bytes, device_id: int):
+        from cupy.cuda import function
+        with self.cupy.cuda.Device(device_id):
+            mod = function.Module()
+            mod.load(binary)
+        return mod
+
+
+def _cupy_toolchain():
+    return CupyToolchain()
+
+
+def cupy_options(filename: str) -> Tuple[str, ...]:
+    """NVRTC options of the GPU build: :func:`mx_roi.cuda.source.module_source`'s, with a
+    C++ dialect if none is given (CuPy 12 refuses templates without one; CuPy 13's
+    ``RawModule`` adds ``--std=c++11`` itself).  CuPy appends ``-ftz=true`` to every
+    compile (NVRTC rejects a second ``-ftz``), so float32 subnormals flush to zero on
+    the GPU, unlike NumPy and the host builds; see the README."""
+    options = tuple(S.module_source(filename)[2])
+    if not any(o.startswith(("-std", "--std")) for o in options):
+        options += ("--std=c++11",)
+    return options
+
+
+def cupy_binary_path(toolchain, filename: str, device_id: int) -> Tuple[str, str]:
+    """``(cache file, arch)`` of ``filename``'s GPU binary for ``device_id``: keyed by the
+    source, the options, the arch, the NVRTC version and the CuPy version."""
+    code, _, _ = S.module_source(filename)
+    arch = toolchain.arch(device_id)
+    key = S.source_hash(code, " ".join(cupy_options(filename)), arch,
+                        toolchain.nvrtc_version(), toolchain.version)
+    stem = os.path.splitext(filename)[0]
+    return os.path.join(cache_dir(), f"{stem}-sm{arch}-{key}.cubin"), arch
+
+
+def _read_binary(path: str, exprs):
+    """``(binary, mapping, '')``; ``(None, None, '')`` if absent, ``(None, None, why)`` if
+    the entry must not or cannot be used."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, None, ""
+    problem = path_problem(path, False, st)
+    if problem:
+        return None, None, f"it {problem}"
+    try:
+        with open(path, "rb") as f:
+            head, _, binary = f.read().partition(b"\n")
+        meta = json.loads(head)
+        if hashlib.sha256(binary).hexdigest() != meta["sha256"]:
+            return None, None, "its checksum does not match"
+        mapping = {e: meta["mapping"][e] for e in exprs}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, None, f"it is not a valid entry ({type(exc).__name__})"
+    return binary, mapping, ""
+
+
+_GPU_BUILD_LOCK = threading.Lock()
+
+
+def _cupy_module(toolchain, filename: str, device_id: int):
+    """The loaded GPU module of ``filename`` and its ``{expression: mangled name}``: from
+    our cache if a valid, trusted entry exists, else compiled and stored (atomically)."""
+    code, exprs, _ = S.module_source(filename)
+    path, arch = cupy_binary_path(toolchain, filename, device_id)
+    with _GPU_BUILD_LOCK:
+        binary, mapping, why = _read_binary(path, exprs)
+        if binary is not None:
+            try:
+                return toolchain.load(binary, device_id), mapping
+            except Exception as exc:  # noqa: BLE001 - e.g. an image the driver rejects
+                why = f"it cannot be loaded ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+        if why:
+            _warn_once(("heal", path), f"mx_roi: recompiling the damaged cache entry {path} "
+                                       f"({why})")
+            _remove(path)
+        scratch = tempfile.mkdtemp(prefix="nvrtc-", dir=os.path.dirname(path))
+        try:
+            module, binary, mapping = toolchain.compile(
+                code, cupy_options(filename), exprs, arch, device_id, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        mapping = {e: mapping[e] for e in exprs}
+        if binary is not None:
+            meta = json.dumps({"sha256": hashlib.sha256(binary).hexdigest(),
+                               "mapping": mapping}, sort_keys=True).encode()
+            write_private(os.path.dirname(path), os.path.basename(path),
+                          meta + b"\n" + binary)
+        return module, mapping
 
 
 _MODULES: Dict[Tuple[str, bool, int, bool], KernelModule] = {}
