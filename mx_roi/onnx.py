@@ -17,7 +17,7 @@ Forms (opset >= 16; every form is checked number by number against our MXNet out
                               RoiAlign(avg, output (P*G, Q*G), sampling_ratio=1): one
                               bilinear sample per cell = our sample points; MaxPool GxG
     ROIPooling                MaxRoiPool (same rounding, +1 end and bins as MXNet)
-    PSROIAlign                RoiAlign over all D*G*G channels, then a constant Gather
+    PSROIAlign                RoiAlign over all D*Gh*Gw channels, then a constant Gather
                               of each bin's channel (costs P*Q times the op's work)
     PSROIPooling              integral image (CumSum in float64) + Gather of 4 corners
 
@@ -139,16 +139,12 @@ def _emit_roi_align(b, data, rois, p, cdt, out):
 
 
 def _emit_ps_align(b, data, rois, p, cdt, out):
-    from .geometry import group_index
+    from .geometry import ps_channel_map
     P, Q = p.pooled_size
-    G, D = p.groups, p.output_dim
-    y, valid = _roi_align(b, data, rois, p, P, Q, p.sample_ratio)   # (R, D*G*G, P, Q)
-    gh = group_index(P, G).astype(np.int64)
-    gw = group_index(Q, G).astype(np.int64)
-    c = np.arange(D, dtype=np.int64)
-    chan = (c[:, None, None] * G + gh[None, :, None]) * G + gw[None, None, :]  # (D, P, Q)
+    y, valid = _roi_align(b, data, rois, p, P, Q, p.sample_ratio)   # (R, D*Gh*Gw, P, Q)
+    chan = ps_channel_map(p.output_dim, (P, Q), p.group_grid).astype(np.int64)  # (D, P, Q)
     flat = (chan * P + np.arange(P)[None, :, None]) * Q + np.arange(Q)[None, None, :]
-    y = b.op("Flatten", [y], axis=1)                                  # (R, D*G*G*P*Q)
+    y = b.op("Flatten", [y], axis=1)                                  # (R, D*Gh*Gw*P*Q)
     y = b.op("Gather", [y, b.const(flat, np.int64)], axis=1)          # (R, D, P, Q)
     return _mask(b, y, valid, cdt, out)
 
@@ -172,9 +168,8 @@ def _c_round(b, x, dtype):
 
 def _emit_ps_pooling(b, data, rois, p, cdt, out):
     """Average over R-FCN's integer bins from an integral image (exact sums in float64)."""
-    from .geometry import group_index
+    from .geometry import ps_channel_map
     P, Q = p.pooled_size
-    G, D = p.groups, p.output_dim
     ft, i64 = cdt, np.int64   # the compute dtype (geometry.compute_dtype)
     bidx, boxes, valid = _split_rois(b, data, rois)
     shape = b.op("Shape", [data])                                     # N, C, H, W
@@ -211,10 +206,7 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
     Sf = b.op("Reshape", [S, b.const([-1], i64)])
     H1 = b.op("Add", [dims[2], b.const(1, i64)])
     W1 = b.op("Add", [dims[3], b.const(1, i64)])
-    gh = group_index(P, G).astype(i64)
-    gw = group_index(Q, G).astype(i64)
-    chan = (np.arange(D, dtype=i64)[:, None, None] * G + gh[None, :, None]) * G \
-        + gw[None, None, :]                                            # (D, P, Q)
+    chan = ps_channel_map(p.output_dim, (P, Q), p.group_grid).astype(i64)  # (D, P, Q)
     # flat index ((b*C + ch)*(H+1) + h)*(W+1) + w, broadcast to (R, D, P, Q)
     bc = b.op("Add", [b.op("Mul", [b.op("Reshape", [bidx, b.const([-1, 1, 1, 1], i64)]),
                                    dims[1]]), b.const(chan[None], i64)])

@@ -55,8 +55,9 @@ def problem(seed, op_type, params, dtype, kind="randn", N=2, H=9, W=11):
     rng = np.random.default_rng(seed)
     c = 3
     if op_type.startswith("PS"):
-        g = params.get("group_size") or params["pooled_size"][0]
-        c = params["output_dim"] * g * g
+        g = params.get("group_size") or params["pooled_size"]
+        gh, gw = (g, g) if isinstance(g, int) else g
+        c = params["output_dim"] * gh * gw
     data = make_data(rng, (N, c, H, W), dtype, kind)
     s = params["spatial_scale"]
     rois = np.concatenate([adversarial_rois(rng, N, H, W, s, dtype=dtype),
@@ -106,10 +107,15 @@ PSALIGN = [dict(pooled_size=(3, 3), output_dim=2, spatial_scale=0.5, sample_rati
            dict(pooled_size=(3, 2), output_dim=2, group_size=2, spatial_scale=0.0625,
                 sample_ratio=2, aligned=True),
            dict(pooled_size=(2, 2), output_dim=3, group_size=3, spatial_scale=1.0,
-                sample_ratio=-1, aligned=True)]
+                sample_ratio=-1, aligned=True),
+           # rectangular group grids: the pooled grid (as contrib.ROIAlign), and (gh, gw)
+           dict(pooled_size=(3, 4), output_dim=2, spatial_scale=0.5, sample_ratio=2),
+           dict(pooled_size=(3, 4), output_dim=2, group_size=(2, 3), spatial_scale=0.5,
+                sample_ratio=-1)]
 PSPOOL = [dict(pooled_size=(3, 3), output_dim=2, spatial_scale=0.5),
           dict(pooled_size=(3, 2), output_dim=2, group_size=2, spatial_scale=0.0625),
-          dict(pooled_size=(2, 2), output_dim=3, group_size=3, spatial_scale=1.0)]
+          dict(pooled_size=(2, 2), output_dim=3, group_size=3, spatial_scale=1.0),
+          dict(pooled_size=(3, 4), output_dim=2, group_size=(2, 3), spatial_scale=0.5)]
 CASES = ([("ROIAlign", p) for p in ALIGN + ALIGN_MAX] + [("ROIPooling", p) for p in POOL]
          + [("PSROIAlign", p) for p in PSALIGN] + [("PSROIPooling", p) for p in PSPOOL])
 
