@@ -507,6 +507,7 @@ def test_gpu_backward_writes_into_mxnet_gradient(deterministic, monkeypatch):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
     made = []
     real_zeroed = B._zeroed
     monkeypatch.setattr(B, "_zeroed", lambda xp, shape, dtype: (
@@ -543,6 +544,7 @@ def test_gpu_pool_trimmed_after_a_call(monkeypatch):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
     gpu = CudaBackend(emulated=False)
     op = make_op(*CASES[2])
     data, rois, grad = problem(op, np.float32)
