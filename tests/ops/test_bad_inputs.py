@@ -16,21 +16,10 @@ from mxnet.base import MXNetError
 
 import mx_roi  # noqa: F401
 
-from tests import reference as ref
+from tests.fuzz_child import OPS  # op_type -> (valid params, input channels, reference forward)
 
 ERRORS = (MXNetError, ValueError, TypeError)
 
-# op_type -> (valid params, input channels, reference forward)
-OPS = {
-    "ROIPooling": (dict(pooled_size=(2, 2), spatial_scale=0.5), 3,
-                   lambda x, r: ref.roi_pooling_forward(x, r, (2, 2), 0.5)),
-    "ROIAlign": (dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=2), 3,
-                 lambda x, r: ref.roi_align_forward(x, r, (2, 2), 0.5, 2)),
-    "PSROIPooling": (dict(pooled_size=2, output_dim=2, spatial_scale=0.5), 8,
-                     lambda x, r: ref.psroi_pooling_forward(x, r, 2, 2, 0.5)),
-    "PSROIAlign": (dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2), 8,
-                   lambda x, r: ref.psroi_align_forward(x, r, 2, 2, 0.5, 2)),
-}
 op_param = pytest.mark.parametrize("op_type", list(OPS))
 
 
