@@ -4,9 +4,10 @@
 
 template <typename T, typename A>
 __global__ void psroi_pooling_forward(
-    const T* data, const int* batch, const int* channel_map, const int* hstart,
-    const int* hend, const int* wstart, const int* wend, int C, int Cin, int H, int W, int P,
-    int Q, T* out, long long n) {
+    const T* __restrict__ data, const int* __restrict__ batch,
+    const int* __restrict__ channel_map, const int* __restrict__ hstart,
+    const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
+    int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
@@ -29,9 +30,11 @@ __global__ void psroi_pooling_forward(
 
 template <typename T, typename A, typename O>
 __global__ void psroi_pooling_backward(
-    const T* grad, const int* batch, const int* channel_map, const int* hstart,
-    const int* hend, const int* wstart, const int* wend, int C, int Cin, int H, int W, int P,
-    int Q, O* bottom, double scale, long long n) {
+    const T* __restrict__ grad, const int* __restrict__ batch,
+    const int* __restrict__ channel_map, const int* __restrict__ hstart,
+    const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
+    int C, int Cin, int H, int W, int P, int Q, O* __restrict__ bottom, double scale,
+    long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];

@@ -6,11 +6,12 @@
 
 template <typename T, typename A>
 __global__ void roi_align_forward_avg(
-    const T* data, const int* batch,
-    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
-    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
-    const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, T* out,
-    long long n) {
+    const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ y_count,
+    const int* __restrict__ y_low, const int* __restrict__ y_high, const A* __restrict__ y_wl,
+    const A* __restrict__ y_wh, const int* __restrict__ x_count, const int* __restrict__ x_low,
+    const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
+    const A* __restrict__ divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
+    T* __restrict__ out, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     mx_roi::align_avg_forward_item<T, A>(it, data, batch, (const int*)0, y_count, y_low, y_high,
                                          y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
@@ -20,11 +21,12 @@ __global__ void roi_align_forward_avg(
 
 template <typename T, typename A, typename O>
 __global__ void roi_align_backward_avg(
-    const T* grad, const int* batch,
-    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
-    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
-    const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
-    double scale, long long n) {
+    const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ y_count,
+    const int* __restrict__ y_low, const int* __restrict__ y_high, const A* __restrict__ y_wl,
+    const A* __restrict__ y_wh, const int* __restrict__ x_count, const int* __restrict__ x_low,
+    const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
+    const A* __restrict__ divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
+    O* __restrict__ bottom, double scale, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, (const int*)0, y_count, y_low,
                                              y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
@@ -40,10 +42,12 @@ __global__ void roi_align_backward_avg(
 // whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1.
 template <typename T, typename A>
 __global__ void roi_align_forward_max(
-    const T* data, const int* batch,
-    const int* y_count, const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
-    const int* x_count, const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
-    int C, int H, int W, int P, int Q, int Gy, int Gx, T* out, int* argmax, long long n) {
+    const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ y_count,
+    const int* __restrict__ y_low, const int* __restrict__ y_high, const A* __restrict__ y_wl,
+    const A* __restrict__ y_wh, const int* __restrict__ x_count, const int* __restrict__ x_low,
+    const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
+    int C, int H, int W, int P, int Q, int Gy, int Gx, T* __restrict__ out,
+    int* __restrict__ argmax, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     A best = 0;
@@ -75,11 +79,11 @@ __global__ void roi_align_forward_max(
 // The whole gradient of a bin goes to the four taps of its winning sample.
 template <typename T, typename A, typename O>
 __global__ void roi_align_backward_max(
-    const T* grad, const int* batch,
-    const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
-    const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
-    const int* argmax, int C, int H, int W, int P, int Q, int Gy, int Gx, O* bottom,
-    double scale, long long n) {
+    const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ y_low,
+    const int* __restrict__ y_high, const A* __restrict__ y_wl, const A* __restrict__ y_wh,
+    const int* __restrict__ x_low, const int* __restrict__ x_high, const A* __restrict__ x_wl,
+    const A* __restrict__ x_wh, const int* __restrict__ argmax, int C, int H, int W, int P,
+    int Q, int Gy, int Gx, O* __restrict__ bottom, double scale, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int a = argmax[it.i];
     const int b = batch[it.r];

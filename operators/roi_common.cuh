@@ -69,6 +69,26 @@ __device__ __forceinline__ Item unravel(long long i, int C, int P, int Q) {
   return it;
 }
 
+// The same in 32-bit unsigned arithmetic (a 64-bit div/mod costs several times a 32-bit one
+// on a GPU); only for indices that fit, see ItemLoop.
+__device__ __forceinline__ Item unravel32(unsigned i, unsigned C, unsigned P, unsigned Q) {
+  Item it;
+  it.i = i;
+  it.q = (int)(i % Q);
+  unsigned t = i / Q;
+  it.p = (int)(t % P);
+  t /= P;
+  it.c = (int)(t % C);
+  it.r = t / C;
+  return it;
+}
+
+// Launches whose item count is at most this unravel in 32 bits; -DMX_ROI_INDEX32_LIMIT=...
+// lowers it so the host emulation can test the 64-bit path on small problems.
+#ifndef MX_ROI_INDEX32_LIMIT
+#define MX_ROI_INDEX32_LIMIT 0x7fffffffLL
+#endif
+
 #ifndef MX_ROI_HOST_NATIVE
 // On a GPU (and in the serial host emulation): a grid-stride loop over the flat index,
 // 64-bit (tensors may exceed 2^31 elements).
@@ -76,10 +96,13 @@ class ItemLoop {
  public:
   __device__ ItemLoop(long long n, int C, int P, int Q, bool)
       : i_((long long)blockIdx.x * (long long)blockDim.x + threadIdx.x),
-        step_((long long)blockDim.x * (long long)gridDim.x), n_(n), C_(C), P_(P), Q_(Q) {}
+        step_((long long)blockDim.x * (long long)gridDim.x), n_(n), C_(C), P_(P), Q_(Q),
+        // i < n <= 2^31 - 1 and i + step < 2^32 (step <= 65535 * 1024): no unsigned wrap
+        small_(n <= MX_ROI_INDEX32_LIMIT) {}
   __device__ __forceinline__ bool next(Item& it) {
     if (i_ >= n_) return false;
-    it = unravel(i_, C_, P_, Q_);
+    it = small_ ? unravel32((unsigned)i_, (unsigned)C_, (unsigned)P_, (unsigned)Q_)
+                : unravel(i_, C_, P_, Q_);
     i_ += step_;
     return true;
   }
@@ -87,6 +110,7 @@ class ItemLoop {
  private:
   long long i_, step_, n_;
   int C_, P_, Q_;
+  bool small_;
 };
 #else
 // Native host build (mx_roi/cuda/host_shim.h with MX_ROI_HOST_NATIVE): the calling

@@ -7,8 +7,10 @@
 
 template <typename T, typename A>
 __global__ void roi_pooling_forward(
-    const T* data, const int* batch, const int* hstart, const int* hend, const int* wstart,
-    const int* wend, int C, int H, int W, int P, int Q, T* out, int* argmax, long long n) {
+    const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ hstart,
+    const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
+    int C, int H, int W, int P, int Q, T* __restrict__ out, int* __restrict__ argmax,
+    long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
@@ -36,8 +38,8 @@ __global__ void roi_pooling_forward(
 
 template <typename T, typename A, typename O>
 __global__ void roi_pooling_backward(
-    const T* grad, const int* batch, const int* argmax, int C, int H, int W, int P, int Q,
-    O* bottom, double scale, long long n) {
+    const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ argmax,
+    int C, int H, int W, int P, int Q, O* __restrict__ bottom, double scale, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int a = argmax[it.i];
     const int b = batch[it.r];

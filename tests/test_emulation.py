@@ -483,6 +483,21 @@ def test_soft_half_build_matches(tmp_path, monkeypatch):
     assert native[0].tobytes() == soft[0].tobytes() and native[1].tobytes() == soft[1].tobytes()
 
 
+def test_index_paths_agree(tmp_path, monkeypatch):
+    """Launches of at most 2^31 - 1 items unravel their index in 32 bits, larger ones in
+    64 bits; a build with the switch lowered to 5 items (-DMX_ROI_INDEX32_LIMIT=5) runs
+    every case on the 64-bit path and must give the same bits."""
+    cases = [make_op(name, params) for name, params in CASES]
+    want = [run(EMU, op, *problem(op, np.float32)) for op in cases]
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_INDEX32_LIMIT=5")
+    monkeypatch.setattr(loader, "_MODULES", {})
+    wide = CudaBackend(emulated=True)
+    for op, (out, grad) in zip(cases, want):
+        got_out, got_grad = run(wide, op, *problem(op, np.float32))
+        assert got_out.tobytes() == out.tobytes() and got_grad.tobytes() == grad.tobytes()
+
+
 @pytest.mark.parametrize("grid,block", [(1, 1), (1, 7), (3, 5), (2, 256), (64, 32)])
 def test_grid_stride_covers_every_item(grid, block):
     """Any launch shape gives the same result: the grid-stride loops cover each of the n
