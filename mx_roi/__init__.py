@@ -12,8 +12,11 @@ import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
 from . import errors, params, geometry, registry  # noqa: F401
 
 errors.install()
-from . import operators  # noqa: F401  (registers the four ops)
-from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
+from . import operators  # noqa: F401  (imports operators/*.py: registers every op)
+
+for _cls in registry.REGISTERED.values():  # mx_roi.ROIAlign etc.: the op definitions
+    globals()[_cls.__name__] = _cls
+del _cls
 from . import nd, sym, gluon  # noqa: F401
 from . import onnx as _onnx
 
@@ -36,4 +39,5 @@ def _finish_pending_ops():
 atexit.register(_finish_pending_ops)
 
 __version__ = "0.1.0"
-OP_TYPES = tuple(op.name for op in operators.ALL_OPS)
+#: the registered op types (``mx.nd.Custom(op_type=...)``)
+OP_TYPES = tuple(registry.REGISTERED)

@@ -20,25 +20,12 @@ def _call_custom(F, op_type, inputs, **kwargs):
     return call_custom(F, op_type, inputs, **kwargs)
 
 
-#: positional parameter order of the MXNet built-ins (after data, rois), so that
-#: ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
-BUILTIN_ORDER = {
-    "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
-    "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
-                 "position_sensitive", "aligned"),
-    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
-                     "group_size"),
-}
-
-
-def positional_order(op_cls):
-    return BUILTIN_ORDER.get(op_cls.name, tuple(op_cls.param_cls.field_names()))
-
-
 def make_function(F, op_cls):
     """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **kw)``."""
     fields = dataclasses.fields(op_cls.param_cls)
-    order = positional_order(op_cls)
+    # the built-in's positional order (RoIOp.builtin_order), so that
+    # ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
+    order = op_cls.positional_order()
 
     def fn(data=None, rois=None, *args, name=None, **kwargs):
         if len(args) > len(order):

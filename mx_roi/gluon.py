@@ -33,9 +33,8 @@ from .registry import REGISTERED
 __all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "ops", "imports",
            "check_symbol_json", "MODES"] + list(REGISTERED)
 
-#: ``roi_pooler``/``MultiScaleROIAlign`` modes -> op_type.
-MODES = {"pool": "ROIPooling", "align": "ROIAlign",
-         "pspool": "PSROIPooling", "psalign": "PSROIAlign"}
+#: ``roi_pooler``/``MultiScaleROIAlign`` modes -> op_type (each op's ``gluon_mode``).
+MODES = {op.gluon_mode: name for name, op in REGISTERED.items() if op.gluon_mode}
 
 
 def _hybrid_state(block):
@@ -311,7 +310,7 @@ def check_symbol_json(symbol_file) -> list:
                 nodes[op_type] = (attrs, len(node.get("inputs", [])))
     missing = [t for t, (attrs, n) in nodes.items() if not _custom_registered(t, attrs, n)]
     if missing:
-        ours = [t for t in missing if t in MODES.values()]
+        ours = [t for t in missing if t in REGISTERED]
         hint = ("run `import mx_roi` before loading it (it registers " + ", ".join(ours) + ")"
                 if ours else "import the package that registers them before loading it")
         raise RuntimeError(f"{symbol_file}: the graph uses custom operator(s) "

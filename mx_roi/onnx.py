@@ -41,15 +41,18 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from . import params as _params
 
 __all__ = ["ExportError", "install", "convert_custom", "MIN_OPSET"]
 
 #: RoiAlign's ``coordinate_transformation_mode`` exists from opset 16.
 MIN_OPSET = 16
 
-_PARAMS = {"ROIPooling": _params.ROIPoolingParam, "ROIAlign": _params.ROIAlignParam,
-           "PSROIPooling": _params.PSROIPoolingParam, "PSROIAlign": _params.PSROIAlignParam}
+
+
+def _registered():
+    """op_type -> op class of every registered op (the Custom nodes that are ours)."""
+    from .registry import REGISTERED
+    return REGISTERED
 
 
 class ExportError(ValueError):
@@ -231,12 +234,17 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
     return _mask(b, y, valid, cdt, out)
 
 
+#: The ONNX translation of each op that has one; a registered op without one is refused
+#: with an :class:`ExportError` naming it.
 _EMIT = {"ROIAlign": _emit_roi_align, "PSROIAlign": _emit_ps_align,
          "ROIPooling": _emit_roi_pooling, "PSROIPooling": _emit_ps_pooling}
 
 
 def _check(op_type, name, p, dtype, opset):
     """Raise :class:`ExportError` for what has no ONNX form with our numbers."""
+    if op_type not in _EMIT:
+        raise _refuse(op_type, name, "the op", "no ONNX translation is defined for it "
+                      "(mx_roi.onnx._EMIT)")
     if opset < MIN_OPSET:
         raise _refuse(op_type, name, f"opset {opset}",
                       f"needs opset >= {MIN_OPSET} (RoiAlign's coordinate_transformation_mode)")
@@ -264,7 +272,7 @@ def convert_custom_ours(node, **kwargs):
     op_type = attrs["op_type"]
     kw = {k: v for k, v in attrs.items() if k != "op_type"}
     try:
-        p = _PARAMS[op_type].from_kwargs(**kw)
+        p = _registered()[op_type].param_cls.from_kwargs(**kw)
     except ValueError as exc:
         raise ExportError(f"{op_type} (node '{name}'): {exc}") from None
     dtype = np.dtype(get_input_dtypes(node, kwargs)[0])
@@ -340,14 +348,14 @@ def _chain(previous, op, node, kwargs):
 def convert_custom(node, **kwargs):
     """mx2onnx translation of op ``Custom``: ours by ``op_type``, others to the previous one."""
     op_type = node.get("attrs", {}).get("op_type")
-    if op_type in _PARAMS:
+    if op_type in _registered():
         return convert_custom_ours(node, **kwargs)
     try:
         return _chain(_PREVIOUS, "Custom", node, kwargs)
     except AttributeError:
         raise AttributeError(f"No conversion function registered for op type Custom "
                              f"(op_type={op_type!r}); mx_roi exports only its own: "
-                             f"{', '.join(_PARAMS)}") from None
+                             f"{', '.join(_registered())}") from None
 
 
 convert_custom._mx_roi = True

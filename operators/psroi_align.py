@@ -22,6 +22,8 @@ class PSROIAlign(PositionSensitive):
     name = "PSROIAlign"
     param_cls = PSROIAlignParam
     cuda_source = "psroi_align.cu"
+    gluon_mode = "psalign"
+    selftest_cases = (dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2),)
 
     def geometry(self, rois, height, width, xp):
         p = self.param

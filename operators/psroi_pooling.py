@@ -55,6 +55,10 @@ class PSROIPooling(PositionSensitive):
     name = "PSROIPooling"
     param_cls = PSROIPoolingParam
     cuda_source = "psroi_pooling.cu"
+    gluon_mode = "pspool"
+    builtin_order = ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
+                     "group_size")
+    selftest_cases = (dict(pooled_size=3, output_dim=2, spatial_scale=0.5),)
 
     def geometry(self, rois, height, width, xp):
         p = self.param

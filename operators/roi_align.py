@@ -24,6 +24,24 @@ class ROIAlign(RoIOp):
     name = "ROIAlign"
     param_cls = ROIAlignParam
     cuda_source = "roi_align.cu"
+    gluon_mode = "align"
+    builtin_order = ("pooled_size", "spatial_scale", "sample_ratio",      # mx.sym.contrib.ROIAlign
+                     "position_sensitive", "aligned")
+    selftest_cases = (
+        dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1),
+        dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, aligned=True,
+             pool_mode="max"),
+    )
+
+    @staticmethod
+    def selftest_builtin(params, data, rois):
+        if params.get("pool_mode", "avg") != "avg":
+            return None
+        import mxnet as mx
+        return mx.nd.contrib.ROIAlign(data, rois, pooled_size=params["pooled_size"],
+                                      spatial_scale=params["spatial_scale"],
+                                      sample_ratio=params.get("sample_ratio", -1),
+                                      aligned=params.get("aligned", False))
 
     @property
     def is_max(self) -> bool:

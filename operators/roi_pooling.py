@@ -24,7 +24,16 @@ class ROIPooling(RoIOp):
     name = "ROIPooling"
     param_cls = ROIPoolingParam
     cuda_source = "roi_pooling.cu"
+    gluon_mode = "pool"
+    builtin_order = ("pooled_size", "spatial_scale")                      # mx.sym.ROIPooling
+    selftest_cases = (dict(pooled_size=(2, 3), spatial_scale=0.5),)
     backward_needs_data = True
+
+    @staticmethod
+    def selftest_builtin(params, data, rois):
+        import mxnet as mx
+        return mx.nd.ROIPooling(data, rois, pooled_size=params["pooled_size"],
+                                spatial_scale=params["spatial_scale"])
 
     def geometry(self, rois, height, width, xp):
         p = self.param
