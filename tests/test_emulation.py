@@ -253,6 +253,46 @@ def test_argument_checker_counts_and_scalars_of_double():
     k((1,), (32,), tuple(args))
 
 
+def _launch_for(module_file="roi_pooling.cu"):
+    return Launch(loader.get_module(module_file, True), np, np.float32)
+
+
+def test_launch_binds_arguments_by_name():
+    """Launch.forward orders keyword arguments by the parsed signature, converts read-only
+    arrays and Python numbers, fills n; the written arrays reach the kernel as they are."""
+    kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
+                   "Q", "out", "argmax", "n"], _pool_args()))
+    kw["data"] = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)   # converted (const T*)
+    kw.update(C=1, H=4, W=4, P=2, Q=2)                                  # Python ints
+    del kw["n"]                                                         # the launch's n
+    L = _launch_for()
+    tables = {k: kw.pop(k) for k in ("batch", "hstart", "hend", "wstart", "wend")}
+    tables["unused_table"] = np.zeros(3)                 # tables the kernel lacks are skipped
+    L.forward("roi_pooling_forward", 4, tables, **dict(reversed(list(kw.items()))))
+    np.testing.assert_array_equal(kw["out"], [[[[5, 5], [5, 5]]]])
+    np.testing.assert_array_equal(kw["argmax"], [[[[5, 5], [5, 5]]]])
+    assert L.launches == [("roi_pooling_forward<float, float>", 4)]
+
+
+@pytest.mark.parametrize("change,err,match", [
+    (dict(extra=np.int32(1)), loader.KernelArgumentError,
+     r"roi_pooling_forward<float, float>: no parameter\(s\) extra; parameters: const float\* data"),
+    (dict(argmax=None), loader.KernelArgumentError,
+     r"missing argument\(s\) for int\* argmax"),
+    (dict(C=2 ** 31), OverflowError, r"2147483648 does not fit the kernel parameter int C"),
+    (dict(C=1.5), TypeError, r"int C: 1.5 is not an integer"),
+    (dict(out=np.zeros((1, 1, 2, 2), np.float64)), loader.KernelArgumentError,
+     r"float\* out\) must have dtype float32"),            # written arrays: never converted
+])
+def test_launch_binding_rejects(change, err, match):
+    kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
+                   "Q", "out", "argmax"], _pool_args()))
+    kw.update(change)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    with pytest.raises(err, match=match):
+        _launch_for().forward("roi_pooling_forward", 4, **kw)
+
+
 def test_host_library_cached(tmp_path, monkeypatch):
     """The host build is cached by source hash under $MX_ROI_CACHE."""
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))

@@ -140,13 +140,17 @@ class Launch:
         return self.empty(shape)
 
     # ---- launching ----------------------------------------------------------------
-    def forward(self, kernel, n, *args):
-        """Launch ``kernel<T, A>`` over ``n`` work items (none if ``n == 0``)."""
-        self._launch(S.expression(kernel, (self.T, self.A)), n, args)
+    def forward(self, kernel, n, tables=None, **args):
+        """Launch ``kernel<T, A>`` over ``n`` work items (none if ``n == 0``), its
+        arguments bound by parameter name (:meth:`bind`)."""
+        self._bind_and_launch(S.expression(kernel, (self.T, self.A)), n, tables, args)
 
-    def backward(self, kernel, n, *args):
-        """Launch ``kernel<T, A, O>`` (O from :meth:`grad_buffer`)."""
-        self._launch(S.expression(kernel, (self.T, self.A, self.O)), n, args)
+    def backward(self, kernel, n, tables=None, **args):
+        """Launch ``kernel<T, A, O>`` (O from :meth:`grad_buffer`), arguments by name."""
+        self._bind_and_launch(S.expression(kernel, (self.T, self.A, self.O)), n, tables, args)
+
+    def _bind_and_launch(self, expr, n, tables, args):
+        self._launch(expr, n, self.bind(self.module.get(expr).signature, n, tables or {}, args))
 
     def _launch(self, expr, n, args):
         k = self.module.get(expr)
@@ -155,6 +159,43 @@ class Launch:
         grid, block = loader.launch_config(n)
         self.launches.append((expr, int(n)))
         k(grid, block, args)
+
+    def bind(self, sig, n, tables, args) -> tuple:
+        """The argument tuple of kernel signature ``sig`` (parsed from the source), in its
+        parameter order, from arguments by name:
+
+        * ``args``: every one must name a parameter of the kernel;
+        * ``tables``: geometry tables by name (:mod:`mx_roi.cuda.tables`), each used
+          where the kernel has a parameter of that name;
+        * ``n`` (work items) and ``scale`` (:meth:`grad_buffer`) unless given.
+
+        Read-only arrays (``const`` pointers) are made contiguous in the parameter's
+        dtype (element type ``T``, compute type ``A`` or ``int``); Python numbers become
+        NumPy scalars of the parameter's type.  Written arrays are passed as they are:
+        :func:`mx_roi.cuda.loader.check_args` then checks every argument at launch.
+        """
+        where = S.expression(sig.kernel, sig.template)
+        names = [p.name for p in sig.params]
+        unknown = [a for a in args if a not in names]
+        if unknown:
+            raise loader.KernelArgumentError(
+                f"{where}: no parameter(s) {', '.join(unknown)}; parameters: "
+                + ", ".join(p.describe() for p in sig.params))
+        values = {"n": n, "scale": self.scale, **tables, **args}
+        missing = [p.describe() for p in sig.params if p.name not in values]
+        if missing:
+            raise loader.KernelArgumentError(f"{where}: missing argument(s) for "
+                                             + ", ".join(missing))
+        ordered = []
+        for p in sig.params:
+            v = values[p.name]
+            if p.pointer and p.decl.startswith("const "):
+                v = self.xp.ascontiguousarray(v, dtype=p.dtype)
+            elif not p.pointer and isinstance(v, (int, float, np.integer, np.floating)) \
+                    and not isinstance(v, bool) and not (isinstance(v, np.generic) and v.dtype == p.dtype):
+                v = _scalar(v, p)
+            ordered.append(v)
+        return tuple(ordered)
 
     # ---- gradient accumulation ------------------------------------------------------
     def grad_buffer(self, shape, grad):
@@ -221,6 +262,18 @@ class Launch:
         out = buf.view(np.float64)
         self.xp.multiply(buf.view(np.int64), inv, out=out)
         return out
+
+
+def _scalar(v, p):
+    """``v`` as a NumPy scalar of scalar parameter ``p``'s type (ints range-checked)."""
+    if p.dtype.kind in "iu":
+        if isinstance(v, (float, np.floating)) and v != int(v):
+            raise TypeError(f"{p.describe()}: {v!r} is not an integer")
+        info = np.iinfo(p.dtype)
+        if not info.min <= int(v) <= info.max:
+            raise OverflowError(f"{v} does not fit the kernel parameter {p.describe()}")
+        return p.dtype.type(int(v))
+    return p.dtype.type(v)
 
 
 def _zeroed(xp, shape, dtype):
