@@ -19,6 +19,7 @@ from mx_roi.backends import NumpyBackend
 from mx_roi.cuda import loader
 from mx_roi.cuda import source as S
 from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 from tests.ops.base import adversarial_rois, make_data, random_rois
 
@@ -47,7 +48,7 @@ if hasattr(geometry, "rfcn_align_grid"):
                                      legacy="rfcn", sample_num=2)))
 
 DTYPES = (np.float16, np.float32, np.float64)
-EMU = CudaBackend(emulated=True)
+EMU = CudaBackend(Kind.EMULATED)
 REF = NumpyBackend()
 
 
@@ -460,7 +461,7 @@ def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
     monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     op = make_op(name, params)
     for dtype in (np.float16, np.float64):
         data, rois, grad = problem(op, dtype, seed=5)
@@ -519,7 +520,7 @@ def test_soft_half_build_matches(tmp_path, monkeypatch):
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_SOFT_HALF")
     monkeypatch.setattr(loader, "_MODULES", {})
-    soft = run(CudaBackend(emulated=True), op, data, rois, grad)
+    soft = run(CudaBackend(Kind.EMULATED), op, data, rois, grad)
     assert native[0].tobytes() == soft[0].tobytes() and native[1].tobytes() == soft[1].tobytes()
 
 
@@ -551,7 +552,7 @@ def test_gpu_backward_writes_into_mxnet_gradient(deterministic, monkeypatch):
     real_zeroed = B._zeroed
     monkeypatch.setattr(B, "_zeroed", lambda xp, shape, dtype: (
         made.append(np.dtype(dtype)), real_zeroed(xp, shape, dtype))[1])
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     for name, params in (CASES[0], CASES[2], CASES[4]):
         op = make_op(name, dict(params, deterministic=deterministic))
         for dtype in DTYPES:
@@ -583,7 +584,7 @@ def test_gpu_pool_trimmed_after_a_call(monkeypatch):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     op = make_op(*CASES[2])
     data, rois, grad = problem(op, np.float32)
     for cached, freed in ((B.POOL_KEEP_BYTES, False), (B.POOL_KEEP_BYTES + 1, True)):

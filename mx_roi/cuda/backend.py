@@ -70,7 +70,9 @@ import math
 
 import numpy as np
 
+from .. import ndio
 from ..geometry import compute_dtype
+from ..ndio import Kind
 from . import loader
 from . import source as S
 
@@ -286,50 +288,30 @@ def _zeroed(xp, shape, dtype):
 
 
 class CudaBackend:
-    """Runs ``op.forward_cuda``/``op.backward_cuda`` on CuPy arrays, or on NumPy arrays
-    through the host-compiled kernels: the serial emulation (``emulated=True``) or the
-    native multi-threaded CPU build (``native=True``, zero-copy NumPy views of the
-    NDArrays)."""
+    """Runs ``op.forward_cuda``/``op.backward_cuda`` on CuPy arrays (``Kind.CUDA``), or on
+    NumPy arrays through the host-compiled kernels: the serial emulation
+    (``Kind.EMULATED``) or the native multi-threaded CPU build (``Kind.NATIVE``, zero-copy
+    NumPy views of the NDArrays).  Array I/O: :mod:`mx_roi.ndio`."""
 
-    def __init__(self, emulated: bool, native: bool = False):
-        self.native = bool(native)
-        self.emulated = bool(emulated) or self.native
-        self.name = "native" if self.native else (
-            "emulated-cuda" if self.emulated else "cuda")
-        if not self.emulated:
+    def __init__(self, kind: Kind):
+        self.kind = Kind(kind)
+        if self.kind is Kind.NUMPY:
+            raise ValueError("CudaBackend runs the CUDA kernels: native, emulated-cuda or cuda")
+        self.name = self.kind.value
+        if self.kind is Kind.CUDA:
             from .nvrtc import preload_for_cupy
             preload_for_cupy()  # the nvrtc wheel's library, if CuPy cannot find one
             import cupy  # noqa: F401  (fail early, with CuPy's own message)
 
-    # ---- array I/O ----------------------------------------------------------------
+    # ---- array I/O (mx_roi.ndio) ----------------------------------------------------
     def _xp(self):
-        if self.emulated:
-            return np
-        import cupy
-        return cupy
+        return ndio.xp_of(self.kind)
 
     def _read(self, nd):
-        if self.native:
-            from ..backends import read_numpy
-            return read_numpy(nd)
-        if self.emulated:
-            return nd.asnumpy()
-        return _cupy_view(nd.to_dlpack_for_read(), nd)
+        return ndio.read(self.kind, nd)
 
     def _write(self, nd, req, value):
-        if req == "null":
-            return
-        if req not in ("write", "inplace", "add"):
-            raise ValueError(f"unknown req {req!r}")
-        if self.emulated:
-            from ..backends import write_numpy
-            write_numpy(nd, req, value)
-            return
-        dst = _cupy_view(nd.to_dlpack_for_write(), nd)
-        if req == "add":
-            dst += value.astype(dst.dtype, copy=False)
-        else:
-            dst[...] = value
+        ndio.write(self.kind, nd, req, value)
 
     def _target(self, nd, req, grad=False):
         """The memory the kernels write ``nd``'s result into, else None:
@@ -342,14 +324,11 @@ class CudaBackend:
         """
         if req not in ("write", "inplace", "add") or nd.size == 0:
             return None
-        if req == "add" and not (grad and not self.native):
+        if req == "add" and not (grad and self.kind is not Kind.NATIVE):
             return None
-        if self.native:
-            from ..backends import writable_numpy
-            return writable_numpy(nd)
-        if self.emulated:
-            return nd.asnumpy() if grad else None
-        return _cupy_view(nd.to_dlpack_for_write(), nd)
+        if self.kind is Kind.EMULATED and not grad:
+            return None
+        return ndio.writable(self.kind, nd)
 
     def _store_grad(self, nd, req, value, target):
         """Store the backward's ``value`` honouring ``req``, through ``target``."""
@@ -361,28 +340,28 @@ class CudaBackend:
                 target += value.astype(target.dtype, copy=False)
             else:
                 target[...] = value
-        if self.emulated and not self.native:  # the host copy back to the NDArray
-            from ..backends import write_numpy
-            write_numpy(nd, "write", target)
+        if self.kind is Kind.EMULATED:  # the host copy back to the NDArray
+            ndio.write_numpy(nd, "write", target)
 
     def _device(self, nd):
-        if self.emulated:
+        if self.kind.on_host:
             return _NullContext()
         import cupy
         return cupy.cuda.Device(nd.context.device_id)
 
     def _sync(self):
-        if not self.emulated:
+        if self.kind is Kind.CUDA:
             import cupy
             cupy.cuda.get_current_stream().synchronize()
             _trim_pool(cupy)
 
     def _launch(self, op, dtype, nd):
-        dev = -1 if self.emulated else nd.context.device_id
-        module = loader.get_module(op.cuda_source, self.emulated, max(dev, 0), self.native)
+        host, native = self.kind.on_host, self.kind is Kind.NATIVE
+        module = loader.get_module(op.cuda_source, host,
+                                   0 if host else nd.context.device_id, native)
         # the native build is deterministic anyway (each thread owns whole gradient
         # planes), so it never needs the fixed-point accumulation
-        deterministic = getattr(op.param, "deterministic", False) and not self.native
+        deterministic = getattr(op.param, "deterministic", False) and not native
         return Launch(module, self._xp(), dtype, deterministic)
 
     # ---- the backend interface ----------------------------------------------------
@@ -464,36 +443,6 @@ def _check_plane(op, shape):
     if len(shape) == 4 and int(shape[2]) * int(shape[3]) >= 2 ** 31:
         raise ValueError(f"{op.name}: a feature map of {shape[2]}x{shape[3]} has 2^31 or more "
                          "elements per channel, more than the CUDA kernels index")
-
-
-class _DLPackCapsule:
-    """Protocol wrapper (``__dlpack__``/``__dlpack_device__``) around MXNet's capsule, for
-    ``cupy.from_dlpack`` versions that no longer take a bare capsule."""
-
-    def __init__(self, capsule, device_id):
-        self._capsule = capsule
-        self._device = (2, int(device_id))  # (kDLCUDA, device)
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        # the array API's full signature (CuPy 13 passes max_version/copy); MXNet's
-        # capsule is unversioned (allowed for any max_version), on its device, no copy
-        if copy:
-            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
-        if dl_device is not None and tuple(dl_device) != self._device:
-            raise BufferError(f"the NDArray lives on DLPack device {self._device}, "
-                              f"not {tuple(dl_device)}")
-        return self._capsule
-
-    def __dlpack_device__(self):
-        return self._device
-
-
-def _cupy_view(capsule, nd):
-    """A CuPy array sharing the memory of GPU NDArray ``nd`` (no copy)."""
-    import cupy
-    if nd.size == 0:
-        return cupy.zeros(nd.shape, dtype=nd.dtype)
-    return cupy.from_dlpack(_DLPackCapsule(capsule, nd.context.device_id))
 
 
 class _NullContext:
