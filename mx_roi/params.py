@@ -156,10 +156,15 @@ class _ParamBase:
             out[f.name] = str(tuple(value)) if isinstance(value, tuple) else str(value)
         return out
 
-    def _check_positive(self, name, values):
-        for v in (values if isinstance(values, tuple) else (values,)):
-            if v <= 0:
-                raise _fail(name, getattr(self, name), "positive value(s)")
+    #: fields that must be positive (every element of a pair)
+    _positive: Tuple[str, ...] = ("pooled_size", "spatial_scale")
+
+    def __post_init__(self):
+        for name in self._positive:
+            values = getattr(self, name)
+            for v in (values if isinstance(values, tuple) else (values,)):
+                if v <= 0:
+                    raise _fail(name, values, "positive value(s)")
 
 
 def _size2(name, value):
@@ -170,14 +175,12 @@ def _mode(name, value):
     return parse_choice(name, value, ("avg", "max"))
 
 
-def _legacy_align(name, value):
-    text = str(value).strip().lower()
-    return parse_choice(name, "" if text in ("none", "") else text, ("", "caffe"))
-
-
-def _legacy_psalign(name, value):
-    text = str(value).strip().lower()
-    return parse_choice(name, "" if text in ("none", "") else text, ("", "rfcn"))
+def _legacy(*kernels):
+    """Parser of a ``legacy`` field: '' (or 'none') or one of ``kernels``."""
+    def parse(name, value):
+        text = str(value).strip().lower()
+        return parse_choice(name, "" if text in ("none", "") else text, ("",) + kernels)
+    return parse
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,6 @@ class ROIPoolingParam(_ParamBase):
     pooled_size: Tuple[int, int] = _param(_size2, doc="(h, w) of the output")
     spatial_scale: float = _param(parse_float, doc="image -> feature map scale, e.g. 1/16")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("spatial_scale", self.spatial_scale)
 
 
 @dataclass(frozen=True)
@@ -205,11 +204,7 @@ class ROIAlignParam(_ParamBase):
     aligned: bool = _param(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
     pool_mode: str = _param(_mode, "avg", "'avg' or 'max' over the sample points")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-    legacy: str = _param(_legacy_align, "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
-
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("spatial_scale", self.spatial_scale)
+    legacy: str = _param(_legacy("caffe"), "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
 
 
 class _GroupGrid:
@@ -220,7 +215,10 @@ class _GroupGrid:
     ``mx.nd.contrib.ROIAlign(position_sensitive=True)`` always uses the pooled grid.
     """
 
-    def _check_group(self):
+    _positive = ("pooled_size", "output_dim", "spatial_scale")
+
+    def __post_init__(self):
+        super().__post_init__()
         group = parse_group("group_size", self.group_size)  # also a directly passed int
         object.__setattr__(self, "group_size", group)       # frozen dataclass
         if group != (0, 0) and min(group) <= 0:
@@ -251,12 +249,6 @@ class PSROIPoolingParam(_GroupGrid, _ParamBase):
                                          "position-sensitive (gh, gw) grid; 0 = pooled_size")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
 
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("output_dim", self.output_dim)
-        self._check_positive("spatial_scale", self.spatial_scale)
-        self._check_group()
-
 
 @dataclass(frozen=True)
 class PSROIAlignParam(_GroupGrid, _ParamBase):
@@ -271,12 +263,7 @@ class PSROIAlignParam(_GroupGrid, _ParamBase):
     group_size: Tuple[int, int] = _param(parse_group, (0, 0),
                                          "position-sensitive (gh, gw) grid; 0 = pooled_size")
     deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-    legacy: str = _param(_legacy_psalign, "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
+    legacy: str = _param(_legacy("rfcn"), "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
     sample_num: int = _param(parse_int, 2, "legacy='rfcn': interior samples per bin side")
 
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("output_dim", self.output_dim)
-        self._check_positive("spatial_scale", self.spatial_scale)
-        self._check_positive("sample_num", self.sample_num)
-        self._check_group()
+    _positive = _GroupGrid._positive + ("sample_num",)

@@ -107,30 +107,6 @@ class Launch:
         self.grad_req = "write"
         self.launches = []  # (expression, n) of every launch, for tests
 
-    # ---- argument helpers (kernel scalars are exact-width NumPy scalars) ----------
-    @staticmethod
-    def i32(v):
-        v = int(v)
-        if not -2 ** 31 <= v < 2 ** 31:
-            raise OverflowError(f"{v} does not fit a kernel int parameter")
-        return np.int32(v)
-
-    @staticmethod
-    def i64(v):
-        return np.int64(int(v))
-
-    def ints(self, a):
-        """An int32 table, contiguous, on the backend's device."""
-        return self.xp.ascontiguousarray(a, dtype=np.int32)
-
-    def reals(self, a):
-        """A weight/coordinate table in the compute dtype, contiguous."""
-        return self.xp.ascontiguousarray(a, dtype=self.acc)
-
-    def elements(self, a):
-        """Data / out-grad as the kernels' element type ``T``, contiguous."""
-        return self.xp.ascontiguousarray(a, dtype=self.dtype)
-
     def empty(self, shape, dtype=None):
         return self.xp.empty(shape, dtype=dtype or self.dtype)
 
