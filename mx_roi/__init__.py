@@ -9,21 +9,18 @@ import atexit
 
 import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
 
-from . import errors, params, geometry, registry  # noqa: F401
-
-errors.install()
+from . import errors, params, geometry, registry, mxpatch  # noqa: F401
+from .mxpatch import call_custom  # noqa: F401  (Custom nodes of our ops, oneDNN-guarded)
 from . import operators  # noqa: F401  (imports operators/*.py: registers every op)
 
 for _cls in registry.REGISTERED.values():  # mx_roi.ROIAlign etc.: the op definitions
     globals()[_cls.__name__] = _cls
 del _cls
 from . import nd, sym, gluon  # noqa: F401
-from . import onnx as _onnx
 
-_onnx.install()  # mx.onnx.export_model translates our Custom nodes (onnx imported lazily)
-from . import onednn as _onednn
-
-_onednn.install(registry.REGISTERED)  # plain mx.nd.Custom(op_type=...) is guarded too
+# every MXNet patch: error translation, plain mx.nd.Custom(op_type=<ours>) guarded too,
+# mx.onnx.export_model translating our Custom nodes
+mxpatch.install(registry.REGISTERED)
 
 
 def _finish_pending_ops():

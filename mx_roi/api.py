@@ -3,21 +3,16 @@
 Each function has the built-in's calling convention (``data``, ``rois``, then the op's
 parameters by name), validates the parameters through the op's struct (a bad value
 fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` through
-:func:`mx_roi.onednn.call_custom`, which protects the node from the oneDNN hazard.
+:func:`mx_roi.mxpatch.call_custom`, which protects the node from the oneDNN hazard.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from .onednn import call_custom
+from . import mxpatch
 from .registry import REGISTERED
 
 __all__ = ["make_function", "populate"]
-
-
-def _call_custom(F, op_type, inputs, **kwargs):
-    """``F.Custom(*inputs, op_type=...)`` behind the oneDNN guard (see :mod:`mx_roi.onednn`)."""
-    return call_custom(F, op_type, inputs, **kwargs)
 
 
 def make_function(F, op_cls):
@@ -42,7 +37,7 @@ def make_function(F, op_cls):
             raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
         param = op_cls.param_cls.from_kwargs(**kwargs)
         extra = {"name": name} if name is not None else {}
-        return _call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
+        return mxpatch.call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
     params = "\n".join(f"{f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"

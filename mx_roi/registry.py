@@ -17,6 +17,7 @@ import numpy as np
 
 from . import backends
 from .errors import issuer, recording
+from .mxpatch import GUARD_BOUND
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
@@ -122,8 +123,8 @@ class RoIOp:
                             "(float16, float32, float64)")
         if rois.shape[0] == 0:
             return
-        # |x| >= 3e38 counts as infinite: the oneDNN guard clips inf to 3e38
-        finite = xp.isfinite(rois) & (xp.abs(rois) < 3.0e38)
+        # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it
+        finite = xp.isfinite(rois) & (xp.abs(rois) < GUARD_BOUND)
         if not bool(finite.all()):
             r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
             raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
