@@ -9,18 +9,18 @@ import atexit
 
 import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
 
-from . import errors, params, geometry, registry  # noqa: F401
+from . import errors, params, geometry, registry, mxpatch  # noqa: F401
+from .mxpatch import call_custom  # noqa: F401  (Custom nodes of our ops, oneDNN-guarded)
+from . import operators  # noqa: F401  (imports operators/*.py: registers every op)
 
-errors.install()
-from . import operators  # noqa: F401  (registers the four ops)
-from .operators import ROIPooling, ROIAlign, PSROIPooling, PSROIAlign  # noqa: F401
+for _cls in registry.REGISTERED.values():  # mx_roi.ROIAlign etc.: the op definitions
+    globals()[_cls.__name__] = _cls
+del _cls
 from . import nd, sym, gluon  # noqa: F401
-from . import onnx as _onnx
 
-_onnx.install()  # mx.onnx.export_model translates our Custom nodes (onnx imported lazily)
-from . import onednn as _onednn
-
-_onednn.install(registry.REGISTERED)  # plain mx.nd.Custom(op_type=...) is guarded too
+# every MXNet patch: error translation, plain mx.nd.Custom(op_type=<ours>) guarded too,
+# mx.onnx.export_model translating our Custom nodes
+mxpatch.install(registry.REGISTERED)
 
 
 def _finish_pending_ops():
@@ -36,4 +36,5 @@ def _finish_pending_ops():
 atexit.register(_finish_pending_ops)
 
 __version__ = "0.1.0"
-OP_TYPES = tuple(op.name for op in operators.ALL_OPS)
+#: the registered op types (``mx.nd.Custom(op_type=...)``)
+OP_TYPES = tuple(registry.REGISTERED)

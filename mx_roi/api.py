@@ -3,42 +3,24 @@
 Each function has the built-in's calling convention (``data``, ``rois``, then the op's
 parameters by name), validates the parameters through the op's struct (a bad value
 fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` through
-:func:`mx_roi.onednn.call_custom`, which protects the node from the oneDNN hazard.
+:func:`mx_roi.mxpatch.call_custom`, which protects the node from the oneDNN hazard.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from .onednn import call_custom
+from . import mxpatch
 from .registry import REGISTERED
 
 __all__ = ["make_function", "populate"]
 
 
-def _call_custom(F, op_type, inputs, **kwargs):
-    """``F.Custom(*inputs, op_type=...)`` behind the oneDNN guard (see :mod:`mx_roi.onednn`)."""
-    return call_custom(F, op_type, inputs, **kwargs)
-
-
-#: positional parameter order of the MXNet built-ins (after data, rois), so that
-#: ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
-BUILTIN_ORDER = {
-    "ROIPooling": ("pooled_size", "spatial_scale"),                       # mx.sym.ROIPooling
-    "ROIAlign": ("pooled_size", "spatial_scale", "sample_ratio",          # mx.sym.contrib.ROIAlign
-                 "position_sensitive", "aligned"),
-    "PSROIPooling": ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
-                     "group_size"),
-}
-
-
-def positional_order(op_cls):
-    return BUILTIN_ORDER.get(op_cls.name, tuple(op_cls.param_cls.field_names()))
-
-
 def make_function(F, op_cls):
     """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **kw)``."""
     fields = dataclasses.fields(op_cls.param_cls)
-    order = positional_order(op_cls)
+    # the built-in's positional order (RoIOp.builtin_order), so that
+    # ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
+    order = op_cls.positional_order()
 
     def fn(data=None, rois=None, *args, name=None, **kwargs):
         if len(args) > len(order):
@@ -55,7 +37,7 @@ def make_function(F, op_cls):
             raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
         param = op_cls.param_cls.from_kwargs(**kwargs)
         extra = {"name": name} if name is not None else {}
-        return _call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
+        return mxpatch.call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
     params = "\n".join(f"{f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"

@@ -16,20 +16,18 @@ builds the op's geometry tables once per call and calls the op's kernels
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import warnings
 
-import mxnet as mx
 import numpy as np
 
 from .geometry import compute_dtype
+from .ndio import Kind, read_numpy, writable_numpy, write_numpy
 
-__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES", "native_available"]
+__all__ = ["select", "get", "NumpyBackend", "native_available"]
 
-BACKEND_NAMES = ("numpy", "native", "emulated-cuda", "cuda")
-_CPU_CHOICES = ("auto", "numpy", "native", "emulated-cuda")
+_CPU_CHOICES = ("auto",) + tuple(k.value for k in Kind if k.on_host)
 
 
 def select(ctx, op=None) -> str:
@@ -76,83 +74,22 @@ _INSTANCES = {}
 
 
 def get(name: str):
+    """The backend of that name (a :class:`~mx_roi.ndio.Kind` value), made once."""
     if name not in _INSTANCES:
-        if name == "numpy":
+        kind = Kind(name)
+        if kind is Kind.NUMPY:
             _INSTANCES[name] = NumpyBackend()
         else:
-            from .cuda.backend import CudaBackend  # imported lazily: needs a compiler or CuPy
-            _INSTANCES[name] = CudaBackend(emulated=(name == "emulated-cuda"),
-                                           native=(name == "native"))
+            from .cuda.backend import CudaBackend
+            _INSTANCES[name] = CudaBackend(kind)
     return _INSTANCES[name]
-
-
-class _Capsule:
-    """Adapter giving ``np.from_dlpack`` the protocol object it expects (NumPy < 1.25)."""
-
-    def __init__(self, capsule):
-        self.capsule = capsule
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        # the array API's full signature; MXNet's capsule is unversioned (allowed for any
-        # max_version), on the CPU, and cannot be copied by us
-        if copy:
-            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
-        if dl_device is not None and tuple(dl_device) != (1, 0):
-            raise BufferError(f"the NDArray lives on the CPU, not DLPack device "
-                              f"{tuple(dl_device)}")
-        return self.capsule
-
-    def __dlpack_device__(self):
-        return (1, 0)  # kDLCPU
-
-
-def read_numpy(nd) -> np.ndarray:
-    """A read-only NumPy view of a CPU NDArray's memory, without a copy (DLPack).
-
-    ``to_dlpack_for_read`` waits for pending writes and converts a oneDNN-layout
-    array to the default layout first; the view keeps the NDArray alive.
-    """
-    if nd.size == 0:
-        return np.zeros(nd.shape, dtype=nd.dtype)
-    return np.from_dlpack(_Capsule(nd.to_dlpack_for_read()))
-
-
-def writable_numpy(nd) -> np.ndarray:
-    """A writable NumPy view of a CPU NDArray's memory (DLPack ``for_write``), no copy.
-
-    NumPy marks arrays imported through DLPack read-only; the view is rebuilt over the
-    same address.  The NDArray (an op's output or input gradient) outlives the call.
-    """
-    ro = np.from_dlpack(_Capsule(nd.to_dlpack_for_write()))
-    if ro.size == 0:
-        return np.zeros(ro.shape, dtype=ro.dtype)
-    buf = (ctypes.c_byte * ro.nbytes).from_address(ro.__array_interface__["data"][0])
-    return np.frombuffer(buf, dtype=ro.dtype).reshape(ro.shape)
-
-
-def write_numpy(dst, req: str, value: np.ndarray) -> None:
-    """Store ``value`` into NDArray ``dst`` according to ``req`` (write/inplace/add/null).
-
-    Written straight into ``dst``'s memory: one (possibly strided, possibly
-    down-casting) pass, no temporary.
-    """
-    if req == "null" or dst.size == 0:
-        return
-    view = writable_numpy(dst)
-    if value.shape != view.shape:  # e.g. (N, O, G, G, H, W) for (N, O*G*G, H, W)
-        view = view.reshape(value.shape)
-    if req == "add":  # in the destination's dtype, as MXNet's own kAddTo does
-        view += np.asarray(value).astype(view.dtype, copy=False)
-    elif req in ("write", "inplace"):
-        np.copyto(view, value, casting="unsafe")
-    else:
-        raise ValueError(f"unknown req {req!r}")
 
 
 class NumpyBackend:
     """Runs ``op.forward_numpy``/``op.backward_numpy`` on NumPy arrays in the compute dtype."""
 
     name = "numpy"
+    kind = Kind.NUMPY
 
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
         data, rois = read_numpy(data_nd), read_numpy(rois_nd)

@@ -10,11 +10,12 @@ What this module does:
 * :func:`recording` (decorator of every mx_roi callback) records the exception's message
   with the callback's *kind* (``forward``, ``backward``, or a synchronous Prop callback:
   ``infer_shape``, ``create_operator``, ...) and the thread that issued the call;
-* :func:`install` wraps ``mxnet.base``'s error constructor so that the generic error
-  comes out as :class:`RoIError` (an MXNetError *and* a ValueError) whose message starts
-  with the op's own message, and replaces the ``print`` that MXNet's callback wrapper
-  uses so that nothing is printed for an mx_roi error (``MX_ROI_TRACEBACK=1`` prints it
-  again; the traceback is always kept on the error as ``RoIError.mx_roi_traceback``).
+* :func:`translate` (installed by :mod:`mx_roi.mxpatch` around ``mxnet.base``'s error
+  constructor) turns the generic error into :class:`RoIError` (an MXNetError *and* a
+  ValueError) whose message starts with the op's own message, and :func:`print_hook`
+  (installed as the ``print`` of MXNet's callback wrapper) prints nothing for an mx_roi
+  error (``MX_ROI_TRACEBACK=1`` prints it again; the traceback is always kept on the
+  error as ``RoIError.mx_roi_traceback``).
 
 Which record belongs to which MXNet error (the generic error carries no identity):
 
@@ -44,10 +45,9 @@ import sys
 import threading
 import traceback
 
-import mxnet.base as _base
 from mxnet.base import MXNetError
 
-__all__ = ["RoIError", "recording", "install", "issuer"]
+__all__ = ["RoIError", "recording", "translate", "print_hook", "issuer"]
 
 #: at most this many unconsumed forward/backward records are kept (oldest dropped)
 MAX_PENDING = 64
@@ -125,7 +125,7 @@ def _kind_of_print(text: str):
     return head.rsplit(".", 1)[-1] if "." in head else None
 
 
-def _print(*args, **kwargs):
+def print_hook(*args, **kwargs):
     """Stand-in for ``print`` inside ``mxnet.operator``: MXNet's callback wrapper prints
     the traceback of a failed callback from its ``except`` block.  For an mx_roi error
     (the exception being handled carries our mark) it prints nothing, unless
@@ -177,30 +177,17 @@ def pending() -> int:
         return sum(r.message is not None for r in _pending)
 
 
-def install() -> None:
-    """Wrap ``mxnet.base.get_last_ffi_error`` and silence MXNet's traceback print for
-    mx_roi errors (idempotent)."""
-    import mxnet.operator as _operator
-    if getattr(_operator, "print", None) is not _print:
-        _operator.print = _print
-
-    original = _base.get_last_ffi_error
-    if getattr(original, "_mx_roi", False):
-        return
-
-    @functools.wraps(original)
-    def get_last_ffi_error():
-        err = original()
-        text = str(err)
-        rec = _take(text)
-        if rec is None:
-            return err
-        where = "" if rec.issuer in (None, issuer()) else (
-            "\n(that call was made on another thread; MXNet raised its error here)")
-        new = RoIError(f"{rec.message}{where}\n(raised inside an mx_roi custom op; MXNet's "
-                       f"report follows)\n{text}")
-        new.mx_roi_traceback = rec.traceback
-        return new
-
-    get_last_ffi_error._mx_roi = True
-    _base.get_last_ffi_error = get_last_ffi_error
+def translate(err):
+    """MXNet's error ``err`` (from ``get_last_ffi_error``), or the :class:`RoIError` with
+    our message when it is the generic error of one of our failed callbacks (installed by
+    :mod:`mx_roi.mxpatch`)."""
+    text = str(err)
+    rec = _take(text)
+    if rec is None:
+        return err
+    where = "" if rec.issuer in (None, issuer()) else (
+        "\n(that call was made on another thread; MXNet raised its error here)")
+    new = RoIError(f"{rec.message}{where}\n(raised inside an mx_roi custom op; MXNet's "
+                   f"report follows)\n{text}")
+    new.mx_roi_traceback = rec.traceback
+    return new

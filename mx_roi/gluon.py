@@ -6,7 +6,7 @@
   or by name) and validates them through the op's parameter struct, so a bad value fails
   when the block is built, with a ``ValueError`` naming the parameter.
   ``block(data, rois)`` builds ``Custom(data, rois, op_type=...)`` through
-  :func:`mx_roi.api._call_custom` (the oneDNN guard), imperatively or symbolically.
+  :func:`mx_roi.call_custom` (the oneDNN guard), imperatively or symbolically.
 * :class:`MultiScaleROIAlign`: FPN level assignment + pooling of every RoI at its level
   only, hybridizable.
 * :func:`roi_pooler`: a GluonCV-style factory ``roi_pooler('align', (7, 7), 1. / 16)``.
@@ -27,15 +27,14 @@ import math
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 
-from . import api
+from . import api, mxpatch
 from .registry import REGISTERED
 
 __all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "ops", "imports",
            "check_symbol_json", "MODES"] + list(REGISTERED)
 
-#: ``roi_pooler``/``MultiScaleROIAlign`` modes -> op_type.
-MODES = {"pool": "ROIPooling", "align": "ROIAlign",
-         "pspool": "PSROIPooling", "psalign": "PSROIAlign"}
+#: ``roi_pooler``/``MultiScaleROIAlign`` modes -> op_type (each op's ``gluon_mode``).
+MODES = {op.gluon_mode: name for name, op in REGISTERED.items() if op.gluon_mode}
 
 
 def _hybrid_state(block):
@@ -90,7 +89,7 @@ class RoIBlock(HybridBlock):
         return self._param.to_kwargs()
 
     def hybrid_forward(self, F, data, rois):  # pylint: disable=arguments-differ
-        return api._call_custom(F, self.op_cls.name, [data, rois], **self._param.to_kwargs())
+        return mxpatch.call_custom(F, self.op_cls.name, [data, rois], **self._param.to_kwargs())
 
     def __repr__(self):
         fields = ", ".join(f"{f.name}={_format_value(getattr(self._param, f.name))}"
@@ -311,7 +310,7 @@ def check_symbol_json(symbol_file) -> list:
                 nodes[op_type] = (attrs, len(node.get("inputs", [])))
     missing = [t for t, (attrs, n) in nodes.items() if not _custom_registered(t, attrs, n)]
     if missing:
-        ours = [t for t in missing if t in MODES.values()]
+        ours = [t for t in missing if t in REGISTERED]
         hint = ("run `import mx_roi` before loading it (it registers " + ", ".join(ours) + ")"
                 if ours else "import the package that registers them before loading it")
         raise RuntimeError(f"{symbol_file}: the graph uses custom operator(s) "

@@ -1,114 +1,30 @@
 """Protection for Python custom ops against the oneDNN (MKLDNN) layout hazard of MXNet 1.9.1.
 
-The hazard
-----------
-In the pip CPU build of MXNet 1.9.1 (oneDNN on by default), a ``Custom`` node whose
-inputs come straight from a oneDNN operator (``Convolution``, and in the backward pass
-the data-gradient of a ``Convolution`` that consumes the custom op's output) can hand the
-Python ``CustomOp`` memory that MXNet has already freed.  Symptoms seen here, with a toy
-crop op in Conv -> Custom -> [Conv ->] FC graphs: forward outputs and gradients that are
-wrong in a few percent of the iterations (relative errors from 0.05 to 1e38, inf), and in
-bigger models (GluonCV Faster R-CNN) crashes: ``terminate called without an active
-exception``, segfaults, ``double free``.  ``MXNET_MKLDNN_ENABLED=0`` or
-``MXNET_ENGINE_TYPE=NaiveEngine`` make it disappear.
-
-The mechanism (as measured; see ``tests/test_onednn.py``)
---------------------------------------------------------
-oneDNN operators may leave their output in a *blocked* memory layout (e.g. nChw16c)
-instead of MXNet's plain NCHW.  ``Custom`` is dispatched as ``FComputeEx``, so MXNet gives
-it such arrays as they are.  Before handing an array to Python, ``custom.cc`` has to turn
-a blocked array into a plain one, and does so into a *temporary* NDArray.  The Python
-``forward``/``backward`` runs later, asynchronously, on the custom-op worker thread; by
-then that temporary may already be released, so ``in_data[0].asnumpy()`` (or
-``out_grad[0].asnumpy()``) reads freed heap memory.  Evidence: with a static-alloc
-hybridized block the data pointer the op sees changes every iteration (a fresh temporary)
-instead of being the block's static buffer, and the corrupted iterations have exactly the
-first 32 bytes of the buffer replaced by glibc free-list pointers (values like 4.2e31 and
-4.58e-41, the halves of a 0x7f.. address).  Most of the time the freed block has not
-been reused yet, hence *mostly* correct results; when it has, anything can happen.
-
-Which arrays are affected:
-
-* forward ``in_data`` produced by a oneDNN op (Convolution, also BatchNorm/Activation/
-  Pooling... that keep the blocked layout);
-* backward ``out_grad`` produced by the backward of a oneDNN op that consumes the custom
-  op's output (e.g. a Convolution head after ROIAlign, as in Faster R-CNN's ResNet
-  stage-5 head).
-
-Inserting a layout-preserving or in-place op does *not* help: ``x * 1.0``, ``identity``
-(``_copy``), ``Cast``, ``BlockGrad`` and ``reshape`` were all measured still broken,
-because MXNet runs them in place (or with a oneDNN ``FComputeEx``) so their result shares
-the blocked buffer.  Guarding only the inputs also leaves the backward broken.
-
-The fix
--------
-Every array input of the ``Custom`` node and every output of it is passed through
-``clip(x, -B, B)`` with B = 3e38 (just under the largest finite float32, 3.4028e38).  ``clip`` has no oneDNN implementation, is computed by a plain
-``FCompute`` kernel into a fresh plain-layout buffer, and neither it nor its backward
-``_backward_clip`` runs in place.  So the custom op's forward inputs are plain arrays MXNet
-owns for the whole call, and the gradient arriving at the custom op's backward is the
-plain output of ``_backward_clip``, not an alias of a oneDNN buffer.  Values with
-|x| <= 3e38 (and NaN) are unchanged bit for bit and their gradients pass through
-unchanged; the only changes: +-inf (and |x| > 3e38) become +-3e38 with zero gradient, a
-NaN input gets a zero gradient.  (float16: the bound rounds to inf, so clip is exact.)  Measured on 10 configurations (``mx.nd`` + autograd, ``mx.sym`` +
-``simple_bind``, Gluon, Gluon hybridized, hybridized with ``static_alloc``; FC head and
-Conv+FC head) x 2 runs x 100 iterations: 0 bad iterations with the guard, against
-1-37 bad iterations per 100 without it.  Cost: one elementwise pass per guarded array in
-the forward and one in the backward (about 4-10 ms fwd+bwd for a 2x256x50x50 feature map
-on the 2-core test machine, vs. ~570 ms for one 3x3 256->256 convolution fwd+bwd on it).
-
-Imperative calls (``mx.nd``) guard their inputs more cheaply: :func:`plain_nd` waits for
-the array and has MXNet reorder a blocked array to the plain layout *in place*
-(``MXNDArrayGetData``), so ``custom.cc`` makes no temporary and the op reads the array's
-own memory.  A plain array is not copied at all (``clip`` of a 2x1029x38x50 R-FCN score
-map took 12 ms on the 2-core machine, as long as MXNet's whole PSROIAlign).  The same
-tests pass with it, and fail without any input guard.  Graphs (``mx.sym``, hybridized
-Gluon) cannot do this -- nothing runs at graph-building time -- and keep ``clip``.
-
-When oneDNN is off (build without it, or ``MXNET_MKLDNN_ENABLED=0``) the helpers return
-their arguments unchanged and cost nothing.
-
-About ``MXNET_MKLDNN_ENABLED``: MXNet reads it once, lazily, when the first operator
-runs.  Setting ``os.environ['MXNET_MKLDNN_ENABLED'] = '0'`` after ``import mxnet`` but
-before the first operator still takes effect (measured: the unguarded toy graph became
-correct and MXNet logs "MXNET_MKLDNN_ENABLED flag is off"); set after an operator has run
-it has no effect at all.  It is not used here: it turns oneDNN off for the whole process
-(and makes MXNet print a "Storage type fallback detected" warning for every oneDNN-capable
-operator).  Because of the once-only read, :func:`onednn_enabled` only reports "off" when
-the variable said off both when this module was imported and now; in every doubtful case
-the (cheap) guard stays on.
-
-What to do when calling ``mx.sym.Custom`` / ``mx.nd.Custom`` by hand
---------------------------------------------------------------------
-Use :func:`call_custom` instead of ``F.Custom``::
-
-    from mx_roi.onednn import call_custom
-    out = call_custom(mx.sym, 'ROIAlign', [data, rois], pooled_size=(7, 7),
-                      spatial_scale=0.0625)
-
-or wrap by hand: ``F.Custom(*guard_inputs(F, data, rois), op_type=...)`` and pass the
-result through :func:`guard_output`.  Both sides are needed: the input guard protects the
-forward, the output guard protects the backward.  Inputs must be floating-point arrays
-(``clip`` to +-3e38 is not an identity for integer dtypes).  ``F`` is ``mx.nd`` or
-``mx.sym`` (inside a Gluon ``hybrid_forward`` pass the ``F`` you are given).
+A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the backward)
+can be handed memory MXNet has already freed.  The guard: every array input and output
+of the node goes through ``clip(x, -B, B)`` (B = :data:`mx_roi.mxpatch.GUARD_BOUND`),
+which always computes into a fresh plain-layout buffer; imperative inputs are instead
+reordered to the plain layout in place (:func:`plain_nd`).  The measurements, the
+mechanism and the cost are in ``docs/ONEDNN_HAZARD.md``.  :func:`mx_roi.call_custom`
+(:mod:`mx_roi.mxpatch`) applies the guard; ``import mx_roi`` makes plain
+``mx.nd.Custom``/``mx.sym.Custom`` calls of our ops use it too.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import ctypes
 
 import mxnet as mx
 from mxnet.base import _LIB, check_call
 
+from .mxpatch import GUARD_BOUND as _BOUND, call_custom  # noqa: F401  (re-exported)
+
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "call_custom", "install"]
+           "call_custom"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
-# Not +-inf, and not FLT_MAX itself: MXNet's float parameter parser rejects both
-# ("Out of range value for a_max, value='inf'" / "value='3.4028234663852886e+38'").
-_BOUND = 3.0e38
 
 
 def onednn_build() -> bool:
@@ -216,45 +132,3 @@ def guard_output(F, out, name=None):
     if isinstance(out, mx.nd.NDArray):
         return barrier(F, out)
     return out
-
-
-def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
-    """``F.Custom(*inputs, op_type=op_type, **kwargs)`` protected against the oneDNN
-    hazard (inputs and outputs guarded).  ``kwargs`` may include ``name``.  With oneDNN
-    off this is exactly ``F.Custom(...)``."""
-    name = kwargs.get("name")
-    guarded = guard_inputs(F, *inputs, name=name)
-    out = _ORIGINAL_CUSTOM.get(F.__name__, F.Custom)(*guarded, op_type=op_type, **kwargs)
-    if F is not mx.sym and not mx.autograd.is_recording():
-        return out  # the output guard only protects a backward pass, and none will run
-    return guard_output(F, out, name=name)
-
-
-_ORIGINAL_CUSTOM = {}
-
-
-def install(op_types) -> None:
-    """Guard plain ``mx.nd.Custom`` / ``mx.sym.Custom`` calls of our ops too.
-
-    ``import mx_roi`` wraps ``mxnet.ndarray.Custom`` and ``mxnet.symbol.Custom`` (what
-    ``mx.nd.Custom``, ``mx.sym.Custom`` and ``F.Custom`` inside ``hybrid_forward`` resolve
-    to): a call whose ``op_type`` is in ``op_types`` (a live container, the registry) goes
-    through :func:`call_custom`; every other call is passed on untouched.  Idempotent.
-    """
-    import mxnet.ndarray as nd_module
-    import mxnet.symbol as sym_module
-    for F in (nd_module, sym_module):
-        original = F.Custom
-        if getattr(original, "_mx_roi_guard", False):
-            continue
-        _ORIGINAL_CUSTOM[F.__name__] = original
-
-        def custom(*args, _original=original, _F=F, **kwargs):
-            if kwargs.get("op_type") in op_types and kwargs.get("out") is None:
-                kwargs.pop("out", None)
-                return call_custom(_F, kwargs.pop("op_type"), list(args), **kwargs)
-            return _original(*args, **kwargs)
-
-        custom.__name__, custom.__doc__ = original.__name__, original.__doc__
-        custom._mx_roi_guard = True
-        F.Custom = custom

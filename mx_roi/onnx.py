@@ -41,15 +41,18 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from . import params as _params
 
 __all__ = ["ExportError", "install", "convert_custom", "MIN_OPSET"]
 
 #: RoiAlign's ``coordinate_transformation_mode`` exists from opset 16.
 MIN_OPSET = 16
 
-_PARAMS = {"ROIPooling": _params.ROIPoolingParam, "ROIAlign": _params.ROIAlignParam,
-           "PSROIPooling": _params.PSROIPoolingParam, "PSROIAlign": _params.PSROIAlignParam}
+
+
+def _registered():
+    """op_type -> op class of every registered op (the Custom nodes that are ours)."""
+    from .registry import REGISTERED
+    return REGISTERED
 
 
 class ExportError(ValueError):
@@ -231,12 +234,17 @@ def _emit_ps_pooling(b, data, rois, p, cdt, out):
     return _mask(b, y, valid, cdt, out)
 
 
+#: The ONNX translation of each op that has one; a registered op without one is refused
+#: with an :class:`ExportError` naming it.
 _EMIT = {"ROIAlign": _emit_roi_align, "PSROIAlign": _emit_ps_align,
          "ROIPooling": _emit_roi_pooling, "PSROIPooling": _emit_ps_pooling}
 
 
 def _check(op_type, name, p, dtype, opset):
     """Raise :class:`ExportError` for what has no ONNX form with our numbers."""
+    if op_type not in _EMIT:
+        raise _refuse(op_type, name, "the op", "no ONNX translation is defined for it "
+                      "(mx_roi.onnx._EMIT)")
     if opset < MIN_OPSET:
         raise _refuse(op_type, name, f"opset {opset}",
                       f"needs opset >= {MIN_OPSET} (RoiAlign's coordinate_transformation_mode)")
@@ -264,7 +272,7 @@ def convert_custom_ours(node, **kwargs):
     op_type = attrs["op_type"]
     kw = {k: v for k, v in attrs.items() if k != "op_type"}
     try:
-        p = _PARAMS[op_type].from_kwargs(**kw)
+        p = _registered()[op_type].param_cls.from_kwargs(**kw)
     except ValueError as exc:
         raise ExportError(f"{op_type} (node '{name}'): {exc}") from None
     dtype = np.dtype(get_input_dtypes(node, kwargs)[0])
@@ -290,7 +298,7 @@ _PREVIOUS_CLIP: Dict[int, Callable] = {}
 
 
 def _is_guard_clip(attrs):
-    from .onednn import _BOUND
+    from .mxpatch import GUARD_BOUND as _BOUND
     try:
         return (float(attrs.get("a_min", "nan")) == -_BOUND
                 and float(attrs.get("a_max", "nan")) == _BOUND)
@@ -323,7 +331,7 @@ def _guard_bounds(dtype):
     """The bounds MXNet's clip really applies in ``dtype`` (its parser makes 3e38 one ulp
     larger than ``np.float32(3e38)``): measured once by clipping -inf and inf."""
     import mxnet as mx
-    from .onednn import _BOUND
+    from .mxpatch import GUARD_BOUND as _BOUND
     ends = mx.nd.array([-np.inf, np.inf], dtype=dtype)
     lo, hi = mx.nd.clip(ends, -_BOUND, _BOUND).asnumpy()
     return lo, hi
@@ -340,14 +348,14 @@ def _chain(previous, op, node, kwargs):
 def convert_custom(node, **kwargs):
     """mx2onnx translation of op ``Custom``: ours by ``op_type``, others to the previous one."""
     op_type = node.get("attrs", {}).get("op_type")
-    if op_type in _PARAMS:
+    if op_type in _registered():
         return convert_custom_ours(node, **kwargs)
     try:
         return _chain(_PREVIOUS, "Custom", node, kwargs)
     except AttributeError:
         raise AttributeError(f"No conversion function registered for op type Custom "
                              f"(op_type={op_type!r}); mx_roi exports only its own: "
-                             f"{', '.join(_PARAMS)}") from None
+                             f"{', '.join(_registered())}") from None
 
 
 convert_custom._mx_roi = True

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
-__all__ = ["ROIPoolingParam", "ROIAlignParam", "PSROIPoolingParam", "PSROIAlignParam",
+__all__ = ["ParamBase", "param_field", "ROIPoolingParam", "ROIAlignParam", "PSROIPoolingParam",
+           "PSROIAlignParam",
            "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
            "parse_choice"]
 
@@ -111,13 +112,18 @@ def parse_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
     return text
 
 
-def _param(parser, default=dataclasses.MISSING, doc=""):
+def param_field(parser, default=dataclasses.MISSING, doc=""):
     """A dataclass field carrying the string parser used by ``from_kwargs``."""
     return field(default=default, metadata={"parser": parser, "doc": doc})
 
 
-class _ParamBase:
-    """Shared ``from_kwargs``/``to_kwargs``/validation for the op parameter structs."""
+class ParamBase:
+    """Shared ``from_kwargs``/``to_kwargs``/validation for the op parameter structs.
+
+    A new op's struct: ``@dataclass(frozen=True) class MyParam(ParamBase)`` with
+    ``op_name`` and fields made by :func:`param_field` (a parser such as
+    :func:`parse_float`, a default, a doc line); ``_positive`` names the fields that must
+    be positive."""
 
     op_name = ""
 
@@ -156,10 +162,15 @@ class _ParamBase:
             out[f.name] = str(tuple(value)) if isinstance(value, tuple) else str(value)
         return out
 
-    def _check_positive(self, name, values):
-        for v in (values if isinstance(values, tuple) else (values,)):
-            if v <= 0:
-                raise _fail(name, getattr(self, name), "positive value(s)")
+    #: fields that must be positive (every element of a pair)
+    _positive: Tuple[str, ...] = ("pooled_size", "spatial_scale")
+
+    def __post_init__(self):
+        for name in self._positive:
+            values = getattr(self, name)
+            for v in (values if isinstance(values, tuple) else (values,)):
+                if v <= 0:
+                    raise _fail(name, values, "positive value(s)")
 
 
 def _size2(name, value):
@@ -170,46 +181,36 @@ def _mode(name, value):
     return parse_choice(name, value, ("avg", "max"))
 
 
-def _legacy_align(name, value):
-    text = str(value).strip().lower()
-    return parse_choice(name, "" if text in ("none", "") else text, ("", "caffe"))
-
-
-def _legacy_psalign(name, value):
-    text = str(value).strip().lower()
-    return parse_choice(name, "" if text in ("none", "") else text, ("", "rfcn"))
+def _legacy(*kernels):
+    """Parser of a ``legacy`` field: '' (or 'none') or one of ``kernels``."""
+    def parse(name, value):
+        text = str(value).strip().lower()
+        return parse_choice(name, "" if text in ("none", "") else text, ("",) + kernels)
+    return parse
 
 
 @dataclass(frozen=True)
-class ROIPoolingParam(_ParamBase):
+class ROIPoolingParam(ParamBase):
     """Parameters of ``ROIPooling`` (Fast R-CNN max pooling over quantised bins)."""
 
     op_name = "ROIPooling"
-    pooled_size: Tuple[int, int] = _param(_size2, doc="(h, w) of the output")
-    spatial_scale: float = _param(parse_float, doc="image -> feature map scale, e.g. 1/16")
-    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("spatial_scale", self.spatial_scale)
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output")
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale, e.g. 1/16")
+    deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
 @dataclass(frozen=True)
-class ROIAlignParam(_ParamBase):
+class ROIAlignParam(ParamBase):
     """Parameters of ``ROIAlign`` (bilinear sampling, average or max per bin)."""
 
     op_name = "ROIAlign"
-    pooled_size: Tuple[int, int] = _param(_size2, doc="(h, w) of the output")
-    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
-    sample_ratio: int = _param(parse_int, -1, "samples per bin side; <=0 adaptive")
-    aligned: bool = _param(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
-    pool_mode: str = _param(_mode, "avg", "'avg' or 'max' over the sample points")
-    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-    legacy: str = _param(_legacy_align, "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
-
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("spatial_scale", self.spatial_scale)
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output")
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
+    aligned: bool = param_field(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
+    pool_mode: str = param_field(_mode, "avg", "'avg' or 'max' over the sample points")
+    deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
+    legacy: str = param_field(_legacy("caffe"), "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
 
 
 class _GroupGrid:
@@ -220,7 +221,10 @@ class _GroupGrid:
     ``mx.nd.contrib.ROIAlign(position_sensitive=True)`` always uses the pooled grid.
     """
 
-    def _check_group(self):
+    _positive = ("pooled_size", "output_dim", "spatial_scale")
+
+    def __post_init__(self):
+        super().__post_init__()
         group = parse_group("group_size", self.group_size)  # also a directly passed int
         object.__setattr__(self, "group_size", group)       # frozen dataclass
         if group != (0, 0) and min(group) <= 0:
@@ -240,43 +244,32 @@ class _GroupGrid:
 
 
 @dataclass(frozen=True)
-class PSROIPoolingParam(_GroupGrid, _ParamBase):
+class PSROIPoolingParam(_GroupGrid, ParamBase):
     """Parameters of ``PSROIPooling`` (R-FCN position-sensitive average pooling)."""
 
     op_name = "PSROIPooling"
-    pooled_size: Tuple[int, int] = _param(_size2, doc="output bins per side")
-    output_dim: int = _param(parse_int, doc="output channels")
-    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
-    group_size: Tuple[int, int] = _param(parse_group, (0, 0),
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side")
+    output_dim: int = param_field(parse_int, doc="output channels")
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
                                          "position-sensitive (gh, gw) grid; 0 = pooled_size")
-    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("output_dim", self.output_dim)
-        self._check_positive("spatial_scale", self.spatial_scale)
-        self._check_group()
+    deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
 @dataclass(frozen=True)
-class PSROIAlignParam(_GroupGrid, _ParamBase):
+class PSROIAlignParam(_GroupGrid, ParamBase):
     """Parameters of ``PSROIAlign`` (position-sensitive ROIAlign, average)."""
 
     op_name = "PSROIAlign"
-    pooled_size: Tuple[int, int] = _param(_size2, doc="output bins per side")
-    output_dim: int = _param(parse_int, doc="output channels")
-    spatial_scale: float = _param(parse_float, doc="image -> feature map scale")
-    sample_ratio: int = _param(parse_int, -1, "samples per bin side; <=0 adaptive")
-    aligned: bool = _param(parse_bool, False, "half-pixel offset")
-    group_size: Tuple[int, int] = _param(parse_group, (0, 0),
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side")
+    output_dim: int = param_field(parse_int, doc="output channels")
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
+    aligned: bool = param_field(parse_bool, False, "half-pixel offset")
+    group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
                                          "position-sensitive (gh, gw) grid; 0 = pooled_size")
-    deterministic: bool = _param(parse_bool, False, "bit-identical GPU backward")
-    legacy: str = _param(_legacy_psalign, "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
-    sample_num: int = _param(parse_int, 2, "legacy='rfcn': interior samples per bin side")
+    deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
+    legacy: str = param_field(_legacy("rfcn"), "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
+    sample_num: int = param_field(parse_int, 2, "legacy='rfcn': interior samples per bin side")
 
-    def __post_init__(self):
-        self._check_positive("pooled_size", self.pooled_size)
-        self._check_positive("output_dim", self.output_dim)
-        self._check_positive("spatial_scale", self.spatial_scale)
-        self._check_positive("sample_num", self.sample_num)
-        self._check_group()
+    _positive = _GroupGrid._positive + ("sample_num",)

@@ -8,7 +8,8 @@ dispatch, ``req`` handling and saving what the backward needs.
 """
 from __future__ import annotations
 
-import os
+import importlib
+import pkgutil
 from typing import Dict, Tuple, Type
 
 import mxnet as mx
@@ -16,8 +17,9 @@ import numpy as np
 
 from . import backends
 from .errors import issuer, recording
+from .mxpatch import GUARD_BOUND
 
-__all__ = ["RoIOp", "register", "REGISTERED", "get_op"]
+__all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
 REGISTERED: Dict[str, Type["RoIOp"]] = {}
 
@@ -27,14 +29,26 @@ _DTYPES = (np.float16, np.float32, np.float64)
 class RoIOp:
     """Definition of one RoI operator; subclasses live in ``operators/``.
 
-    Subclasses set ``name`` (the ``op_type``), ``param_cls`` and ``cuda_source`` and
-    implement :meth:`out_channels`, :meth:`geometry` and the backend kernels
-    ``forward_<backend>``/``backward_<backend>`` (see :mod:`mx_roi.backends`).
+    Subclasses set the class attributes below and implement :meth:`out_channels`,
+    :meth:`geometry` and the backend kernels ``forward_<backend>``/``backward_<backend>``
+    (see :mod:`mx_roi.backends`).  Everything that lists the ops (``mx_roi.OP_TYPES``,
+    ``mx_roi.nd``/``sym``/``gluon``, the kernel sources, the selftest) reads them from
+    :data:`REGISTERED`, so a new op is its own ``operators/<op>.py`` + ``.cu``.
     """
 
+    #: the ``op_type`` of ``mx.nd.Custom``; also the name in mx_roi.nd/sym/gluon
     name = ""
+    #: the typed parameter struct (:mod:`mx_roi.params`)
     param_cls: type = None
+    #: the op's kernel file in ``operators/`` (CUDA, GPU and host builds)
     cuda_source = ""
+    #: ``mode`` of :func:`mx_roi.gluon.roi_pooler` / ``MultiScaleROIAlign`` ('' = none)
+    gluon_mode = ""
+    #: positional parameter order after (data, rois) of mx_roi.nd/sym (the built-in's);
+    #: None = the parameter struct's field order
+    builtin_order: Tuple[str, ...] = None
+    #: parameter dicts ``python -m mx_roi.selftest`` checks on every backend
+    selftest_cases: Tuple[dict, ...] = ()
     #: whether the backward reads the input data (max modes) besides rois and out_grad
     backward_needs_data = False
 
@@ -62,8 +76,16 @@ class RoIOp:
         ``'native'``): whichever is faster for this op and these parameters."""
         return "native"
 
-    def uses_argmax(self) -> bool:
-        return self.backward_needs_data
+    @classmethod
+    def positional_order(cls) -> Tuple[str, ...]:
+        """Positional parameter names after (data, rois) of ``mx_roi.nd``/``sym``."""
+        return tuple(cls.builtin_order or cls.param_cls.field_names())
+
+    @staticmethod
+    def selftest_builtin(params: dict, data, rois):
+        """MXNet's built-in with these parameters on NDArrays ``data``, ``rois`` (for the
+        selftest's parity check), or None when MXNet has no equivalent."""
+        return None
 
     # ---- geometry ---------------------------------------------------------------
     def geometry(self, rois, height: int, width: int, xp):
@@ -101,8 +123,8 @@ class RoIOp:
                             "(float16, float32, float64)")
         if rois.shape[0] == 0:
             return
-        # |x| >= 3e38 counts as infinite: the oneDNN guard clips inf to 3e38
-        finite = xp.isfinite(rois) & (xp.abs(rois) < 3.0e38)
+        # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it
+        finite = xp.isfinite(rois) & (xp.abs(rois) < GUARD_BOUND)
         if not bool(finite.all()):
             r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
             raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
@@ -128,10 +150,6 @@ def _row(rois, r):
         return [float(v) for v in rois[r].tolist()]
     except Exception:  # pragma: no cover - only for messages
         return "?"
-
-
-def _string_kwargs_to_param(op_cls, kwargs):
-    return op_cls.param_cls.from_kwargs(**kwargs)
 
 
 def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
@@ -189,7 +207,7 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             # protected callback (list_arguments), which MXNet turns into an MXNetError.
             self.op, self.param_error = None, None
             try:
-                self.op = op_cls(_string_kwargs_to_param(op_cls, kwargs))
+                self.op = op_cls(op_cls.param_cls.from_kwargs(**kwargs))
             except Exception as exc:  # noqa: BLE001
                 self.param_error = exc
 
@@ -237,5 +255,10 @@ def get_op(name: str) -> Type[RoIOp]:
     return REGISTERED[name]
 
 
-def env_backend() -> str:
-    return os.environ.get("MX_ROI_BACKEND", "").strip().lower()
+def discover(package: str, path) -> Tuple[Type[RoIOp], ...]:
+    """Import every public module of ``package`` (directory list ``path``), in name order:
+    each registers its ops with :func:`register`.  Returns the registered op classes."""
+    for name in sorted(m.name for m in pkgutil.iter_modules(path)):
+        if not name.startswith("_"):
+            importlib.import_module(f"{package}.{name}")
+    return tuple(REGISTERED.values())

@@ -36,14 +36,16 @@ import numpy as np
 
 __all__ = ["main", "run_checks"]
 
-CASES = (
-    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, aligned=True,
-                      pool_mode="max")),
-    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
-    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
-)
+
+
+def _cases():
+    """``((op name, params), ...)``: every registered op's ``selftest_cases``."""
+    from .registry import REGISTERED
+    return tuple((name, dict(params)) for name, op in REGISTERED.items()
+                 for params in op.selftest_cases)
+
+
+CASES = _cases()
 TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
 
 
@@ -98,32 +100,24 @@ def _dtypes(quick):
     return (np.float32,) if quick else (np.float16, np.float32, np.float64)
 
 
-def _builtin(name, params, x, r):
-    import mxnet as mx
-    if name == "ROIPooling":
-        return mx.nd.ROIPooling(x, r, pooled_size=params["pooled_size"],
-                                spatial_scale=params["spatial_scale"])
-    return mx.nd.contrib.ROIAlign(x, r, pooled_size=params["pooled_size"],
-                                  spatial_scale=params["spatial_scale"],
-                                  sample_ratio=params.get("sample_ratio", -1),
-                                  aligned=params.get("aligned", False))
-
-
 def _builtin_checks(backend, ctx, dtype=np.float32):
-    """Forward + data gradient against MXNet's built-in ROIPooling / ROIAlign (avg)."""
+    """Forward + data gradient against MXNet's built-ins (each op's ``selftest_builtin``:
+    ROIPooling, ROIAlign avg)."""
     import mxnet as mx
     from mxnet import autograd
     n = 0
-    for name, params in CASES[:2]:
+    for name, params in CASES:
         op = _op(name, params)
         data, rois, grad = _problem(op, dtype, seed=1)
         rois = rois[rois[:, 0] >= 0]
         grad = grad[1:]
-        out, dg = _run(backend, op, data, rois, grad, ctx)
         x = mx.nd.array(data, ctx=ctx, dtype=dtype)
         x.attach_grad()
         with autograd.record():
-            y = _builtin(name, params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype))
+            y = type(op).selftest_builtin(params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype))
+        if y is None:  # MXNet has no equivalent
+            continue
+        out, dg = _run(backend, op, data, rois, grad, ctx)
         y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
         _close(out, y.asnumpy(), dtype, f"{name} forward vs built-in on {ctx}")
         _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
@@ -172,11 +166,11 @@ def check_nvrtc(quick=False, archs=(70,)):
     if not nvrtc.find_library():
         raise Skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu11)")
     from concurrent.futures import ThreadPoolExecutor
-    jobs = [(f, a) for a in archs for f in S.SOURCES]
+    jobs = [(f, a) for a in archs for f in S.sources()]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # NVRTC releases the GIL
         n = sum(len(r.lowered) for r in pool.map(lambda j: nvrtc.compile_source(*j), jobs))
     v = nvrtc.version()
-    return (f"NVRTC {v[0]}.{v[1]}: {n} instantiations of {len(S.SOURCES)} sources for "
+    return (f"NVRTC {v[0]}.{v[1]}: {n} instantiations of {len(S.sources())} sources for "
             + ",".join(f"compute_{a}" for a in archs))
 
 

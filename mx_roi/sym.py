@@ -2,6 +2,7 @@
 import mxnet as mx
 
 from .api import populate
+from .registry import REGISTERED
 
 populate(globals(), mx.sym)
-__all__ = ["ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign"]
+__all__ = list(REGISTERED)

@@ -1,12 +1,12 @@
-"""The four RoI operators, one module (and one ``.cu`` kernel file) each.
+"""The RoI operators, one module (and one ``.cu`` kernel file) each.
 
-Importing this package registers them with MXNet (``mx.nd.Custom(op_type=...)``).
+Importing this package imports every module in it; each registers its op with
+:func:`mx_roi.registry.register` (``mx.nd.Custom(op_type=...)``), and everything that
+lists the ops reads :data:`mx_roi.registry.REGISTERED`.  Adding an op is adding
+``<op>.py`` + ``<op>.cu`` here.
 """
-from .roi_pooling import ROIPooling
-from .roi_align import ROIAlign
-from .psroi_pooling import PSROIPooling
-from .psroi_align import PSROIAlign
+from mx_roi.registry import discover as _discover
 
-ALL_OPS = (ROIPooling, ROIAlign, PSROIPooling, PSROIAlign)
-
-__all__ = ["ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign", "ALL_OPS"]
+for _cls in _discover(__name__, __path__):
+    globals()[_cls.__name__] = _cls
+del _cls

@@ -12,7 +12,7 @@ from __future__ import annotations
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIAlignParam
 from mx_roi.registry import register
-from mx_roi.cuda.tables import sample_grid_args
+from mx_roi.cuda.tables import sample_grid_tables
 
 from .psroi_pooling import PositionSensitive
 
@@ -22,6 +22,8 @@ class PSROIAlign(PositionSensitive):
     name = "PSROIAlign"
     param_cls = PSROIAlignParam
     cuda_source = "psroi_align.cu"
+    gluon_mode = "psalign"
+    selftest_cases = (dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2),)
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -42,29 +44,19 @@ class PSROIAlign(PositionSensitive):
     # ---- CUDA (operators/psroi_align.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, geo, data):
         """Average of each bin's samples of input channel channel_map[c, p, q]."""
-        L = launch
-        data = L.elements(data)
         _, Cin, H, W = data.shape
         R, P, Q = geo.divisor.shape
         C = self.param.output_dim
-        out = L.output((R, C, P, Q))
-        n = out.size
-        tables, (gy, gx) = sample_grid_args(L, geo)
-        cmap = L.ints(self.channel_map(L.xp))
-        L.forward("psroi_align_forward", n, data, tables[0], cmap, *tables[1:],
-                  *[L.i32(v) for v in (C, Cin, H, W, P, Q)], gy, gx, out, L.i64(n))
+        out = launch.output((R, C, P, Q))
+        launch.forward("psroi_align_forward", out.size, sample_grid_tables(geo), data=data,
+                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
+                       out=out)
         return out, None
 
     def backward_cuda(self, launch, geo, grad, data_shape, saved):
-        L = launch
-        grad = L.elements(grad)
         _, Cin, H, W = data_shape
-        R, P, Q = geo.divisor.shape
-        C = self.param.output_dim
-        n = grad.size
-        tables, (gy, gx) = sample_grid_args(L, geo)
-        cmap = L.ints(self.channel_map(L.xp))
-        buf = L.grad_buffer(data_shape, grad)
-        L.backward("psroi_align_backward", n, grad, tables[0], cmap, *tables[1:],
-                   *[L.i32(v) for v in (C, Cin, H, W, P, Q)], gy, gx, buf, L.scale, L.i64(n))
-        return L.grad_value(buf)
+        buf = launch.grad_buffer(data_shape, grad)
+        launch.backward("psroi_align_backward", grad.size, sample_grid_tables(geo), grad=grad,
+                        channel_map=self.channel_map(launch.xp), C=self.param.output_dim,
+                        Cin=Cin, H=H, W=W, bottom=buf)
+        return launch.grad_value(buf)

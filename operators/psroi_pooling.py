@@ -15,7 +15,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIPoolingParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import int_bins_args
+from mx_roi.cuda.tables import int_bins_tables
 
 
 class PositionSensitive(RoIOp):
@@ -55,6 +55,10 @@ class PSROIPooling(PositionSensitive):
     name = "PSROIPooling"
     param_cls = PSROIPoolingParam
     cuda_source = "psroi_pooling.cu"
+    gluon_mode = "pspool"
+    builtin_order = ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
+                     "group_size")
+    selftest_cases = (dict(pooled_size=3, output_dim=2, spatial_scale=0.5),)
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -79,31 +83,20 @@ class PSROIPooling(PositionSensitive):
     # ---- CUDA (operators/psroi_pooling.cu; see mx_roi.cuda.backend) --------------------
     def forward_cuda(self, launch, bins, data):
         """Mean over each integer bin of input channel channel_map[c, p, q]."""
-        L = launch
-        data = L.elements(data)
         _, Cin, H, W = data.shape
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         C = self.param.output_dim
-        out = L.output((R, C, P, Q))
-        n = out.size
-        (batch,), edges = int_bins_args(L, bins)
-        cmap = L.ints(self.channel_map(L.xp))
-        L.forward("psroi_pooling_forward", n, data, batch, cmap, *edges,
-                  *[L.i32(v) for v in (C, Cin, H, W, P, Q)], out, L.i64(n))
+        out = launch.output((R, C, P, Q))
+        launch.forward("psroi_pooling_forward", out.size, int_bins_tables(bins), data=data,
+                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
+                       out=out)
         return out, None
 
     def backward_cuda(self, launch, bins, grad, data_shape, saved):
-        L = launch
-        grad = L.elements(grad)
         _, Cin, H, W = data_shape
-        R, P = bins.hstart.shape
-        Q = bins.wstart.shape[1]
-        C = self.param.output_dim
-        n = grad.size
-        (batch,), edges = int_bins_args(L, bins)
-        cmap = L.ints(self.channel_map(L.xp))
-        buf = L.grad_buffer(data_shape, grad)
-        L.backward("psroi_pooling_backward", n, grad, batch, cmap, *edges,
-                   *[L.i32(v) for v in (C, Cin, H, W, P, Q)], buf, L.scale, L.i64(n))
-        return L.grad_value(buf)
+        buf = launch.grad_buffer(data_shape, grad)
+        launch.backward("psroi_pooling_backward", grad.size, int_bins_tables(bins), grad=grad,
+                        channel_map=self.channel_map(launch.xp), C=self.param.output_dim,
+                        Cin=Cin, H=H, W=W, bottom=buf)
+        return launch.grad_value(buf)

@@ -16,7 +16,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIAlignParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import sample_grid_args
+from mx_roi.cuda.tables import sample_grid_tables
 
 
 @register
@@ -24,6 +24,24 @@ class ROIAlign(RoIOp):
     name = "ROIAlign"
     param_cls = ROIAlignParam
     cuda_source = "roi_align.cu"
+    gluon_mode = "align"
+    builtin_order = ("pooled_size", "spatial_scale", "sample_ratio",      # mx.sym.contrib.ROIAlign
+                     "position_sensitive", "aligned")
+    selftest_cases = (
+        dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1),
+        dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, aligned=True,
+             pool_mode="max"),
+    )
+
+    @staticmethod
+    def selftest_builtin(params, data, rois):
+        if params.get("pool_mode", "avg") != "avg":
+            return None
+        import mxnet as mx
+        return mx.nd.contrib.ROIAlign(data, rois, pooled_size=params["pooled_size"],
+                                      spatial_scale=params["spatial_scale"],
+                                      sample_ratio=params.get("sample_ratio", -1),
+                                      aligned=params.get("aligned", False))
 
     @property
     def is_max(self) -> bool:
@@ -60,42 +78,29 @@ class ROIAlign(RoIOp):
     # ---- CUDA (operators/roi_align.cu; see mx_roi.cuda.backend) ------------------------
     def forward_cuda(self, launch, geo, data):
         """Average (or max + argmax) of each bin's samples, read from the SampleGrid."""
-        L = launch
-        data = L.elements(data)
         _, C, H, W = data.shape
         R, P, Q = geo.divisor.shape
-        out = L.output((R, C, P, Q))
-        n = out.size
-        dims = [L.i32(v) for v in (C, H, W, P, Q)]
+        out = launch.output((R, C, P, Q))
+        tables = sample_grid_tables(geo)
         if self.is_max:
-            tables, (gy, gx) = sample_grid_args(L, geo, with_divisor=False)
-            if int(gy) * int(gx) >= 2 ** 31:  # the argmax iy*Gx+ix is an int32
-                raise ValueError(f"{self.name}: {int(gy)}x{int(gx)} sample points per bin are "
+            gy, gx = tables["Gy"], tables["Gx"]
+            if gy * gx >= 2 ** 31:  # the argmax iy*Gx+ix is an int32
+                raise ValueError(f"{self.name}: {gy}x{gx} sample points per bin are "
                                  "too many for pool_mode='max' on the CUDA backend")
-            arg = L.empty((R, C, P, Q), np.int32)
-            L.forward("roi_align_forward_max", n, data, *tables, *dims, gy, gx, out, arg,
-                      L.i64(n))
+            arg = launch.empty((R, C, P, Q), np.int32)
+            launch.forward("roi_align_forward_max", out.size, tables, data=data, C=C, H=H,
+                           W=W, out=out, argmax=arg)
             return out, arg
-        tables, (gy, gx) = sample_grid_args(L, geo)
-        L.forward("roi_align_forward_avg", n, data, *tables, *dims, gy, gx, out, L.i64(n))
+        launch.forward("roi_align_forward_avg", out.size, tables, data=data, C=C, H=H, W=W,
+                       out=out)
         return out, None
 
     def backward_cuda(self, launch, geo, grad, data_shape, saved):
         """Input gradient (compute dtype): bins' gradients to their samples' taps."""
-        L = launch
-        grad = L.elements(grad)
         _, C, H, W = data_shape
-        R, P, Q = geo.divisor.shape
-        n = grad.size
-        dims = [L.i32(v) for v in (C, H, W, P, Q)]
-        buf = L.grad_buffer(data_shape, grad)
-        if self.is_max:
-            tables, (gy, gx) = sample_grid_args(L, geo, with_count=False, with_divisor=False)
-            L.backward("roi_align_backward_max", n, grad, *tables,
-                       L.xp.ascontiguousarray(saved, dtype=np.int32), *dims, gy, gx, buf,
-                       L.scale, L.i64(n))
-        else:
-            tables, (gy, gx) = sample_grid_args(L, geo)
-            L.backward("roi_align_backward_avg", n, grad, *tables, *dims, gy, gx, buf, L.scale,
-                       L.i64(n))
-        return L.grad_value(buf)
+        buf = launch.grad_buffer(data_shape, grad)
+        kernel, extra = (("roi_align_backward_max", {"argmax": saved}) if self.is_max else
+                         ("roi_align_backward_avg", {}))
+        launch.backward(kernel, grad.size, sample_grid_tables(geo), grad=grad, C=C, H=H, W=W,
+                        bottom=buf, **extra)
+        return launch.grad_value(buf)

@@ -16,7 +16,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import int_bins_args
+from mx_roi.cuda.tables import int_bins_tables
 
 
 @register
@@ -24,7 +24,16 @@ class ROIPooling(RoIOp):
     name = "ROIPooling"
     param_cls = ROIPoolingParam
     cuda_source = "roi_pooling.cu"
+    gluon_mode = "pool"
+    builtin_order = ("pooled_size", "spatial_scale")                      # mx.sym.ROIPooling
+    selftest_cases = (dict(pooled_size=(2, 3), spatial_scale=0.5),)
     backward_needs_data = True
+
+    @staticmethod
+    def selftest_builtin(params, data, rois):
+        import mxnet as mx
+        return mx.nd.ROIPooling(data, rois, pooled_size=params["pooled_size"],
+                                spatial_scale=params["spatial_scale"])
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -114,32 +123,21 @@ class ROIPooling(RoIOp):
     # ---- CUDA (operators/roi_pooling.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, bins, data):
         """Max of every integer bin and its argmax ``h * W + w`` (int32, -1 if empty)."""
-        L = launch
-        data = L.elements(data)
         _, C, H, W = data.shape
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
-        out = L.output((R, C, P, Q))
-        arg = L.empty((R, C, P, Q), np.int32)
-        n = out.size
-        (batch,), edges = int_bins_args(L, bins)
-        L.forward("roi_pooling_forward", n, data, batch, *edges,
-                  *[L.i32(v) for v in (C, H, W, P, Q)], out, arg, L.i64(n))
+        out = launch.output((R, C, P, Q))
+        arg = launch.empty((R, C, P, Q), np.int32)
+        launch.forward("roi_pooling_forward", out.size, int_bins_tables(bins), data=data,
+                       C=C, H=H, W=W, out=out, argmax=arg)
         return out, arg
 
     def backward_cuda(self, launch, bins, grad, data_shape, arg):
-        L = launch
-        grad = L.elements(grad)
         _, C, H, W = data_shape
-        R, P = bins.hstart.shape
-        Q = bins.wstart.shape[1]
-        n = grad.size
-        (batch,), _ = int_bins_args(L, bins)
-        buf = L.grad_buffer(data_shape, grad)
-        L.backward("roi_pooling_backward", n, grad, batch,
-                   L.xp.ascontiguousarray(arg, dtype=np.int32),
-                   *[L.i32(v) for v in (C, H, W, P, Q)], buf, L.scale, L.i64(n))
-        return L.grad_value(buf)
+        buf = launch.grad_buffer(data_shape, grad)
+        launch.backward("roi_pooling_backward", grad.size, int_bins_tables(bins), grad=grad,
+                        argmax=arg, C=C, H=H, W=W, bottom=buf)
+        return launch.grad_value(buf)
 
 
 def _members(start, length, k):

@@ -31,7 +31,7 @@ def _fast(filename, arch):
 def _fast_compiled():
     """Compile the default run's (source, arch) pairs once, in parallel threads (NVRTC
     releases the GIL)."""
-    jobs = [(f, a) for f in S.SOURCES for a in ARCHS if _fast(f, a)]
+    jobs = [(f, a) for f in S.sources() for a in ARCHS if _fast(f, a)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda job: nvrtc.compile_source(*job), jobs))
     return dict(zip(jobs, results))
@@ -71,7 +71,7 @@ def test_fp16_header_matches_nvrtc():
 
 @pytest.mark.parametrize("filename, arch", [
     pytest.param(f, a, id=f"{f}-compute_{a}", marks=() if _fast(f, a) else pytest.mark.slow)
-    for f in S.SOURCES for a in ARCHS])
+    for f in S.sources() for a in ARCHS])
 def test_compile(filename, arch):
     result = compiled(filename, arch)
     exprs = S.name_expressions(filename)
@@ -86,7 +86,7 @@ def test_compile(filename, arch):
 
 
 def test_every_type_instantiated():
-    for filename in S.SOURCES:
+    for filename in S.sources():
         exprs = S.name_expressions(filename)
         for kernel, (tparams, _) in S.kernel_signatures(filename).items():
             for t, a in S.TYPE_PAIRS:
@@ -128,7 +128,7 @@ def test_double_atomics_below_sm60_use_compare_and_swap():
 
 
 def test_signatures_parsed():
-    for filename in S.SOURCES:
+    for filename in S.sources():
         for expr in S.name_expressions(filename):
             sig = S.instantiate(filename, expr)
             assert sig.params[-1].name == "n" and sig.params[-1].ctype == "long long"

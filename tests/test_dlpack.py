@@ -8,10 +8,9 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from mx_roi.backends import _Capsule
-from mx_roi.cuda.backend import _DLPackCapsule
+from mx_roi.ndio import DLPackCapsule
 
-WRAPPERS = [(lambda c: _Capsule(c), (1, 0)), (lambda c: _DLPackCapsule(c, 3), (2, 3))]
+WRAPPERS = [(lambda c: DLPackCapsule(c), (1, 0)), (lambda c: DLPackCapsule(c, (2, 3)), (2, 3))]
 
 
 @pytest.mark.parametrize("wrap, device", WRAPPERS, ids=["cpu", "cuda"])
@@ -35,5 +34,16 @@ def test_full_protocol(wrap, device):
 
 def test_numpy_reads_through_the_wrapper():
     x = mx.nd.arange(6).reshape((2, 3))
-    view = np.from_dlpack(_Capsule(x.to_dlpack_for_read()))
+    view = np.from_dlpack(DLPackCapsule(x.to_dlpack_for_read()))
     np.testing.assert_array_equal(view, np.arange(6).reshape(2, 3))
+
+
+def test_no_import_cycle_between_the_backends():
+    """mx_roi.backends imports mx_roi.cuda.backend (lazily, to make a CUDA backend); the
+    CUDA backend reads and writes NDArrays through mx_roi.ndio, never through backends."""
+    import ast
+    import inspect
+    import mx_roi.cuda.backend as cb
+    tree = ast.parse(inspect.getsource(cb))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m and m.endswith("backends") for m in imported), imported

@@ -19,6 +19,7 @@ from mx_roi.backends import NumpyBackend
 from mx_roi.cuda import loader
 from mx_roi.cuda import source as S
 from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 from tests.ops.base import adversarial_rois, make_data, random_rois
 
@@ -47,7 +48,7 @@ if hasattr(geometry, "rfcn_align_grid"):
                                      legacy="rfcn", sample_num=2)))
 
 DTYPES = (np.float16, np.float32, np.float64)
-EMU = CudaBackend(emulated=True)
+EMU = CudaBackend(Kind.EMULATED)
 REF = NumpyBackend()
 
 
@@ -253,6 +254,46 @@ def test_argument_checker_counts_and_scalars_of_double():
     k((1,), (32,), tuple(args))
 
 
+def _launch_for(module_file="roi_pooling.cu"):
+    return Launch(loader.get_module(module_file, True), np, np.float32)
+
+
+def test_launch_binds_arguments_by_name():
+    """Launch.forward orders keyword arguments by the parsed signature, converts read-only
+    arrays and Python numbers, fills n; the written arrays reach the kernel as they are."""
+    kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
+                   "Q", "out", "argmax", "n"], _pool_args()))
+    kw["data"] = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)   # converted (const T*)
+    kw.update(C=1, H=4, W=4, P=2, Q=2)                                  # Python ints
+    del kw["n"]                                                         # the launch's n
+    L = _launch_for()
+    tables = {k: kw.pop(k) for k in ("batch", "hstart", "hend", "wstart", "wend")}
+    tables["unused_table"] = np.zeros(3)                 # tables the kernel lacks are skipped
+    L.forward("roi_pooling_forward", 4, tables, **dict(reversed(list(kw.items()))))
+    np.testing.assert_array_equal(kw["out"], [[[[5, 5], [5, 5]]]])
+    np.testing.assert_array_equal(kw["argmax"], [[[[5, 5], [5, 5]]]])
+    assert L.launches == [("roi_pooling_forward<float, float>", 4)]
+
+
+@pytest.mark.parametrize("change,err,match", [
+    (dict(extra=np.int32(1)), loader.KernelArgumentError,
+     r"roi_pooling_forward<float, float>: no parameter\(s\) extra; parameters: const float\* data"),
+    (dict(argmax=None), loader.KernelArgumentError,
+     r"missing argument\(s\) for int\* argmax"),
+    (dict(C=2 ** 31), OverflowError, r"2147483648 does not fit the kernel parameter int C"),
+    (dict(C=1.5), TypeError, r"int C: 1.5 is not an integer"),
+    (dict(out=np.zeros((1, 1, 2, 2), np.float64)), loader.KernelArgumentError,
+     r"float\* out\) must have dtype float32"),            # written arrays: never converted
+])
+def test_launch_binding_rejects(change, err, match):
+    kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
+                   "Q", "out", "argmax"], _pool_args()))
+    kw.update(change)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    with pytest.raises(err, match=match):
+        _launch_for().forward("roi_pooling_forward", 4, **kw)
+
+
 def test_host_library_cached(tmp_path, monkeypatch):
     """The host build is cached by source hash under $MX_ROI_CACHE."""
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
@@ -365,7 +406,7 @@ def _fake_cupy():
             return "11.8"
 
         def compile(self, code, options, exprs, arch, device_id, scratch):
-            filename = next(f for f in S.SOURCES if S.read_source(f) == code)
+            filename = next(f for f in S.sources() if S.read_source(f) == code)
             assert (code, tuple(exprs)) == S.module_source(filename)[:2]
             assert tuple(options) == loader.cupy_options(filename) and arch == "80"
             host = loader.get_module(filename, True)
@@ -420,7 +461,7 @@ def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
     monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     op = make_op(name, params)
     for dtype in (np.float16, np.float64):
         data, rois, grad = problem(op, dtype, seed=5)
@@ -479,7 +520,7 @@ def test_soft_half_build_matches(tmp_path, monkeypatch):
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_SOFT_HALF")
     monkeypatch.setattr(loader, "_MODULES", {})
-    soft = run(CudaBackend(emulated=True), op, data, rois, grad)
+    soft = run(CudaBackend(Kind.EMULATED), op, data, rois, grad)
     assert native[0].tobytes() == soft[0].tobytes() and native[1].tobytes() == soft[1].tobytes()
 
 
@@ -492,7 +533,7 @@ def test_index_paths_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_INDEX32_LIMIT=5")
     monkeypatch.setattr(loader, "_MODULES", {})
-    wide = CudaBackend(emulated=True)
+    wide = CudaBackend(Kind.EMULATED)
     for op, (out, grad) in zip(cases, want):
         got_out, got_grad = run(wide, op, *problem(op, np.float32))
         assert got_out.tobytes() == out.tobytes() and got_grad.tobytes() == grad.tobytes()
@@ -527,7 +568,7 @@ def test_gpu_backward_writes_into_mxnet_gradient(deterministic, monkeypatch):
     real_zeroed = B._zeroed
     monkeypatch.setattr(B, "_zeroed", lambda xp, shape, dtype: (
         made.append(np.dtype(dtype)), real_zeroed(xp, shape, dtype))[1])
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     for name, params in (CASES[0], CASES[2], CASES[4]):
         op = make_op(name, dict(params, deterministic=deterministic))
         for dtype in DTYPES:
@@ -560,7 +601,7 @@ def test_gpu_pool_trimmed_after_a_call(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
     monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
-    gpu = CudaBackend(emulated=False)
+    gpu = CudaBackend(Kind.CUDA)
     op = make_op(*CASES[2])
     data, rois, grad = problem(op, np.float32)
     for cached, freed in ((B.POOL_KEEP_BYTES, False), (B.POOL_KEEP_BYTES + 1, True)):

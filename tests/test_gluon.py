@@ -86,16 +86,16 @@ def test_block_matches_nd_function(op):
 
 
 def test_every_custom_node_goes_through_the_guard(monkeypatch):
-    """Blocks, ops(F) and MultiScaleROIAlign build Custom nodes only via api._call_custom
-    (where the oneDNN guard mx_roi.onednn.call_custom plugs in), never bare F.Custom."""
+    """Blocks, ops(F) and MultiScaleROIAlign build Custom nodes only via
+    mx_roi.mxpatch.call_custom (the oneDNN guard), never bare F.Custom."""
     calls = []
-    original = mx_roi.api._call_custom
+    original = mx_roi.mxpatch.call_custom
 
     def spy(F, op_type, inputs, **kwargs):
         calls.append((F.__name__, op_type))
         return original(F, op_type, inputs, **kwargs)
 
-    monkeypatch.setattr(mx_roi.api, "_call_custom", spy)
+    monkeypatch.setattr(mx_roi.mxpatch, "call_custom", spy)
     for op in OPS:
         data, rois = inputs(op)
         b = block(op)

@@ -22,13 +22,14 @@ import pytest
 import mx_roi  # noqa: F401  (registers the ops)
 from mx_roi.backends import NumpyBackend
 from mx_roi.cuda.backend import CudaBackend
+from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 from tests import legacy_reference as LR
 from tests import reference as REF
 
 FLT_MAX = float(np.finfo(np.float32).max)
-BACKENDS = {"numpy": NumpyBackend(), "native": CudaBackend(emulated=False, native=True),
-            "emulated-cuda": CudaBackend(emulated=True)}
+BACKENDS = {"numpy": NumpyBackend(), "native": CudaBackend(Kind.NATIVE),
+            "emulated-cuda": CudaBackend(Kind.EMULATED)}
 ALIGN_MAX = [
     dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2, pool_mode="max"),
     dict(pooled_size=(1, 1), spatial_scale=1.0, sample_ratio=-1, aligned=True,

@@ -26,6 +26,7 @@ from mx_roi import backends, parallel
 from mx_roi.backends import NumpyBackend
 from mx_roi.cuda import loader
 from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 from tests.ops.base import adversarial_rois, make_data, random_rois
 
@@ -36,8 +37,8 @@ def _threads_even_for_small_launches(monkeypatch):
     monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
 
 
-NATIVE = CudaBackend(emulated=False, native=True)
-EMU = CudaBackend(emulated=True)
+NATIVE = CudaBackend(Kind.NATIVE)
+EMU = CudaBackend(Kind.EMULATED)
 REF = NumpyBackend()
 
 #: (rtol, atol) per dtype for native vs NumPy where the summation order differs;

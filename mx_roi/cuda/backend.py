@@ -70,7 +70,9 @@ import math
 
 import numpy as np
 
+from .. import ndio
 from ..geometry import compute_dtype
+from ..ndio import Kind
 from . import loader
 from . import source as S
 
@@ -105,30 +107,6 @@ class Launch:
         self.grad_req = "write"
         self.launches = []  # (expression, n) of every launch, for tests
 
-    # ---- argument helpers (kernel scalars are exact-width NumPy scalars) ----------
-    @staticmethod
-    def i32(v):
-        v = int(v)
-        if not -2 ** 31 <= v < 2 ** 31:
-            raise OverflowError(f"{v} does not fit a kernel int parameter")
-        return np.int32(v)
-
-    @staticmethod
-    def i64(v):
-        return np.int64(int(v))
-
-    def ints(self, a):
-        """An int32 table, contiguous, on the backend's device."""
-        return self.xp.ascontiguousarray(a, dtype=np.int32)
-
-    def reals(self, a):
-        """A weight/coordinate table in the compute dtype, contiguous."""
-        return self.xp.ascontiguousarray(a, dtype=self.acc)
-
-    def elements(self, a):
-        """Data / out-grad as the kernels' element type ``T``, contiguous."""
-        return self.xp.ascontiguousarray(a, dtype=self.dtype)
-
     def empty(self, shape, dtype=None):
         return self.xp.empty(shape, dtype=dtype or self.dtype)
 
@@ -140,13 +118,17 @@ class Launch:
         return self.empty(shape)
 
     # ---- launching ----------------------------------------------------------------
-    def forward(self, kernel, n, *args):
-        """Launch ``kernel<T, A>`` over ``n`` work items (none if ``n == 0``)."""
-        self._launch(S.expression(kernel, (self.T, self.A)), n, args)
+    def forward(self, kernel, n, tables=None, **args):
+        """Launch ``kernel<T, A>`` over ``n`` work items (none if ``n == 0``), its
+        arguments bound by parameter name (:meth:`bind`)."""
+        self._bind_and_launch(S.expression(kernel, (self.T, self.A)), n, tables, args)
 
-    def backward(self, kernel, n, *args):
-        """Launch ``kernel<T, A, O>`` (O from :meth:`grad_buffer`)."""
-        self._launch(S.expression(kernel, (self.T, self.A, self.O)), n, args)
+    def backward(self, kernel, n, tables=None, **args):
+        """Launch ``kernel<T, A, O>`` (O from :meth:`grad_buffer`), arguments by name."""
+        self._bind_and_launch(S.expression(kernel, (self.T, self.A, self.O)), n, tables, args)
+
+    def _bind_and_launch(self, expr, n, tables, args):
+        self._launch(expr, n, self.bind(self.module.get(expr).signature, n, tables or {}, args))
 
     def _launch(self, expr, n, args):
         k = self.module.get(expr)
@@ -155,6 +137,43 @@ class Launch:
         grid, block = loader.launch_config(n)
         self.launches.append((expr, int(n)))
         k(grid, block, args)
+
+    def bind(self, sig, n, tables, args) -> tuple:
+        """The argument tuple of kernel signature ``sig`` (parsed from the source), in its
+        parameter order, from arguments by name:
+
+        * ``args``: every one must name a parameter of the kernel;
+        * ``tables``: geometry tables by name (:mod:`mx_roi.cuda.tables`), each used
+          where the kernel has a parameter of that name;
+        * ``n`` (work items) and ``scale`` (:meth:`grad_buffer`) unless given.
+
+        Read-only arrays (``const`` pointers) are made contiguous in the parameter's
+        dtype (element type ``T``, compute type ``A`` or ``int``); Python numbers become
+        NumPy scalars of the parameter's type.  Written arrays are passed as they are:
+        :func:`mx_roi.cuda.loader.check_args` then checks every argument at launch.
+        """
+        where = S.expression(sig.kernel, sig.template)
+        names = [p.name for p in sig.params]
+        unknown = [a for a in args if a not in names]
+        if unknown:
+            raise loader.KernelArgumentError(
+                f"{where}: no parameter(s) {', '.join(unknown)}; parameters: "
+                + ", ".join(p.describe() for p in sig.params))
+        values = {"n": n, "scale": self.scale, **tables, **args}
+        missing = [p.describe() for p in sig.params if p.name not in values]
+        if missing:
+            raise loader.KernelArgumentError(f"{where}: missing argument(s) for "
+                                             + ", ".join(missing))
+        ordered = []
+        for p in sig.params:
+            v = values[p.name]
+            if p.pointer and p.decl.startswith("const "):
+                v = self.xp.ascontiguousarray(v, dtype=p.dtype)
+            elif not p.pointer and isinstance(v, (int, float, np.integer, np.floating)) \
+                    and not isinstance(v, bool) and not (isinstance(v, np.generic) and v.dtype == p.dtype):
+                v = _scalar(v, p)
+            ordered.append(v)
+        return tuple(ordered)
 
     # ---- gradient accumulation ------------------------------------------------------
     def grad_buffer(self, shape, grad):
@@ -223,6 +242,18 @@ class Launch:
         return out
 
 
+def _scalar(v, p):
+    """``v`` as a NumPy scalar of scalar parameter ``p``'s type (ints range-checked)."""
+    if p.dtype.kind in "iu":
+        if isinstance(v, (float, np.floating)) and v != int(v):
+            raise TypeError(f"{p.describe()}: {v!r} is not an integer")
+        info = np.iinfo(p.dtype)
+        if not info.min <= int(v) <= info.max:
+            raise OverflowError(f"{v} does not fit the kernel parameter {p.describe()}")
+        return p.dtype.type(int(v))
+    return p.dtype.type(v)
+
+
 def _zeroed(xp, shape, dtype):
     """Zeros, written rather than ``calloc``-ed: on the host, pages of a fresh mapping are
     then faulted in once, by one thread, instead of by every kernel thread (measured
@@ -233,50 +264,30 @@ def _zeroed(xp, shape, dtype):
 
 
 class CudaBackend:
-    """Runs ``op.forward_cuda``/``op.backward_cuda`` on CuPy arrays, or on NumPy arrays
-    through the host-compiled kernels: the serial emulation (``emulated=True``) or the
-    native multi-threaded CPU build (``native=True``, zero-copy NumPy views of the
-    NDArrays)."""
+    """Runs ``op.forward_cuda``/``op.backward_cuda`` on CuPy arrays (``Kind.CUDA``), or on
+    NumPy arrays through the host-compiled kernels: the serial emulation
+    (``Kind.EMULATED``) or the native multi-threaded CPU build (``Kind.NATIVE``, zero-copy
+    NumPy views of the NDArrays).  Array I/O: :mod:`mx_roi.ndio`."""
 
-    def __init__(self, emulated: bool, native: bool = False):
-        self.native = bool(native)
-        self.emulated = bool(emulated) or self.native
-        self.name = "native" if self.native else (
-            "emulated-cuda" if self.emulated else "cuda")
-        if not self.emulated:
+    def __init__(self, kind: Kind):
+        self.kind = Kind(kind)
+        if self.kind is Kind.NUMPY:
+            raise ValueError("CudaBackend runs the CUDA kernels: native, emulated-cuda or cuda")
+        self.name = self.kind.value
+        if self.kind is Kind.CUDA:
             from .nvrtc import preload_for_cupy
             preload_for_cupy()  # the nvrtc wheel's library, if CuPy cannot find one
             import cupy  # noqa: F401  (fail early, with CuPy's own message)
 
-    # ---- array I/O ----------------------------------------------------------------
+    # ---- array I/O (mx_roi.ndio) ----------------------------------------------------
     def _xp(self):
-        if self.emulated:
-            return np
-        import cupy
-        return cupy
+        return ndio.xp_of(self.kind)
 
     def _read(self, nd):
-        if self.native:
-            from ..backends import read_numpy
-            return read_numpy(nd)
-        if self.emulated:
-            return nd.asnumpy()
-        return _cupy_view(nd.to_dlpack_for_read(), nd)
+        return ndio.read(self.kind, nd)
 
     def _write(self, nd, req, value):
-        if req == "null":
-            return
-        if req not in ("write", "inplace", "add"):
-            raise ValueError(f"unknown req {req!r}")
-        if self.emulated:
-            from ..backends import write_numpy
-            write_numpy(nd, req, value)
-            return
-        dst = _cupy_view(nd.to_dlpack_for_write(), nd)
-        if req == "add":
-            dst += value.astype(dst.dtype, copy=False)
-        else:
-            dst[...] = value
+        ndio.write(self.kind, nd, req, value)
 
     def _target(self, nd, req, grad=False):
         """The memory the kernels write ``nd``'s result into, else None:
@@ -289,14 +300,11 @@ class CudaBackend:
         """
         if req not in ("write", "inplace", "add") or nd.size == 0:
             return None
-        if req == "add" and not (grad and not self.native):
+        if req == "add" and not (grad and self.kind is not Kind.NATIVE):
             return None
-        if self.native:
-            from ..backends import writable_numpy
-            return writable_numpy(nd)
-        if self.emulated:
-            return nd.asnumpy() if grad else None
-        return _cupy_view(nd.to_dlpack_for_write(), nd)
+        if self.kind is Kind.EMULATED and not grad:
+            return None
+        return ndio.writable(self.kind, nd)
 
     def _store_grad(self, nd, req, value, target):
         """Store the backward's ``value`` honouring ``req``, through ``target``."""
@@ -308,28 +316,28 @@ class CudaBackend:
                 target += value.astype(target.dtype, copy=False)
             else:
                 target[...] = value
-        if self.emulated and not self.native:  # the host copy back to the NDArray
-            from ..backends import write_numpy
-            write_numpy(nd, "write", target)
+        if self.kind is Kind.EMULATED:  # the host copy back to the NDArray
+            ndio.write_numpy(nd, "write", target)
 
     def _device(self, nd):
-        if self.emulated:
+        if self.kind.on_host:
             return _NullContext()
         import cupy
         return cupy.cuda.Device(nd.context.device_id)
 
     def _sync(self):
-        if not self.emulated:
+        if self.kind is Kind.CUDA:
             import cupy
             cupy.cuda.get_current_stream().synchronize()
             _trim_pool(cupy)
 
     def _launch(self, op, dtype, nd):
-        dev = -1 if self.emulated else nd.context.device_id
-        module = loader.get_module(op.cuda_source, self.emulated, max(dev, 0), self.native)
+        host, native = self.kind.on_host, self.kind is Kind.NATIVE
+        module = loader.get_module(op.cuda_source, host,
+                                   0 if host else nd.context.device_id, native)
         # the native build is deterministic anyway (each thread owns whole gradient
         # planes), so it never needs the fixed-point accumulation
-        deterministic = getattr(op.param, "deterministic", False) and not self.native
+        deterministic = getattr(op.param, "deterministic", False) and not native
         return Launch(module, self._xp(), dtype, deterministic)
 
     # ---- the backend interface ----------------------------------------------------
@@ -411,36 +419,6 @@ def _check_plane(op, shape):
     if len(shape) == 4 and int(shape[2]) * int(shape[3]) >= 2 ** 31:
         raise ValueError(f"{op.name}: a feature map of {shape[2]}x{shape[3]} has 2^31 or more "
                          "elements per channel, more than the CUDA kernels index")
-
-
-class _DLPackCapsule:
-    """Protocol wrapper (``__dlpack__``/``__dlpack_device__``) around MXNet's capsule, for
-    ``cupy.from_dlpack`` versions that no longer take a bare capsule."""
-
-    def __init__(self, capsule, device_id):
-        self._capsule = capsule
-        self._device = (2, int(device_id))  # (kDLCUDA, device)
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        # the array API's full signature (CuPy 13 passes max_version/copy); MXNet's
-        # capsule is unversioned (allowed for any max_version), on its device, no copy
-        if copy:
-            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
-        if dl_device is not None and tuple(dl_device) != self._device:
-            raise BufferError(f"the NDArray lives on DLPack device {self._device}, "
-                              f"not {tuple(dl_device)}")
-        return self._capsule
-
-    def __dlpack_device__(self):
-        return self._device
-
-
-def _cupy_view(capsule, nd):
-    """A CuPy array sharing the memory of GPU NDArray ``nd`` (no copy)."""
-    import cupy
-    if nd.size == 0:
-        return cupy.zeros(nd.shape, dtype=nd.dtype)
-    return cupy.from_dlpack(_DLPackCapsule(capsule, nd.context.device_id))
 
 
 class _NullContext:

@@ -1,10 +1,11 @@
-"""The CUDA kernel sources of the four ops, their instantiations and parameter lists.
+"""The CUDA kernel sources of the registered ops, their instantiations and parameter lists.
 
 One place says what gets compiled and how, for every consumer: the CuPy ``RawModule``
 on a GPU, the host (g++) emulation and the NVRTC compile test all call
 :func:`module_source`, so they compile the same text with the same name expressions.
 
-* The sources are ``operators/<op>.cu`` (shipped in the wheel as package data of
+* The sources are ``operators/<op>.cu``, one per registered op (:func:`sources`: each
+  op's ``cuda_source``) (shipped in the wheel as package data of
   ``mx_roi.operators``); ``#include "roi_common.cuh"`` is inlined, so the compiled text
   is self-contained and needs no include path of ours.
 * Each ``__global__`` kernel is a template: ``<T, A>`` (forward) or ``<T, A, O>``
@@ -24,14 +25,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-__all__ = ["OPERATORS_DIR", "HEADER", "SOURCES", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
-           "Param", "Signature", "read_source", "module_source", "name_expressions",
+__all__ = ["OPERATORS_DIR", "HEADER", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
+           "Param", "Signature", "sources", "read_source", "module_source", "name_expressions",
            "kernel_signatures", "instantiate", "expression", "ctype_of", "cuda_include_dirs"]
 
 OPERATORS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "operators")
 HEADER = "roi_common.cuh"
-SOURCES = ("roi_pooling.cu", "roi_align.cu", "psroi_pooling.cu", "psroi_align.cu")
 
 #: (element type, accumulator/table type) of every instantiation.
 TYPE_PAIRS = (("float", "float"), ("double", "double"), ("__half", "float"))
@@ -75,11 +75,20 @@ def _operators_dir() -> str:
     return OPERATORS_DIR
 
 
+def sources() -> Tuple[str, ...]:
+    """The kernel files of the registered ops (each op's ``cuda_source``), in order."""
+    from .. import operators  # noqa: F401  (registers every op in operators/)
+    from ..registry import REGISTERED
+    return tuple(dict.fromkeys(op.cuda_source for op in REGISTERED.values()
+                               if op.cuda_source))
+
+
 @functools.lru_cache(maxsize=None)
 def read_source(filename: str) -> str:
     """Text of ``operators/<filename>`` with ``#include "roi_common.cuh"`` inlined."""
-    if filename not in SOURCES:
-        raise ValueError(f"unknown kernel source {filename!r}; expected one of {SOURCES}")
+    known = sources()
+    if filename not in known:
+        raise ValueError(f"unknown kernel source {filename!r}; expected one of {known}")
     base = _operators_dir()
     with open(os.path.join(base, filename), encoding="utf-8") as f:
         text = f.read()

@@ -31,8 +31,8 @@ PIXEL_CENTRE = 0.5
 
 
 def _registry():
-    from mx_roi import operators
-    return {cls.name: cls for cls in operators.ALL_OPS}
+    from mx_roi.registry import REGISTERED
+    return dict(REGISTERED)
 
 
 def make_op(op, **params):

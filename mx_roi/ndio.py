@@ -1,0 +1,165 @@
+"""NDArray I/O of every backend: MXNet NDArrays to and from NumPy / CuPy arrays (DLPack).
+
+* :class:`Kind` -- where an op's kernels run, and so how its arrays move:
+  ``numpy`` and ``native`` read and write MXNet's CPU memory through zero-copy NumPy
+  views, ``emulated-cuda`` copies through NumPy as a host stand-in for GPU memory, and
+  ``cuda`` reads and writes GPU memory through zero-copy CuPy views.
+* :func:`read` / :func:`write` / :func:`writable` for a kind; the NumPy and CuPy
+  functions under them; one DLPack protocol adapter for both devices.
+
+``to_dlpack_for_read`` waits for pending writes (and converts a oneDNN-layout array to
+the default layout first); ``to_dlpack_for_write`` waits for pending reads and writes.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+
+import numpy as np
+
+__all__ = ["Kind", "DLPackCapsule", "read", "write", "writable", "xp_of", "read_numpy",
+           "writable_numpy", "write_numpy", "read_cupy", "writable_cupy"]
+
+_KDLCPU, _KDLCUDA = 1, 2
+
+
+class Kind(enum.Enum):
+    """A backend kind (its value is the ``MX_ROI_BACKEND`` name)."""
+
+    NUMPY = "numpy"
+    NATIVE = "native"            # the CUDA sources compiled for the host, threaded
+    EMULATED = "emulated-cuda"   # the same, run serially as a GPU would
+    CUDA = "cuda"                # CuPy raw kernels on a GPU
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the kernels run on the CPU (NumPy arrays)."""
+        return self is not Kind.CUDA
+
+
+class DLPackCapsule:
+    """Protocol wrapper (``__dlpack__``/``__dlpack_device__``) around MXNet's bare capsule,
+    for ``np.from_dlpack`` (NumPy < 1.25 wants the protocol) and ``cupy.from_dlpack``
+    versions that no longer take a bare capsule."""
+
+    def __init__(self, capsule, device=(_KDLCPU, 0)):
+        self._capsule = capsule
+        self._device = (int(device[0]), int(device[1]))
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # the array API's full signature (CuPy 13 passes max_version/copy); MXNet's
+        # capsule is unversioned (allowed for any max_version), on its device, no copy
+        if copy:
+            raise BufferError("an MXNet DLPack capsule cannot be copied by its producer")
+        if dl_device is not None and tuple(dl_device) != self._device:
+            where = ("the CPU" if self._device[0] == _KDLCPU else
+                     f"DLPack device {self._device}")
+            raise BufferError(f"the NDArray lives on {where}, not DLPack device "
+                              f"{tuple(dl_device)}")
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+# ---- NumPy (CPU NDArrays) ------------------------------------------------------------
+def read_numpy(nd) -> np.ndarray:
+    """A read-only NumPy view of a CPU NDArray's memory, without a copy (the view keeps
+    the NDArray alive)."""
+    if nd.size == 0:
+        return np.zeros(nd.shape, dtype=nd.dtype)
+    return np.from_dlpack(DLPackCapsule(nd.to_dlpack_for_read()))
+
+
+def writable_numpy(nd) -> np.ndarray:
+    """A writable NumPy view of a CPU NDArray's memory (DLPack ``for_write``), no copy.
+
+    NumPy marks arrays imported through DLPack read-only; the view is rebuilt over the
+    same address.  The NDArray (an op's output or input gradient) outlives the call.
+    """
+    ro = np.from_dlpack(DLPackCapsule(nd.to_dlpack_for_write()))
+    if ro.size == 0:
+        return np.zeros(ro.shape, dtype=ro.dtype)
+    buf = (ctypes.c_byte * ro.nbytes).from_address(ro.__array_interface__["data"][0])
+    return np.frombuffer(buf, dtype=ro.dtype).reshape(ro.shape)
+
+
+def write_numpy(dst, req: str, value: np.ndarray) -> None:
+    """Store ``value`` into CPU NDArray ``dst`` according to ``req`` (write/inplace/add/
+    null), straight into its memory: one (possibly strided, possibly down-casting) pass,
+    no temporary."""
+    if req == "null" or dst.size == 0:
+        return
+    view = writable_numpy(dst)
+    if value.shape != view.shape:  # e.g. (N, O, G, G, H, W) for (N, O*G*G, H, W)
+        view = view.reshape(value.shape)
+    if req == "add":  # in the destination's dtype, as MXNet's own kAddTo does
+        view += np.asarray(value).astype(view.dtype, copy=False)
+    elif req in ("write", "inplace"):
+        np.copyto(view, value, casting="unsafe")
+    else:
+        raise ValueError(f"unknown req {req!r}")
+
+
+# ---- CuPy (GPU NDArrays) -------------------------------------------------------------
+def _cupy_view(capsule, nd):
+    import cupy
+    if nd.size == 0:
+        return cupy.zeros(nd.shape, dtype=nd.dtype)
+    return cupy.from_dlpack(DLPackCapsule(capsule, (_KDLCUDA, nd.context.device_id)))
+
+
+def read_cupy(nd):
+    """A CuPy array sharing the memory of GPU NDArray ``nd`` (no copy), for reading."""
+    return _cupy_view(nd.to_dlpack_for_read(), nd)
+
+
+def writable_cupy(nd):
+    """A CuPy array sharing the memory of GPU NDArray ``nd`` (no copy), for writing."""
+    return _cupy_view(nd.to_dlpack_for_write(), nd)
+
+
+# ---- by kind -------------------------------------------------------------------------
+def xp_of(kind: Kind):
+    """The array module of ``kind``: numpy on the host, cupy on a GPU."""
+    if kind.on_host:
+        return np
+    import cupy
+    return cupy
+
+
+def read(kind: Kind, nd):
+    """``nd`` as an array of ``kind``: a NumPy view (numpy, native), a NumPy copy
+    (emulated-cuda) or a CuPy view (cuda)."""
+    if kind is Kind.CUDA:
+        return read_cupy(nd)
+    if kind is Kind.EMULATED:
+        return nd.asnumpy()
+    return read_numpy(nd)
+
+
+def writable(kind: Kind, nd):
+    """MXNet's memory of ``nd`` for the kernels to write: a NumPy view (numpy, native),
+    a CuPy view (cuda); ``emulated-cuda`` gets a host copy (written back with
+    :func:`write`)."""
+    if kind is Kind.CUDA:
+        return writable_cupy(nd)
+    if kind is Kind.EMULATED:
+        return nd.asnumpy()
+    return writable_numpy(nd)
+
+
+def write(kind: Kind, nd, req: str, value) -> None:
+    """Store ``value`` into ``nd`` honouring ``req`` (write/inplace, add, null)."""
+    if req == "null":
+        return
+    if req not in ("write", "inplace", "add"):
+        raise ValueError(f"unknown req {req!r}")
+    if kind.on_host:
+        write_numpy(nd, req, value)
+        return
+    dst = writable_cupy(nd)
+    if req == "add":  # in the destination's dtype, as MXNet's kAddTo does
+        dst += value.astype(dst.dtype, copy=False)
+    else:
+        dst[...] = value
