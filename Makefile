@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-emulated bench selftest docs wheel clean
+.PHONY: demo test test-fast test-emulated bench bench-step selftest docs wheel clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m mx_roi.bench
+
+bench-step: $(STAMP)
+	$(PY) -m mx_roi.bench --step
 
 selftest: $(STAMP)
 	$(PY) -m mx_roi.selftest

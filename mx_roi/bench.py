@@ -729,6 +729,9 @@ def _parse_args(argv=None):
                         "16,32,64 with --quick)")
     p.add_argument("--plot-repeat", type=int, default=3, help="runs per point for --plot")
     p.add_argument("--plot-direction", choices=DIRECTIONS, default="fwd+bwd")
+    p.add_argument("--step", action="store_true",
+                   help="step-level benchmark: Faster R-CNN / R-FCN train steps with the "
+                        "built-in op and ours (mx_roi.bench_step; --step --help for its options)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -744,6 +747,10 @@ def _parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--step" in argv:  # the step-level mode has its own options
+        from . import bench_step
+        return bench_step.main([a for a in argv if a != "--step"])
     args = _parse_args(argv)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.side, args.quick, args.ctx)))

@@ -11,6 +11,7 @@ mechanism and the cost are in ``docs/ONEDNN_HAZARD.md``.  :func:`mx_roi.call_cus
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -87,11 +88,29 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (mx.nd.NDArray, mx.sym.Symbol))
 
 
+#: operators whose outputs are plain arrays of their own (no oneDNN implementation, never
+#: in place): a graph input coming straight from one needs no guard -- e.g. the rois from
+#: a proposal-target ``Custom`` op or from ``MultiProposal``
+PLAIN_PRODUCERS = frozenset({"Custom", "_contrib_Proposal", "_contrib_MultiProposal"})
+
+
+def _producer(s) -> str:
+    """Operator of the node producing single-output symbol ``s`` (``'null'``: a variable,
+    ``''``: unknown)."""
+    if s.get_children() is None:
+        return "null"
+    if len(s.list_outputs()) != 1:
+        return ""
+    graph = json.loads(s.tojson())
+    return graph["nodes"][graph["heads"][0][0]]["op"]
+
+
 def guard_inputs(F, *arrays, name=None):
     """Return ``arrays`` (as a tuple) made safe to feed a ``Custom`` node.
 
     Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
-    no copy); in graphs it passes through ``identity`` and :func:`barrier`.  Non-array
+    no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless it is
+    the output of an operator in :data:`PLAIN_PRODUCERS`.  Non-array
     items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
     are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
     off."""
@@ -102,6 +121,8 @@ def guard_inputs(F, *arrays, name=None):
     def guarded(i, a):
         if F is not mx.sym:
             return plain_nd(a)
+        if _producer(a) in PLAIN_PRODUCERS:
+            return a
         if name is None:
             return barrier(F, F.identity(a))
         return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")

@@ -435,3 +435,81 @@ def test_plain_nd_reorders_a_blocked_array_in_place():
     onednn.plain_nd(y)
     assert _data_pointer(y) == before
 
+
+
+# ------------------------------------------- inputs from plain producers are not guarded
+ROIS_COPY = "mx_roi_test_rois_copy"
+
+
+class _RoisCopy(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], mx.nd.array(in_data[0].asnumpy()))
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        self.assign(in_grad[0], req[0], mx.nd.zeros(in_data[0].shape))
+
+
+@mx.operator.register(ROIS_COPY)
+class _RoisCopyProp(mx.operator.CustomOpProp):
+    """Stands for a proposal-target op: rois produced by a Python ``Custom`` node."""
+
+    def __init__(self):
+        super().__init__(need_top_grad=False)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _RoisCopy()
+
+
+def test_rois_from_a_custom_op_skip_the_input_guard():
+    """rois made by a ``Custom`` node (e.g. proposal target) are plain arrays MXNet owns:
+    no identity/clip for them, the data input and the output keep theirs; and the
+    Conv -> ROIAlign -> Conv graph stays correct over many iterations with oneDNN on
+    (same outputs and gradients as with the rois guarded as a variable)."""
+    import json
+    import mx_roi
+
+    assert onednn.onednn_enabled()
+    kwargs, c = REAL["ROIAlign"]
+    x, r = mx.sym.var("x"), mx.sym.var("r")
+    feat = mx.sym.Convolution(x, num_filter=c, kernel=(3, 3), pad=(1, 1), name="conv1")
+    made = mx.sym.Custom(r, op_type=ROIS_COPY, name="ptarget")
+    assert onednn._producer(made) == "Custom" and onednn._producer(r) == "null"
+    assert onednn._producer(feat) == "Convolution"
+
+    def graph(rois):
+        y = mx_roi.sym.ROIAlign(feat, rois, name="pool", **kwargs)
+        y = mx.sym.Convolution(y, num_filter=4, kernel=(3, 3), pad=(1, 1), name="conv2")
+        return mx.sym.MakeLoss(mx.sym.sum(mx.sym.square(y)))
+
+    skipped, guarded = graph(made), graph(r)
+    names = [n["name"] for n in json.loads(skipped.tojson())["nodes"]]
+    assert "pool_guard_in0" in names and "pool_guard_out0" in names
+    assert "pool_guard_in1" not in names and "pool_guard_copy1" not in names
+    assert "pool_guard_in1" in [n["name"] for n in json.loads(guarded.tojson())["nodes"]]
+
+    rng = np.random.RandomState(3)
+    shapes = dict(x=(N, 3, H, W), r=(R, 5))
+    exes = [s.simple_bind(mx.cpu(), grad_req={"x": "null", "r": "null", "conv1_weight": "write",
+                                              "conv1_bias": "write", "conv2_weight": "write",
+                                              "conv2_bias": "write"}, **shapes)
+            for s in (skipped, guarded)]
+    for name, arr in exes[0].arg_dict.items():
+        if name != "r":
+            arr[:] = rng.standard_normal(arr.shape).astype(np.float32) * 0.3
+    for it in range(ITERS_REAL):
+        rois = real_rois(rng)
+        for exe in exes:
+            for name, arr in exes[0].arg_dict.items():
+                if name != "r":
+                    exe.arg_dict[name][:] = arr
+            exe.arg_dict["r"][:] = rois
+            exe.forward(is_train=True)
+            exe.backward()
+        for name in ("conv1_weight", "conv2_weight"):
+            a, b = (e.grad_dict[name].asnumpy() for e in exes)
+            assert np.isfinite(a).all() and np.allclose(a, b, rtol=1e-5, atol=1e-6), (it, name)
+        np.testing.assert_allclose(exes[0].outputs[0].asnumpy(), exes[1].outputs[0].asnumpy(),
+                                   rtol=1e-5)

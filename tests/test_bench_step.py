@@ -1,0 +1,74 @@
+"""Smoke test of ``python -m mx_roi.bench --step --quick`` (structure and first-step
+equality of the built-in and mx_roi sides; no timing assertions)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _positive(v):
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+@pytest.fixture(scope="module")
+def step_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_step") / "step.json"
+    proc = subprocess.run([sys.executable, "-m", "mx_roi.bench", "--step", "--quick",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    with open(out) as f:
+        return proc, json.load(f)
+
+
+def test_both_sides_ran_the_same_step(step_run):
+    _, payload = step_run
+    assert payload["mode"] == "step" and payload["failures"] == []
+    (setting,) = payload["settings"]
+    assert setting["threads"] == "default"
+    rows = {r["name"]: r for r in setting["results"]}
+    assert set(rows) == {"frcnn-pool7", "rfcn-pspool7"}
+    for name, r in rows.items():
+        # the same graph apart from the RoI node (ours: Custom + guard nodes, hence more)
+        assert r["graph"]["same"] and r["graph"]["params_equal"], (name, r["graph"])
+        assert r["graph"]["nodes"]["ours"] > r["graph"]["nodes"]["builtin"]
+        # equal losses and parameter gradients after the first step
+        check = r["check"]
+        assert check["ok"] and check["max_rel_err"] <= 1e-3, (name, check)
+        assert check["compared"] > 20
+        losses = check["losses"]
+        assert _positive(losses["builtin"])
+        assert math.isclose(losses["ours"], losses["builtin"], rel_tol=1e-5)
+        assert len(r["ours_runs_ms"]) == len(r["builtin_runs_ms"]) == payload["steps"] == 2
+        assert all(_positive(t) for t in r["ours_runs_ms"] + r["builtin_runs_ms"])
+        assert r["ours_ms"] == min(r["ours_runs_ms"])
+        assert math.isclose(r["ratio"], r["ours_ms"] / r["builtin_ms"])
+
+
+def test_profile_finds_each_side_op(step_run):
+    proc, payload = step_run
+    for r in payload["settings"][0]["results"]:
+        builtin, ours = r["profile"]["builtin"], r["profile"]["ours"]
+        assert _positive(builtin["op_ms"]) and _positive(builtin["wall_ms"])
+        # ours runs as Custom: its Python callbacks in the profiler's Custom Operator domain
+        assert any(k.endswith("::pure_python") for k in ours["op_entries"]), ours
+        assert _positive(ours["op_ms"]) and ours["op_ms"] <= ours["operators_ms"] + 1e-6
+        assert _positive(ours["guard_ms"]) and "clip" in ours["guard_entries"]
+        cb = ours["callback_ms"]
+        for key in ("kernel_fwd", "kernel_bwd", "geometry", "callback_fwd", "callback_bwd"):
+            assert _positive(cb.get(key)), (key, cb)
+        assert cb["kernel_fwd"] <= cb["callback_fwd"]
+    assert "ours/bi" in proc.stdout and "op%bi" in proc.stdout
+    assert "frcnn-pool7" in proc.stdout and "rfcn-pspool7" in proc.stdout
+
+
+def test_bad_config_name_is_rejected():
+    proc = subprocess.run([sys.executable, "-m", "mx_roi.bench", "--step", "--configs",
+                           "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown configuration(s) ['nope']" in proc.stderr
