@@ -4,12 +4,14 @@
 // * emulation (mx_roi "emulated-cuda" backend): the launch runs every (block, thread) of
 //   the grid serially, so the kernels' grid-stride loops behave exactly as on a GPU;
 // * native (-DMX_ROI_HOST_NATIVE, mx_roi "native" backend): a fast CPU build.  The
-//   launch splits the output channels into contiguous ranges, one per thread, and each
-//   thread walks its range channel by channel (mx_roi::ItemLoop in roi_common.cuh).
-//   A backward of output channel c writes only the input planes of channel c (the
-//   channel_map of the position-sensitive ops keeps classes apart), so threads never
-//   write the same element: atomicAdd stays a plain add and the result does not depend
-//   on the thread count.
+//   launch cuts the output channels into small contiguous blocks that the threads take
+//   one at a time from a shared counter (a dynamic split: a thread slowed by a busy core
+//   simply takes fewer blocks), and walks each block channel by channel
+//   (mx_roi::ItemLoop in roi_common.cuh).  A backward of output channel c writes only
+//   the input planes of channel c (the channel_map of the position-sensitive ops keeps
+//   classes apart), and one channel is always walked whole by one thread in the same
+//   order, so threads never write the same element: atomicAdd stays a plain add and the
+//   result is bit-identical for any thread count and any timing.
 //
 // Common to both:
 // * __global__/__device__/__forceinline__/__host__ expand to nothing (plain inline C++);
@@ -125,32 +127,42 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 }
 
 #ifdef MX_ROI_HOST_NATIVE
+#include <atomic>
 #include <thread>
 #include <vector>
 // The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
 static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 
-// Runs fn() on up to nthreads threads (at most C), thread t on channels
-// [C*t/T, C*(t+1)/T).  A range whose thread cannot be started (resource limits) runs on
-// the calling thread instead: an exception must not leave this extern "C" code (it would
-// abort the process).
+// Channel blocks per thread of a native launch: enough that a thread sharing its core
+// with another process hands most of its share to the others, few enough that a block
+// still streams whole planes (a block is at least one channel).
+#define MX_ROI_BLOCKS_PER_THREAD 8
+
+// Runs fn() on up to nthreads threads (at most C) over blocks of channels: every thread,
+// the caller included, takes the next block [c0, c1) from an atomic counter until none is
+// left (no spinning: a thread with nothing left returns).  A thread that cannot be
+// started (resource limits) is simply not there: the others take its blocks.  An
+// exception must not leave this extern "C" code (it would abort the process).
 template <typename F>
 static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
-  auto run = [=](int t) {
-    mx_roi_c_begin = (int)((long long)C * t / T);
-    mx_roi_c_end = (int)((long long)C * (t + 1) / T);
-    fn();
+  const int want = T == 1 ? 1 : T * MX_ROI_BLOCKS_PER_THREAD;
+  const int blocks = C < want ? (C > 0 ? C : 1) : want;
+  std::atomic<int> next(0);
+  auto run = [&]() {
+    for (int b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      mx_roi_c_begin = (int)((long long)C * b / blocks);
+      mx_roi_c_end = (int)((long long)C * (b + 1) / blocks);
+      fn();
+    }
   };
   std::vector<std::thread> workers;
-  int started = 1;
   try {
     workers.reserve(T - 1);
-    for (; started < T; ++started) workers.emplace_back(run, started);
+    for (int t = 1; t < T; ++t) workers.emplace_back(run);
   } catch (...) {
   }
-  run(0);
-  for (int t = started; t < T; ++t) run(t);
+  run();
   for (auto& w : workers) w.join();
 }
 #endif
