@@ -53,15 +53,20 @@ def num_threads() -> int:
 
 def default_threads() -> int:
     """Threads without ``MX_ROI_NUM_THREADS``: ``OMP_NUM_THREADS`` (first value) when it
-    is a positive integer, else the usable cores (affinity), at most 8."""
+    is a positive integer, else the usable cores (affinity, read once), at most 8."""
+    global _cores
     omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_DEFAULT_THREADS))
+    if _cores is None:
+        try:
+            _cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            _cores = os.cpu_count() or 1
+    return max(1, min(_cores, MAX_DEFAULT_THREADS))
+
+
+_cores = None
 
 
 # ---- NumPy's BLAS ------------------------------------------------------------------
@@ -178,28 +183,39 @@ def _split(items, per_thread):
 
 def _run_dynamic(threads, tasks):
     """Run every ``task()`` on ``threads`` threads (the caller is one of them), each
-    thread taking the next task when it is free; waits for all, then re-raises the
-    first error."""
-    queue = iter(tasks)
-    lock = threading.Lock()
+    thread taking the next task when it is free; then re-raise the first error.
+
+    The caller waits for the tasks that were taken, not for pool threads that have not
+    been scheduled yet (on a busy machine that can take milliseconds): such a thread
+    finds nothing left when it runs and returns at once.
+    """
+    tasks = list(tasks)
+    cond = threading.Condition()
+    state = {"next": 0, "done": 0}
     errors = []
 
     def worker():
         while True:
-            with lock:
-                task = next(queue, None)
-            if task is None or errors:
-                return
+            with cond:
+                if errors or state["next"] >= len(tasks):
+                    return
+                i = state["next"]
+                state["next"] += 1
             try:
-                task()
+                tasks[i]()
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
                 errors.append(exc)
-                return
+            finally:
+                with cond:
+                    state["done"] += 1
+                    cond.notify_all()
 
-    futures = [_executor(threads - 1).submit(worker) for _ in range(threads - 1)]
+    pool = _executor(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(worker)
     worker()
-    for f in futures:
-        f.result()
+    with cond:
+        cond.wait_for(lambda: state["done"] == state["next"])
     if errors:
         raise errors[0]
 

@@ -92,4 +92,4 @@ def test_errors_wait_for_all_chunks_then_raise(monkeypatch):
 
     with pytest.raises(ValueError, match="chunk 0 failed"):
         parallel.for_chunks(list(range(64)), run)
-    assert running == [0]  # every other started chunk had finished
+    assert running == [0]  # every other chunk that was taken had finished

@@ -128,8 +128,10 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 
 #ifdef MX_ROI_HOST_NATIVE
 #include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <thread>
-#include <vector>
 // The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
 static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 
@@ -138,32 +140,67 @@ static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 // still streams whole planes (a block is at least one channel).
 #define MX_ROI_BLOCKS_PER_THREAD 8
 
-// Runs fn() on up to nthreads threads (at most C) over blocks of channels: every thread,
+// The shared state of one launch; helpers hold it by shared_ptr, so one that starts
+// after the launch has returned finds no block left and touches nothing else.
+struct mx_roi_launch_state {
+  std::atomic<int> next{0}, done{0};
+  int blocks = 1, C = 0;
+  std::mutex m;
+  std::condition_variable cv;
+};
+
+template <typename F>
+static inline void mx_roi_run_blocks(mx_roi_launch_state& st, F* fn) {
+  for (int b; (b = st.next.fetch_add(1, std::memory_order_relaxed)) < st.blocks;) {
+    mx_roi_c_begin = (int)((long long)st.C * b / st.blocks);
+    mx_roi_c_end = (int)((long long)st.C * (b + 1) / st.blocks);
+    (*fn)();
+    if (st.done.fetch_add(1, std::memory_order_acq_rel) + 1 == st.blocks) {
+      std::lock_guard<std::mutex> lock(st.m);
+      st.cv.notify_all();
+    }
+  }
+}
+
+// Runs fn() over blocks of channels on up to nthreads threads (at most C): every thread,
 // the caller included, takes the next block [c0, c1) from an atomic counter until none is
-// left (no spinning: a thread with nothing left returns).  A thread that cannot be
-// started (resource limits) is simply not there: the others take its blocks.  An
-// exception must not leave this extern "C" code (it would abort the process).
+// left.  The caller waits only for blocks that were taken, never for a helper thread
+// that has not been scheduled yet (on a busy machine that can take milliseconds): a
+// late helper finds the counter exhausted and exits.  No spinning anywhere.  A helper
+// that cannot be started (resource limits) is simply not there.  An exception must not
+// leave this extern "C" code (it would abort the process).
 template <typename F>
 static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
-  const int want = T == 1 ? 1 : T * MX_ROI_BLOCKS_PER_THREAD;
-  const int blocks = C < want ? (C > 0 ? C : 1) : want;
-  std::atomic<int> next(0);
-  auto run = [&]() {
-    for (int b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
-      mx_roi_c_begin = (int)((long long)C * b / blocks);
-      mx_roi_c_end = (int)((long long)C * (b + 1) / blocks);
-      fn();
-    }
-  };
-  std::vector<std::thread> workers;
-  try {
-    workers.reserve(T - 1);
-    for (int t = 1; t < T; ++t) workers.emplace_back(run);
-  } catch (...) {
+  if (T == 1) {
+    mx_roi_c_begin = 0;
+    mx_roi_c_end = C;
+    fn();
+    return;
   }
-  run();
-  for (auto& w : workers) w.join();
+  std::shared_ptr<mx_roi_launch_state> st;
+  try {
+    st = std::make_shared<mx_roi_launch_state>();
+  } catch (...) {
+    mx_roi_c_begin = 0;
+    mx_roi_c_end = C;
+    fn();
+    return;
+  }
+  const int want = T * MX_ROI_BLOCKS_PER_THREAD;
+  st->blocks = C < want ? C : want;
+  st->C = C;
+  F* f = &fn;
+  for (int t = 1; t < T; ++t) {
+    try {
+      std::thread([st, f]() { mx_roi_run_blocks(*st, f); }).detach();
+    } catch (...) {
+      break;
+    }
+  }
+  mx_roi_run_blocks(*st, f);
+  std::unique_lock<std::mutex> lock(st->m);
+  st->cv.wait(lock, [&]() { return st->done.load(std::memory_order_acquire) == st->blocks; });
 }
 #endif
 
