@@ -26,7 +26,8 @@ import numpy as np
 
 from .geometry import compute_dtype
 
-__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES", "native_available"]
+__all__ = ["select", "get", "write_numpy", "NumpyBackend", "BACKEND_NAMES", "native_available",
+           "Saved", "keep_for_backward", "unpack_saved"]
 
 BACKEND_NAMES = ("numpy", "native", "emulated-cuda", "cuda")
 _CPU_CHOICES = ("auto", "numpy", "native", "emulated-cuda")
@@ -142,6 +143,34 @@ def write_numpy(dst, req: str, value: np.ndarray) -> None:
         raise ValueError(f"unknown req {req!r}")
 
 
+class Saved:
+    """What a training forward keeps for its backward: the op's own value (e.g. an
+    argmax, or None), and the call's rois (a copy), map size and geometry tables, which
+    the backward reuses instead of rebuilding them when its rois are the same."""
+
+    __slots__ = ("value", "rois", "hw", "geo")
+
+    def __init__(self, value, rois, hw, geo):
+        self.value, self.rois, self.hw, self.geo = value, rois, hw, geo
+
+
+def keep_for_backward(value, rois, hw, geo) -> Saved:
+    return Saved(value, rois.copy(), tuple(int(v) for v in hw), geo)
+
+
+def unpack_saved(saved, rois, hw, xp=np):
+    """``(value, geometry or None)`` for a backward with ``rois`` on an ``hw`` map.
+
+    If the rois or the map size differ from the forward's, neither is reused (an argmax
+    of other rois would route the gradient wrongly): ``(None, None)``.
+    """
+    if not isinstance(saved, Saved):
+        return saved, None
+    same = (saved.hw == tuple(int(v) for v in hw) and saved.rois.shape == rois.shape
+            and saved.rois.dtype == rois.dtype and bool(xp.array_equal(saved.rois, rois)))
+    return (saved.value, saved.geo) if same else (None, None)
+
+
 class NumpyBackend:
     """Runs ``op.forward_numpy``/``op.backward_numpy`` on NumPy arrays in the compute dtype."""
 
@@ -163,7 +192,7 @@ class NumpyBackend:
         out, saved = op.forward_numpy(geo, data.astype(cdt, copy=False), keep=keep, out=target)
         if out is not target:
             write_numpy(out_nd, req, out)
-        return saved if keep else None
+        return keep_for_backward(saved, rois, data.shape[2:], geo) if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
         if req == "null":
@@ -174,7 +203,9 @@ class NumpyBackend:
         if rois.shape[0] == 0:
             write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
             return
-        geo = op.geometry(rois, shape[2], shape[3], np)
+        saved, geo = unpack_saved(saved, rois, shape[2:])
+        if geo is None:
+            geo = op.geometry(rois, shape[2], shape[3], np)
         grad = read_numpy(grad_nd).astype(cdt, copy=False)
         if saved is None and op.backward_needs_data:
             data = read_numpy(data_nd).astype(cdt, copy=False)

@@ -281,6 +281,9 @@ class CudaBackend:
                 out, saved = op.forward_cuda(launch, geo, data)
                 if out is not launch.out_target:
                     self._write(out_nd, req, out)
+                if keep and self.emulated:  # host builds: the backward reuses the geometry
+                    from ..backends import keep_for_backward
+                    return keep_for_backward(saved, rois, data.shape[2:], geo)
                 return saved if keep else None
             finally:
                 self._sync()
@@ -298,7 +301,10 @@ class CudaBackend:
                     if req != "add":
                         self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
                     return
-                geo = op.geometry(rois, shape[2], shape[3], xp)
+                from ..backends import unpack_saved
+                saved, geo = unpack_saved(saved, rois, shape[2:], xp)
+                if geo is None:
+                    geo = op.geometry(rois, shape[2], shape[3], xp)
                 grad = self._read(grad_nd)
                 launch = self._launch(op, grad.dtype, in_grad_nd)
                 launch.geo = geo
