@@ -153,15 +153,17 @@ def avg_backward(sep, grad: np.ndarray, data_shape):
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     N, C, H, W = data_shape
     g = grad if divisor is None else grad / divisor[:, None, :, :].astype(dt, copy=False)
-    gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
-    P = gcl.shape[1]
+    P = g.shape[2]
 
     def run(items, out):
         for r, b, sy, sx in items:
             a_y, a_x = ay[r, :, sy], ax[r, :, sx]
             hh, ww = a_y.shape[1], a_x.shape[1]
-            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
-            v = a_x.T @ gcl[r]
+            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C).
+            # g[r] seen as (P, Q, C) is a strided view that BLAS reads as a transposed
+            # operand: no channels-last copy of the whole out-grad (serial, and as big
+            # as the output)
+            v = a_x.T @ g[r].transpose(1, 2, 0)
             out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
 
     return channels_first(sum_into((N, H, W, C), dt, _windows(batch, ay, ax), run))
