@@ -24,6 +24,7 @@ import numpy as np
 
 from .geometry import compute_dtype
 from .ndio import Kind, read_numpy, writable_numpy, write_numpy
+from .saved import keep_for_backward, unpack_saved
 
 __all__ = ["select", "get", "NumpyBackend", "native_available"]
 
@@ -110,7 +111,7 @@ class NumpyBackend:
         out, saved = op.forward_numpy(geo, data.astype(cdt, copy=False), keep=keep, out=target)
         if out is not target:
             write_numpy(out_nd, req, out)
-        return saved if keep else None
+        return keep_for_backward(saved, rois, data.shape[2:], geo) if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
         if req == "null":
@@ -123,7 +124,9 @@ class NumpyBackend:
         if rois.shape[0] == 0 or in_grad_nd.size == 0:
             write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
             return
-        geo = op.geometry(rois, shape[2], shape[3], np)
+        saved, geo = unpack_saved(saved, rois, shape[2:])
+        if geo is None:
+            geo = op.geometry(rois, shape[2], shape[3], np)
         grad = read_numpy(grad_nd).astype(cdt, copy=False)
         if saved is None and op.backward_needs_data:
             data = read_numpy(data_nd).astype(cdt, copy=False)

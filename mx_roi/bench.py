@@ -616,7 +616,8 @@ def machine_info(ctx_name: str) -> dict:
     except Exception:
         features = []
     env_keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                "MKL_DYNAMIC", "KMP_AFFINITY", "OMP_PROC_BIND", "MX_ROI_BACKEND")
+                "MKL_DYNAMIC", "KMP_AFFINITY", "OMP_PROC_BIND", "MX_ROI_BACKEND",
+                "MX_ROI_NUM_THREADS")
     env = {k: os.environ[k] for k in env_keys if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith("MXNET_")})
     try:
@@ -630,7 +631,39 @@ def machine_info(ctx_name: str) -> dict:
         mxnet=mx.__version__, numpy=np.__version__, mx_roi=getattr(mx_roi, "__version__", "?"),
         mxnet_features=features, env=env, ctx=ctx_name, num_gpus=num_gpus,
         gpus=_gpu_names() if ctx_name == "gpu" else [], loadavg=_loadavg(),
-        git=_git_commit())
+        git=_git_commit(), threads=thread_info())
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def mxnet_omp_threads(env=None) -> int:
+    """The OpenMP threads MXNet's CPU operators use (its engine's rule, src/engine/openmp.cc):
+    ``MXNET_OMP_MAX_THREADS`` if set, else ``OMP_NUM_THREADS`` if set, else half the
+    usable logical cores on x86 (its comment: hyper-threading; all of them elsewhere)."""
+    env = os.environ if env is None else env
+    for key in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
+        v = env.get(key, "").split(",")[0].strip()
+        if v:
+            try:
+                return max(1, int(v))
+            except ValueError:
+                pass
+    cores = usable_cores()
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return max(1, cores // 2 if x86 else cores)
+
+
+def thread_info() -> dict:
+    """Both sides' thread counts in this process."""
+    from . import parallel
+    return dict(mxnet=mxnet_omp_threads(), ours=parallel.num_threads(),
+                ours_blas_in_kernels=1 if parallel._blas_handles().set is not None else None,
+                numpy_blas=parallel.blas_threads())
 
 
 def _git_commit() -> Optional[str]:
@@ -668,6 +701,10 @@ def format_header(m: dict, args) -> str:
         f"python {m['python']}, mxnet {m['mxnet']} ({', '.join(feats)}), numpy {m['numpy']}, "
         f"mx_roi {m['mx_roi']} (git {m['git'] or '?'})",
         f"thread/env settings: {env}",
+        f"threads: MXNet built-ins {m['threads']['mxnet']} (OpenMP), mx_roi "
+        f"{m['threads']['ours']} (its pool and native kernels; NumPy's BLAS held at "
+        f"{m['threads']['ours_blas_in_kernels'] or '?'} inside mx_roi kernels, "
+        f"{m['threads']['numpy_blas'] or '?'} outside)",
         f"workload: data ({BATCH}, C, {FEAT_H}, {FEAT_W}) float32 = {IMAGE_H}x{IMAGE_W} image "
         f"at stride {STRIDE}; seeded random proposals; median of {args.repeat} interleaved "
         f"runs (ours, builtin, ...) after 1 warm-up each"
@@ -681,18 +718,62 @@ def format_header(m: dict, args) -> str:
 
 def format_table(rows) -> str:
     head = (f"{'op':<13} {'config':<52} {'dir':<8} {'kernels':<7} {'ours ms':>10} "
-            f"{'builtin ms':>11} {'ours/bi':>8}  {'check':<5} note")
+            f"{'builtin ms':>11} {'ours/bi':>8} {'bound ms':>9} {'reached':>8}  {'check':<5} "
+            "note")
     lines = [head, "-" * len(head)]
     for r in rows:
         bi = f"{r['builtin_ms']:.2f}" if r["builtin_ms"] is not None else "-"
         ours = f"{r['ours_ms']:.2f}" if r["ours_ms"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        bound = (f"{r['bound_ms']:.2f}{r['bound_by'][0]}" if r.get("bound_ms") is not None
+                 else "-")
+        reached = f"{100 * r['reached']:.0f}%" if r.get("reached") is not None else "-"
         check = ("ERROR" if r.get("error") else "-" if r["check"] is None
                  else "ok" if r["check"]["ok"] else "FAIL")
         lines.append(f"{r['op']:<13} {r['config']:<52} {r['direction']:<8} "
-                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8}  {check:<5} "
-                     f"{r['note']}")
+                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8} {bound:>9} "
+                     f"{reached:>8}  {check:<5} {r['note']}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+def add_bounds(rows, workloads: List[Workload], hw: dict) -> None:
+    """Each row gains ``bound_ms`` (the :mod:`mx_roi.roofline` lower bound at the probed
+    bandwidth / multiply-add rate), ``bound_by`` ('mem' or 'fma') and ``reached``
+    (bound / ours)."""
+    from . import registry, roofline
+    work = {}
+    for w in workloads:
+        cls = registry.get_op(w.op)
+        op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in w.ours_kwargs.items()}))
+        try:
+            work[w.key] = roofline.workload_work(op, (BATCH, w.channels, FEAT_H, FEAT_W),
+                                                 make_rois(w.boxes))
+        except Exception:  # a bound is a report, never a reason to fail the bench
+            work[w.key] = None
+    for r in rows:
+        wk = work.get(r["key"])
+        if wk is None:
+            r.update(bound_ms=None, bound_by=None, reached=None, work=None)
+            continue
+        ms, by = roofline.bound_ms(wk, r["direction"], hw)
+        r.update(bound_ms=ms, bound_by=by, work=wk,
+                 reached=(ms / r["ours_ms"]) if r.get("ours_ms") else None)
+
+
+def probe_hardware(quick: bool) -> dict:
+    from . import parallel, roofline
+    return roofline.probe(parallel.num_threads(), mbytes=16 if quick else 128,
+                          repeat=2 if quick else 5)
+
+
+def format_hardware(hw: dict) -> str:
+    return (f"bound = max(bytes that must move / {hw['bandwidth'] / 1e9:.1f} GB/s copy "
+            f"bandwidth, multiply-adds / {hw['fma_rate'] / 1e9:.1f} GFMA/s float32 matmul), "
+            f"both measured here on {hw['threads']} thread(s) (mx_roi.roofline); m/f = "
+            "memory/multiply-add bound; reached = bound / ours")
 
 
 def geomean(values) -> Optional[float]:
@@ -700,6 +781,166 @@ def geomean(values) -> Optional[float]:
     if not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def bench_all(workloads: List[Workload], inputs: Inputs, repeat: int, label: str = ""):
+    rows = []
+    for w in workloads:
+        new = bench_workload(w, inputs, repeat)
+        for r in new:
+            bi = f"{r['builtin_ms']:.2f} ms" if r["builtin_ms"] is not None else "-"
+            ours = f"{r['ours_ms']:9.2f} ms" if r["ours_ms"] is not None else "ERROR"
+            print(f"  {label}{w.key:<26} {r['direction']:<8} ours {ours}, builtin {bi}"
+                  + (f"  {r['error']}" if r.get("error") else ""), flush=True)
+        rows.extend(new)
+    return rows
+
+
+# --------------------------------------------------------------------------- busy core
+
+#: the competing process: one Python thread spinning (one core's worth of work)
+SPINNER = "import time\nwhile True:\n    pass\n"
+
+
+class busy_core:
+    """Context manager: another process keeps one core busy while inside."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", SPINNER],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.2)  # let it get scheduled
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+        return False
+
+
+def add_busy_ratios(busy_rows, quiet_rows) -> None:
+    """Busy rows gain ``ours_busy_over_quiet``, ``builtin_busy_over_quiet``, ``quiet_ratio``."""
+    quiet = {(r["key"], r["direction"]): r for r in quiet_rows}
+    for r in busy_rows:
+        q = quiet.get((r["key"], r["direction"]), {})
+
+        def rel(a, b):
+            return a / b if a is not None and b else None
+        r.update(ours_busy_over_quiet=rel(r.get("ours_ms"), q.get("ours_ms")),
+                 builtin_busy_over_quiet=rel(r.get("builtin_ms"), q.get("builtin_ms")),
+                 quiet_ratio=q.get("ratio"))
+
+
+def format_busy(busy_rows) -> str:
+    def f(v, spec=".2f"):
+        return format(v, spec) if v is not None else "-"
+    head = (f"{'workload':<27} {'dir':<8} {'ours ms':>9} {'bi ms':>9} {'ours busy/quiet':>16} "
+            f"{'bi busy/quiet':>14} {'ours/bi busy':>13} {'ours/bi quiet':>14}")
+    lines = ["One core kept busy by another process (a spinning Python process), same "
+             "workloads:", head, "-" * len(head)]
+    for r in busy_rows:
+        lines.append(f"{r['key']:<27} {r['direction']:<8} {f(r.get('ours_ms')):>9} "
+                     f"{f(r.get('builtin_ms')):>9} {f(r.get('ours_busy_over_quiet')):>16} "
+                     f"{f(r.get('builtin_busy_over_quiet')):>14} {f(r.get('ratio')):>13} "
+                     f"{f(r.get('quiet_ratio')):>14}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- thread settings
+
+
+def thread_env(setting: str, env=None) -> dict:
+    """The environment of a child run at thread ``setting`` ('default', 'all' or N)."""
+    env = dict(os.environ if env is None else env)
+    if setting == "default":
+        return env
+    n = usable_cores() if setting == "all" else int(setting)
+    if n < 1:
+        raise ValueError(f"--threads: {setting!r} is not a positive thread count")
+    for key in ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MX_ROI_NUM_THREADS",
+                "OPENBLAS_NUM_THREADS"):
+        env[key] = str(n)
+    return env
+
+
+def _child_argv(argv) -> List[str]:
+    """``argv`` without --threads / --json / --plot (and their values)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--threads", "--json", "--plot"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def run_thread_settings(args, argv) -> int:
+    """Run the bench once per thread setting in a child process; print a side-by-side
+    summary of the ratios (ours / built-in) and the thread counts of both sides."""
+    import tempfile
+    settings = [s.strip() for s in args.threads.split(",") if s.strip()]
+    for s in settings:
+        if s not in ("default", "all") and not s.isdigit():
+            print(f"--threads: {s!r} is not 'default', 'all' or a positive number",
+                  file=sys.stderr)
+            return 3
+        if s.isdigit() and int(s) < 1:
+            print(f"--threads: {s!r} is not a positive thread count", file=sys.stderr)
+            return 3
+    runs, status = {}, 0
+    with tempfile.TemporaryDirectory(prefix="mx_roi_bench_") as tmp:
+        for s in settings:
+            path = os.path.join(tmp, f"{len(runs)}.json")
+            print(f"===== threads: {s} =====", flush=True)
+            proc = subprocess.run([sys.executable, "-m", "mx_roi.bench"]
+                                  + _child_argv(argv) + ["--json", path],
+                                  env=thread_env(s))
+            status = max(status, proc.returncode)
+            if os.path.exists(path):
+                with open(path) as f:
+                    runs[s] = json.load(f)
+            else:
+                runs[s] = None
+                status = max(status, 2)
+    print()
+    print(format_thread_summary(runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads_runs=runs, settings=settings), f, indent=1)
+    return status
+
+
+def format_thread_summary(runs) -> str:
+    settings = list(runs)
+    lines = ["Ratios ours / built-in per thread setting (MXNet threads / mx_roi threads):"]
+    head = f"{'workload':<27} {'dir':<8}" + "".join(
+        f" {s + ' ' + _threads_tag(runs[s]):>16}" for s in settings)
+    lines += [head, "-" * len(head)]
+    table = {}
+    for s in settings:
+        for r in (runs[s] or {}).get("results", []):
+            table.setdefault((r["key"], r["direction"]), {})[s] = r.get("ratio")
+    for (key, direction), by in table.items():
+        lines.append(f"{key:<27} {direction:<8}" + "".join(
+            f" {by.get(s) if by.get(s) is None else format(by[s], '.2f'):>16}"
+            for s in settings))
+    for direction in DIRECTIONS:
+        cells = []
+        for s in settings:
+            vals = [r["ratio"] for r in (runs[s] or {}).get("results", [])
+                    if r["direction"] == direction and r.get("ratio")]
+            cells.append(f"{max(vals):.2f}/{geomean(vals):.2f}" if vals else "-")
+        lines.append(f"{'worst/geomean':<27} {direction:<8}" + "".join(
+            f" {c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _threads_tag(run) -> str:
+    t = ((run or {}).get("machine") or {}).get("threads") or {}
+    return f"({t.get('mxnet', '?')}/{t.get('ours', '?')})"
 
 
 def _parse_args(argv=None):
@@ -732,6 +973,15 @@ def _parse_args(argv=None):
     p.add_argument("--step", action="store_true",
                    help="step-level benchmark: Faster R-CNN / R-FCN train steps with the "
                         "built-in op and ours (mx_roi.bench_step; --step --help for its options)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated thread settings, each run in a child process with "
+                        "both sides at that count: 'default' (the environment as it is), "
+                        "'all' (every usable core), or a number N (OMP_NUM_THREADS, "
+                        "MXNET_OMP_MAX_THREADS, MX_ROI_NUM_THREADS and OPENBLAS_NUM_THREADS "
+                        "= N); e.g. default,1,all")
+    p.add_argument("--busy", action="store_true",
+                   help="time every workload a second time while another process keeps one "
+                        "core busy; report busy/quiet per side")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -763,10 +1013,13 @@ def main(argv=None) -> int:
         ctx = mx.gpu(0)
     else:
         ctx = mx.cpu()
+    if args.threads:
+        return run_thread_settings(args, sys.argv[1:] if argv is None else list(argv))
     t_start = time.perf_counter()
     machine = machine_info(args.ctx)
     print(format_header(machine, args), flush=True)
     print(flush=True)
+    hw = probe_hardware(args.quick)
 
     workloads = build_workloads(args.quick, args.variants)
     if args.only:
@@ -781,15 +1034,13 @@ def main(argv=None) -> int:
     max_boxes = max([w.boxes for w in workloads] + (sweep_boxes if args.plot else [1]))
     inputs = Inputs(ctx, max_boxes)
 
-    rows = []
-    for w in workloads:
-        new = bench_workload(w, inputs, args.repeat)
-        for r in new:
-            bi = f"{r['builtin_ms']:.2f} ms" if r["builtin_ms"] is not None else "-"
-            ours = f"{r['ours_ms']:9.2f} ms" if r["ours_ms"] is not None else "ERROR"
-            print(f"  {w.key:<26} {r['direction']:<8} ours {ours}, builtin {bi}"
-                  + (f"  {r['error']}" if r.get("error") else ""), flush=True)
-        rows.extend(new)
+    rows = bench_all(workloads, inputs, args.repeat)
+    add_bounds(rows, workloads, hw)
+    busy_rows = None
+    if args.busy:
+        with busy_core():
+            busy_rows = bench_all(workloads, inputs, args.repeat, label="busy ")
+        add_busy_ratios(busy_rows, rows)
 
     overhead = bench_overhead(inputs, workloads, args.repeat)
     if args.memory and args.ctx == "gpu":
@@ -809,7 +1060,8 @@ def main(argv=None) -> int:
                       and r["ratio"] is not None
                       and not (r["check"] and r["check"]["builtin_all_zero"])])
     failures = [f"{r['key']} {r['direction']}" + (" (error)" if r.get("error") else "")
-                for r in rows if r.get("error") or (r["check"] is not None and not r["check"]["ok"])]
+                for r in rows + (busy_rows or [])
+                if r.get("error") or (r["check"] is not None and not r["check"]["ok"])]
     for key, e in (sweep_result or {}).items():
         failures += [f"{key} {args.plot_direction} ({n} boxes)" for n in e.get("failed_boxes", [])]
 
@@ -818,6 +1070,7 @@ def main(argv=None) -> int:
     print()
     print(format_table(rows))
     print()
+    print(format_hardware(hw))
     print("ratio = ours / builtin median time (< 1: mx_roi faster); check = np.allclose(ours, "
           f"builtin, rtol={RTOL:g}, atol={ATOL:g}) on the benchmark inputs: forward output "
           "(fwd) and also the data gradient (fwd+bwd); kernels = the mx_roi backend our side "
@@ -826,6 +1079,9 @@ def main(argv=None) -> int:
     if gm is not None:
         print(f"geometric mean of fwd+bwd ratios ours/builtin over {len(comparable)} "
               f"comparable workloads: {gm:.2f}" + (f"  (fwd only: {gm_fwd:.2f})" if gm_fwd else ""))
+    if busy_rows is not None:
+        print()
+        print(format_busy(busy_rows))
     if overhead:
         print()
         print("Custom-op overhead (trivial custom ops with the same input/output shapes):")
@@ -863,6 +1119,7 @@ def main(argv=None) -> int:
                                    spatial_scale=SPATIAL_SCALE, seed=SEED,
                                    rtol=RTOL, atol=ATOL),
                        results=rows, geomean_fwd_bwd_ratio=gm, geomean_fwd_ratio=gm_fwd,
+                       hardware=hw, busy=busy_rows,
                        overhead=overhead, memory=memory, sweep=sweep_result,
                        failures=failures,
                        total_seconds=elapsed)

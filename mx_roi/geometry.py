@@ -67,6 +67,12 @@ class IntBins:
     wend: Any
 
 
+def _clamp(v, lo, hi, xp):
+    """``clip(v, lo, hi)`` as int32; ``minimum(maximum())`` is the same and, on small
+    tables, 4x cheaper than NumPy 1.23's ``clip`` (its deprecation checks)."""
+    return xp.minimum(xp.maximum(v, lo), hi).astype(np.int32)
+
+
 def _int_bins(start, size, pooled, limit, xp, cdt, offset_in_float):
     """Bins ``floor(i*bin)``..``ceil((i+1)*bin)`` of one axis, clipped to ``[0, limit]``."""
     i = xp.arange(pooled, dtype=cdt)
@@ -80,7 +86,7 @@ def _int_bins(start, size, pooled, limit, xp, cdt, offset_in_float):
     else:  # ROIPooling: floor(i*bin) + start, start an int
         lo = xp.floor(i[None, :] * bin_size[:, None]).astype(np.int32) + start[:, None]
         hi = xp.ceil((i[None, :] + 1) * bin_size[:, None]).astype(np.int32) + start[:, None]
-    return xp.clip(lo, 0, limit).astype(np.int32), xp.clip(hi, 0, limit).astype(np.int32)
+    return _clamp(lo, 0, limit, xp), _clamp(hi, 0, limit, xp)
 
 
 def roi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> IntBins:
@@ -126,7 +132,7 @@ def group_index(pooled: int, group_size: int, xp=np, dtype=np.float32):
     i = xp.arange(pooled, dtype=cdt)
     # MXNet/R-FCN compute it in the data type: floor(static_cast<DType>(p) * G / P)
     g = xp.floor(i * cdt.type(group_size) / cdt.type(pooled)).astype(np.int32)
-    return xp.clip(g, 0, group_size - 1).astype(np.int32)
+    return _clamp(g, 0, group_size - 1, xp)
 
 
 def ps_channel_map(output_dim: int, pooled_size, group_grid, xp=np):

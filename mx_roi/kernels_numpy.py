@@ -88,14 +88,24 @@ def separable(geo: SampleGrid, height: int, width: int):
     """The (batch, ay (R,P,H), ax (R,Q,W), divisor) form of a sample grid.
 
     When the grid's divisor is the product of the per-axis sample counts (ROIAlign's
-    average), it is folded into ``ay``/``ax`` and ``divisor`` is None.
+    average), it is folded into ``ay``/``ax`` and ``divisor`` is None.  Kept on ``geo``
+    (a forward's geometry is reused by its backward), so it is built once per call pair.
     """
+    cached = getattr(geo, "_separable", None)
+    if cached is not None and cached[0] == (height, width):
+        return cached[1]
     ay, ax = tap_matrix(geo.y, height), tap_matrix(geo.x, width)
     cy = np.maximum(geo.y.count, 1).astype(ay.dtype)
     cx = np.maximum(geo.x.count, 1).astype(ax.dtype)
     if np.array_equal(cy[:, :, None] * cx[:, None, :], geo.divisor):
-        return geo.batch, ay / cy[:, :, None], ax / cx[:, :, None], None
-    return geo.batch, ay, ax, geo.divisor
+        sep = geo.batch, ay / cy[:, :, None], ax / cx[:, :, None], None
+    else:
+        sep = geo.batch, ay, ax, geo.divisor
+    try:
+        geo._separable = ((height, width), sep)
+    except AttributeError:  # a geometry object without a __dict__: no cache
+        pass
+    return sep
 
 
 def indicator_matrix(start, end, length: int) -> np.ndarray:
@@ -107,9 +117,11 @@ def indicator_matrix(start, end, length: int) -> np.ndarray:
 def _windows(batch, ay, ax):
     h0, h1 = window(ay)
     w0, w1 = window(ax)
-    live = (batch >= 0) & (h1 > h0) & (w1 > w0)
-    return [(r, int(batch[r]), slice(int(h0[r]), int(h1[r])), slice(int(w0[r]), int(w1[r])))
-            for r in np.flatnonzero(live)]
+    live = np.flatnonzero((batch >= 0) & (h1 > h0) & (w1 > w0))
+    # one .tolist() per table: Python ints without a NumPy scalar per element
+    cols = [a[live].tolist() for a in (batch, h0, h1, w0, w1)]
+    return [(r, b, slice(y0, y1), slice(x0, x1))
+            for r, b, y0, y1, x0, x1 in zip(live.tolist(), *cols)]
 
 
 def avg_forward(sep, data: np.ndarray, out=None):
@@ -162,15 +174,17 @@ def avg_backward(sep, grad: np.ndarray, data_shape):
     ay, ax = ay.astype(dt, copy=False), ax.astype(dt, copy=False)
     N, C, H, W = data_shape
     g = grad if divisor is None else grad / divisor[:, None, :, :].astype(dt, copy=False)
-    gcl = np.ascontiguousarray(g.transpose(0, 2, 3, 1))           # (R, P, Q, C_out)
-    P = gcl.shape[1]
+    P = g.shape[2]
 
     def run(items, out):
         for r, b, sy, sx in items:
             a_y, a_x = ay[r, :, sy], ax[r, :, sx]
             hh, ww = a_y.shape[1], a_x.shape[1]
-            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C)
-            v = a_x.T @ gcl[r]
+            # (ww, Q) @ (P, Q, C) -> (P, ww, C);  (hh, P) @ (P, ww*C) -> (hh, ww*C).
+            # g[r] seen as (P, Q, C) is a strided view that BLAS reads as a transposed
+            # operand: no channels-last copy of the whole out-grad (serial, and as big
+            # as the output)
+            v = a_x.T @ g[r].transpose(1, 2, 0)
             out[b, sy, sx] += (a_y.T @ v.reshape(P, ww * C)).reshape(hh, ww, C)
 
     return channels_first(sum_into((N, H, W, C), dt, _windows(batch, ay, ax), run))

@@ -117,6 +117,10 @@ def param_field(parser, default=dataclasses.MISSING, doc=""):
     return field(default=default, metadata={"parser": parser, "doc": doc})
 
 
+_PARSED: Dict[Any, Any] = {}
+_PARSED_MAX = 1024
+
+
 class ParamBase:
     """Shared ``from_kwargs``/``to_kwargs``/validation for the op parameter structs.
 
@@ -133,7 +137,25 @@ class ParamBase:
 
     @classmethod
     def from_kwargs(cls, **kwargs):
-        """Build the struct from keyword arguments as MXNet passes them (strings)."""
+        """Build the struct from keyword arguments as MXNet passes them (strings).
+
+        Every imperative call builds a new ``CustomOpProp`` and so parses its kwargs
+        again; the (frozen) result is memoised per kwargs, errors are not.
+        """
+        try:
+            key = (cls, tuple((k, type(v).__name__, v) for k, v in sorted(kwargs.items())))
+            hit = _PARSED.get(key)
+        except TypeError:  # an unhashable value: parse it every time
+            key = hit = None
+        if hit is not None:
+            return hit
+        param = cls._parse(kwargs)
+        if key is not None and len(_PARSED) < _PARSED_MAX:
+            _PARSED[key] = param
+        return param
+
+    @classmethod
+    def _parse(cls, kwargs):
         known = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for key, raw in kwargs.items():

@@ -99,3 +99,99 @@ def test_memory_subprocess(tmp_path):
     for side in ("ours", "builtin"):
         assert isinstance(entry[side], int) and entry[side] >= 0, entry
     assert entry["out_bytes"] > 0 and entry["grad_bytes"] > 0
+
+
+# ---- threads, bounds, busy core (issue 18) -----------------------------------------
+
+
+def test_threads_line_and_bounds(quick_run):
+    proc, payload = quick_run
+    threads = payload["machine"]["threads"]
+    assert threads["mxnet"] >= 1 and threads["ours"] >= 1
+    assert "threads: MXNet built-ins" in proc.stdout and "bound ms" in proc.stdout
+    assert "GB/s copy bandwidth" in proc.stdout
+    hw = payload["hardware"]
+    assert _positive(hw["bandwidth"]) and _positive(hw["fma_rate"])
+    for r in payload["results"]:
+        assert _positive(r["bound_ms"]) and r["bound_by"] in ("mem", "fma"), r["key"]
+        assert r["reached"] == pytest.approx(r["bound_ms"] / r["ours_ms"])
+        for k in ("fwd_bytes", "fwd_ops", "bwd_bytes", "bwd_ops"):
+            assert _positive(r["work"][k]), (r["key"], k)
+
+
+def test_thread_settings_run_children(tmp_path):
+    out_json = tmp_path / "threads.json"
+    proc = _run(["--quick", "--only", "ROIPooling/7x7", "--repeat", "1", "--no-memory",
+                 "--threads", "1,2", "--json", str(out_json)], timeout=240)
+    with open(out_json) as f:
+        payload = json.load(f)
+    runs = payload["threads_runs"]
+    assert list(runs) == ["1", "2"]
+    for s, run in runs.items():
+        assert run["machine"]["threads"]["mxnet"] == int(s)
+        assert run["machine"]["threads"]["ours"] == int(s)
+        assert run["machine"]["env"]["OMP_NUM_THREADS"] == s
+        assert {r["direction"] for r in run["results"]} == set(DIRECTIONS)
+        assert all(_positive(r["ratio"]) for r in run["results"])
+    assert "Ratios ours / built-in per thread setting" in proc.stdout
+    assert "1 (1/1)" in proc.stdout and "2 (2/2)" in proc.stdout
+
+
+def test_bad_thread_setting_is_an_error():
+    proc = subprocess.run([sys.executable, "-m", "mx_roi.bench", "--quick", "--threads", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "'0' is not a positive thread count" in proc.stderr
+
+
+def test_busy_mode(tmp_path):
+    out_json = tmp_path / "busy.json"
+    proc = _run(["--quick", "--only", "ROIPooling/7x7", "--repeat", "1", "--busy",
+                 "--json", str(out_json)])
+    with open(out_json) as f:
+        payload = json.load(f)
+    busy = payload["busy"]
+    assert {(r["key"], r["direction"]) for r in busy} == {
+        ("ROIPooling/7x7", d) for d in DIRECTIONS}
+    for r in busy:
+        assert _positive(r["ours_busy_over_quiet"]) and _positive(r["builtin_busy_over_quiet"])
+        assert _positive(r["ratio"]) and _positive(r["quiet_ratio"])
+        assert r["check"]["ok"]
+    assert "One core kept busy by another process" in proc.stdout
+
+
+def test_thread_env_and_mxnet_rule(monkeypatch):
+    from mx_roi import bench
+    env = bench.thread_env("3", {"PATH": "/bin", "MX_ROI_NUM_THREADS": "7"})
+    assert {k: env[k] for k in ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS",
+                                "MX_ROI_NUM_THREADS", "OPENBLAS_NUM_THREADS")} == dict.fromkeys(
+        ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MX_ROI_NUM_THREADS",
+         "OPENBLAS_NUM_THREADS"), "3")
+    assert bench.thread_env("default", {"A": "1"}) == {"A": "1"}
+    assert bench.thread_env("all", {})["OMP_NUM_THREADS"] == str(bench.usable_cores())
+    assert bench.mxnet_omp_threads({"MXNET_OMP_MAX_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
+    assert bench.mxnet_omp_threads({"OMP_NUM_THREADS": "3,2"}) == 3
+    monkeypatch.setattr(bench, "usable_cores", lambda: 8)
+    monkeypatch.setattr(bench.platform, "machine", lambda: "x86_64")
+    assert bench.mxnet_omp_threads({}) == 4  # half the logical cores on x86
+    assert bench._child_argv(["--quick", "--threads", "1,all", "--json=x", "--plot", "p.png",
+                              "--only", "ROIAlign"]) == ["--quick", "--only", "ROIAlign"]
+
+
+def test_roofline_counts_by_hand():
+    """ROIPooling 2x2 on one 8x8 image: two 4x4 boxes overlapping in a 2x2 corner."""
+    import numpy as np
+    from mx_roi import registry, roofline
+    cls = registry.get_op("ROIPooling")
+    op = cls(cls.param_cls.from_kwargs(pooled_size="(2, 2)", spatial_scale="1.0"))
+    rois = np.array([[0, 0, 0, 3, 3], [0, 2, 2, 5, 5]], np.float32)
+    work = roofline.workload_work(op, (1, 3, 8, 8), rois)
+    cells = 16 + 16 - 4                       # union of the two windows
+    out = 2 * 3 * 2 * 2 * 4
+    assert work["fwd_bytes"] == cells * 3 * 4 + out
+    assert work["fwd_ops"] == 2 * 16 * 3     # every cell of every bin, per channel
+    assert work["bwd_bytes"] == out + 3 * 8 * 8 * 4
+    assert work["bwd_ops"] == 2 * 3 * 2 * 2
+    ms, by = roofline.bound_ms(work, "fwd+bwd", dict(bandwidth=1e9, fma_rate=1e12))
+    assert by == "mem" and ms == pytest.approx(1e3 * (work["fwd_bytes"] + work["bwd_bytes"]) / 1e9)
+    ms, by = roofline.bound_ms(work, "fwd", dict(bandwidth=1e12, fma_rate=1e3))
+    assert by == "fma" and ms == pytest.approx(1e3 * work["fwd_ops"] / 1e3)

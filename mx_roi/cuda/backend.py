@@ -73,6 +73,7 @@ import numpy as np
 from .. import ndio
 from ..geometry import compute_dtype
 from ..ndio import Kind
+from ..saved import keep_for_backward, unpack_saved
 from . import loader
 from . import source as S
 
@@ -365,6 +366,8 @@ class CudaBackend:
         out, saved = op.forward_cuda(launch, geo, data)
         if out is not launch.out_target:
             self._write(out_nd, req, out)
+        if keep and self.kind.on_host:  # host builds: the backward reuses the geometry
+            return keep_for_backward(saved, rois, data.shape[2:], geo)
         return saved if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
@@ -388,7 +391,9 @@ class CudaBackend:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
-        geo = op.geometry(rois, shape[2], shape[3], xp)
+        saved, geo = unpack_saved(saved, rois, shape[2:], xp)
+        if geo is None:
+            geo = op.geometry(rois, shape[2], shape[3], xp)
         grad = self._read(grad_nd)
         launch = self._launch(op, grad.dtype, in_grad_nd)
         launch.geo = geo

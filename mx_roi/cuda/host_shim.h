@@ -4,12 +4,14 @@
 // * emulation (mx_roi "emulated-cuda" backend): the launch runs every (block, thread) of
 //   the grid serially, so the kernels' grid-stride loops behave exactly as on a GPU;
 // * native (-DMX_ROI_HOST_NATIVE, mx_roi "native" backend): a fast CPU build.  The
-//   launch splits the output channels into contiguous ranges, one per thread, and each
-//   thread walks its range channel by channel (mx_roi::ItemLoop in roi_common.cuh).
-//   A backward of output channel c writes only the input planes of channel c (the
-//   channel_map of the position-sensitive ops keeps classes apart), so threads never
-//   write the same element: atomicAdd stays a plain add and the result does not depend
-//   on the thread count.
+//   launch cuts the output channels into small contiguous blocks that the threads take
+//   one at a time from a shared counter (a dynamic split: a thread slowed by a busy core
+//   simply takes fewer blocks), and walks each block channel by channel
+//   (mx_roi::ItemLoop in roi_common.cuh).  A backward of output channel c writes only
+//   the input planes of channel c (the channel_map of the position-sensitive ops keeps
+//   classes apart), and one channel is always walked whole by one thread in the same
+//   order, so threads never write the same element: atomicAdd stays a plain add and the
+//   result is bit-identical for any thread count and any timing.
 //
 // Common to both:
 // * __global__/__device__/__forceinline__/__host__ expand to nothing (plain inline C++);
@@ -125,33 +127,80 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 }
 
 #ifdef MX_ROI_HOST_NATIVE
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <thread>
-#include <vector>
 // The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
 static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 
-// Runs fn() on up to nthreads threads (at most C), thread t on channels
-// [C*t/T, C*(t+1)/T).  A range whose thread cannot be started (resource limits) runs on
-// the calling thread instead: an exception must not leave this extern "C" code (it would
-// abort the process).
+// Channel blocks per thread of a native launch: enough that a thread sharing its core
+// with another process hands most of its share to the others, few enough that a block
+// still streams whole planes (a block is at least one channel).
+#define MX_ROI_BLOCKS_PER_THREAD 8
+
+// The shared state of one launch; helpers hold it by shared_ptr, so one that starts
+// after the launch has returned finds no block left and touches nothing else.
+struct mx_roi_launch_state {
+  std::atomic<int> next{0}, done{0};
+  int blocks = 1, C = 0;
+  std::mutex m;
+  std::condition_variable cv;
+};
+
+template <typename F>
+static inline void mx_roi_run_blocks(mx_roi_launch_state& st, F* fn) {
+  for (int b; (b = st.next.fetch_add(1, std::memory_order_relaxed)) < st.blocks;) {
+    mx_roi_c_begin = (int)((long long)st.C * b / st.blocks);
+    mx_roi_c_end = (int)((long long)st.C * (b + 1) / st.blocks);
+    (*fn)();
+    if (st.done.fetch_add(1, std::memory_order_acq_rel) + 1 == st.blocks) {
+      std::lock_guard<std::mutex> lock(st.m);
+      st.cv.notify_all();
+    }
+  }
+}
+
+// Runs fn() over blocks of channels on up to nthreads threads (at most C): every thread,
+// the caller included, takes the next block [c0, c1) from an atomic counter until none is
+// left.  The caller waits only for blocks that were taken, never for a helper thread
+// that has not been scheduled yet (on a busy machine that can take milliseconds): a
+// late helper finds the counter exhausted and exits.  No spinning anywhere.  A helper
+// that cannot be started (resource limits) is simply not there.  An exception must not
+// leave this extern "C" code (it would abort the process).
 template <typename F>
 static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
-  auto run = [=](int t) {
-    mx_roi_c_begin = (int)((long long)C * t / T);
-    mx_roi_c_end = (int)((long long)C * (t + 1) / T);
+  if (T == 1) {
+    mx_roi_c_begin = 0;
+    mx_roi_c_end = C;
     fn();
-  };
-  std::vector<std::thread> workers;
-  int started = 1;
-  try {
-    workers.reserve(T - 1);
-    for (; started < T; ++started) workers.emplace_back(run, started);
-  } catch (...) {
+    return;
   }
-  run(0);
-  for (int t = started; t < T; ++t) run(t);
-  for (auto& w : workers) w.join();
+  std::shared_ptr<mx_roi_launch_state> st;
+  try {
+    st = std::make_shared<mx_roi_launch_state>();
+  } catch (...) {
+    mx_roi_c_begin = 0;
+    mx_roi_c_end = C;
+    fn();
+    return;
+  }
+  const int want = T * MX_ROI_BLOCKS_PER_THREAD;
+  st->blocks = C < want ? C : want;
+  st->C = C;
+  F* f = &fn;
+  for (int t = 1; t < T; ++t) {
+    try {
+      std::thread([st, f]() { mx_roi_run_blocks(*st, f); }).detach();
+    } catch (...) {
+      break;
+    }
+  }
+  mx_roi_run_blocks(*st, f);
+  std::unique_lock<std::mutex> lock(st->m);
+  st->cv.wait(lock, [&]() { return st->done.load(std::memory_order_acquire) == st->blocks; });
 }
 #endif
 

@@ -1,0 +1,95 @@
+"""mx_roi.parallel: thread count, NumPy's BLAS held at one thread, dynamic split."""
+import threading
+
+import numpy as np
+import pytest
+
+from mx_roi import parallel
+
+
+def test_thread_count_env(monkeypatch):
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert parallel.num_threads() == 3
+    monkeypatch.delenv("MX_ROI_NUM_THREADS")
+    assert parallel.num_threads() == 5           # OMP_NUM_THREADS when ours is unset
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # nested list: the outer level
+    assert parallel.num_threads() == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert 1 <= parallel.num_threads() <= parallel.MAX_DEFAULT_THREADS
+
+
+def test_blas_held_at_one_thread_inside_kernels(monkeypatch):
+    if parallel._blas_handles().set is None:
+        pytest.skip("NumPy's BLAS exposes no OpenBLAS thread setter here")
+    before = parallel.blas_threads()
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    seen = []
+    parallel.for_chunks(list(range(64)), lambda c: seen.append(parallel.blas_threads()))
+    assert seen and set(seen) == {1}
+    # nested / concurrent users: restored only when the last one leaves
+    with parallel.blas_limited():
+        with parallel.blas_limited():
+            assert parallel.blas_threads() == 1
+        assert parallel.blas_threads() == 1
+    assert parallel.blas_threads() == before
+
+
+def test_dynamic_split_covers_every_item_once_and_uses_threads(monkeypatch):
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "3")
+    seen, names = [], set()
+    lock = threading.Lock()
+
+    def run(chunk):
+        with lock:
+            seen.extend(chunk)
+            names.add(threading.current_thread().name)
+
+    parallel.for_chunks(range(200), run)
+    assert sorted(seen) == list(range(200))
+    threads, chunks = parallel._split(range(200), parallel.CHUNKS_PER_THREAD)
+    assert threads == 3 and len(chunks) == 3 * parallel.CHUNKS_PER_THREAD
+    assert [i for c in chunks for i in c] == list(range(200))  # contiguous, in order
+
+
+def test_sum_into_is_ordered_and_deterministic(monkeypatch):
+    """Chunk buffers are added in chunk order whatever thread finishes first: the sum
+    is bit-identical to a serial left-to-right sum of the chunks."""
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    rng = np.random.RandomState(0)
+    vals = rng.standard_normal((96, 50)).astype(np.float32) * 10.0 ** rng.randint(-6, 6, (96, 1))
+
+    def fn(chunk, out):
+        if chunk[0] == 0:  # the first chunk finishes last
+            threading.Event().wait(0.05)
+        for i in chunk:
+            out += vals[i]
+
+    got = parallel.sum_into((50,), np.float32, list(range(96)), fn)
+    _, chunks = parallel._split(range(96), parallel.SUM_CHUNKS_PER_THREAD)
+    parts = []
+    for c in chunks:
+        p = np.zeros(50, np.float32)
+        for i in c:
+            p += vals[i]
+        parts.append(p)
+    want = parts[0]
+    for p in parts[1:]:
+        want = want + p
+    assert np.array_equal(got, want)
+
+
+def test_errors_wait_for_all_chunks_then_raise(monkeypatch):
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    running = []
+
+    def run(chunk):
+        running.append(chunk[0])
+        if chunk[0] == 0:
+            raise ValueError("chunk 0 failed")
+        threading.Event().wait(0.02)
+        running.remove(chunk[0])
+
+    with pytest.raises(ValueError, match="chunk 0 failed"):
+        parallel.for_chunks(list(range(64)), run)
+    assert running == [0]  # every other chunk that was taken had finished
