@@ -925,7 +925,7 @@ def format_thread_summary(runs) -> str:
             table.setdefault((r["key"], r["direction"]), {})[s] = r.get("ratio")
     for (key, direction), by in table.items():
         lines.append(f"{key:<27} {direction:<8}" + "".join(
-            f" {by.get(s) if by.get(s) is None else format(by[s], '.2f'):>16}"
+            f" {'-' if by.get(s) is None else format(by[s], '.2f'):>16}"
             for s in settings))
     for direction in DIRECTIONS:
         cells = []

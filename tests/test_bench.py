@@ -195,3 +195,16 @@ def test_roofline_counts_by_hand():
     assert by == "mem" and ms == pytest.approx(1e3 * (work["fwd_bytes"] + work["bwd_bytes"]) / 1e9)
     ms, by = roofline.bound_ms(work, "fwd", dict(bandwidth=1e12, fma_rate=1e3))
     assert by == "fma" and ms == pytest.approx(1e3 * work["fwd_ops"] / 1e3)
+
+
+def test_thread_summary_rows_without_builtin():
+    """Workloads with no built-in (max ROIAlign) have no ratio: the side-by-side summary
+    shows '-' for them instead of failing after the children ran."""
+    from mx_roi.bench import format_thread_summary
+    rows = [dict(key="ROIAlign-max/7x7", direction="fwd", ratio=None),
+            dict(key="ROIPooling/7x7", direction="fwd", ratio=0.5)]
+    text = format_thread_summary({"default": dict(results=rows), "1": dict(results=rows)})
+    line = next(ln for ln in text.splitlines() if ln.startswith("ROIAlign-max/7x7"))
+    assert line.split()[-2:] == ["-", "-"]
+    assert next(ln for ln in text.splitlines()
+                if ln.startswith("ROIPooling/7x7")).split()[-2:] == ["0.50", "0.50"]
