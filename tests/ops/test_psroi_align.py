@@ -71,28 +71,8 @@ class TestPSROIAlign(PositionSensitiveTester):
 # tests/python/unittest/test_operator.py (apache/mxnet 1.9.x) runs contrib.ROIAlign with
 # pooled_size=(3, 4), position_sensitive=True on 3*3*4 channels and compares it with a
 # float32 scalar Python loop.  The same check against our op, written anew: the channels
-# are passed as they are (output channel c, bin (ph, pw) reads c*PH*PW + ph*PW + pw).
-
-def _bilinear_taps(H, W, y, x):
-    """MXNet's bilinear_interpolate: [(row, col, weight)] of one float32 sample."""
-    T = np.float32
-    if y < -1.0 or y > H or x < -1.0 or x > W:
-        return []
-    y, x = T(max(y, T(0))), T(max(x, T(0)))
-    y0, x0 = int(y), int(x)
-    if y0 >= H - 1:
-        y0 = y1 = H - 1
-        y = T(y0)
-    else:
-        y1 = y0 + 1
-    if x0 >= W - 1:
-        x0 = x1 = W - 1
-        x = T(x0)
-    else:
-        x1 = x0 + 1
-    ly, lx = y - T(y0), x - T(x0)
-    hy, hx = T(1) - ly, T(1) - lx
-    return [(y0, x0, hy * hx), (y0, x1, hy * lx), (y1, x0, ly * hx), (y1, x1, ly * lx)]
+# are passed as they are (output channel c, bin (ph, pw) reads c*PH*PW + ph*PW + pw);
+# the bilinear taps are tests/reference.py's (MXNet's bilinear_interpolate).
 
 
 def _ps_align_loops(data, rois, pooled_size, spatial_scale, sample_ratio, dy):
@@ -120,7 +100,7 @@ def _ps_align_loops(data, rois, pooled_size, spatial_scale, sample_ratio, dy):
                         y = y1 + T(ph) * bin_h + (T(iy) + T(0.5)) * bin_h / T(gy)
                         for ix in range(gx):
                             x = x1 + T(pw) * bin_w + (T(ix) + T(0.5)) * bin_w / T(gx)
-                            for row, col, w in _bilinear_taps(H, W, y, x):
+                            for w, row, col in ref._bilinear(y, x, H, W, T):
                                 acc += w * data[b, ch, row, col]
                                 dx[b, ch, row, col] += dy[r, c, ph, pw] * w / count
                     out[r, c, ph, pw] = acc / count
