@@ -134,6 +134,21 @@ def _good_step(op_type, entry, g, blocks, counts):
         counts["wrong_grad"] += 1
 
 
+def _expect_valid(counts, bad_log, where, run, problem):
+    """A case that must succeed: ``run()`` gives (out, grad), ``problem(out, grad)`` names
+    what is wrong with them ('' if nothing); an MXNetError counts as a wrong message."""
+    try:
+        out, grad = run()
+        what = problem(out, grad)
+        if what:
+            counts["wrong_numbers"] += 1
+            bad_log.append(where + (what,))
+        counts["valid"] += 1
+    except mx.base.MXNetError as exc:
+        counts["wrong_message"] += 1
+        bad_log.append(where + (str(exc).splitlines()[0],))
+
+
 def fuzz(seed: int, cases: int) -> dict:
     g = np.random.default_rng(seed)
     counts = dict(cases=0, raised=0, wrong_message=0, silent=0, wrong_numbers=0, wrong_grad=0,
@@ -149,37 +164,29 @@ def fuzz(seed: int, cases: int) -> dict:
         x = g.standard_normal((2, cin, 6, 7)).astype(np.float32)
         rois = GOOD_ROIS.copy()
         counts["cases"] += 1
+        where = (op_type, entry, name)
         if name in VALID:
             r = VALID[name](rois, g)
-            try:
-                if name == "R=0":  # zero-size arrays need np_shape semantics in MXNet
+            if name == "R=0":  # zero-size arrays need np_shape semantics in MXNet
+                def run():
                     with mx.util.np_shape(True):
-                        out, grad = _step(op_type, entry, x, r, params, {})
-                else:
-                    out, grad = _step(op_type, entry, x, r, params, blocks)
-                if not np.allclose(out, fwd(x, r), rtol=1e-4, atol=1e-4) or \
-                        not np.isfinite(grad).all():
-                    counts["wrong_numbers"] += 1
-                    bad_log.append((op_type, entry, name, "numbers"))
-                counts["valid"] += 1
-            except mx.base.MXNetError as exc:
-                counts["wrong_message"] += 1
-                bad_log.append((op_type, entry, name, str(exc).splitlines()[0]))
+                        return _step(op_type, entry, x, r, params, {})
+            else:
+                def run():
+                    return _step(op_type, entry, x, r, params, blocks)
+            _expect_valid(counts, bad_log, where, run, lambda out, grad: "numbers" if not (
+                np.allclose(out, fwd(x, r), rtol=1e-4, atol=1e-4) and np.isfinite(grad).all())
+                else "")
             continue
         env = {}
         if name == "empty-map":
-            with mx.util.np_shape(True):
-                xe = np.zeros((2, cin, 0, 7), np.float32)
-                try:
-                    out, grad = _step(op_type, entry if entry != "mx_roi.nd" else "nd",
-                                      xe, rois, params, {})
-                    if (out != 0).any():
-                        counts["wrong_numbers"] += 1
-                        bad_log.append((op_type, entry, name, "nonzero"))
-                    counts["valid"] += 1
-                except mx.base.MXNetError as exc:
-                    counts["wrong_message"] += 1
-                    bad_log.append((op_type, entry, name, str(exc).splitlines()[0]))
+            def run():
+                with mx.util.np_shape(True):
+                    xe = np.zeros((2, cin, 0, 7), np.float32)
+                    return _step(op_type, entry if entry != "mx_roi.nd" else "nd",
+                                 xe, rois, params, {})
+            _expect_valid(counts, bad_log, where, run,
+                          lambda out, grad: "nonzero" if (out != 0).any() else "")
             _good_step(op_type, entry, g, blocks, counts)
             continue
         if name == "env-backend":
