@@ -47,7 +47,7 @@ __global__ void roi_align_forward_max(
     const A* __restrict__ y_wh, const int* __restrict__ x_count, const int* __restrict__ x_low,
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     int C, int H, int W, int P, int Q, int Gy, int Gx, T* __restrict__ out,
-    int* __restrict__ argmax, long long n) {
+    int* __restrict__ argmax, int store_argmax, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     A best = 0;
@@ -63,16 +63,13 @@ __global__ void roi_align_forward_max(
           const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
                                                         y_wh, x_low, x_high, x_wl, x_wh);
           // a point outside the map is 0 whatever the (weight-0) taps it names hold
-          const A v = s.outside ? (A)0 : mx_roi::sample_value(plane, W, s);
-          if (v > best) {
-            best = v;
-            arg = iy * Gx + ix;
-          }
+          mx_roi::max_step(s.outside ? (A)0 : mx_roi::sample_value(plane, W, s), best,
+                           iy * Gx + ix, arg);
         }
       }
     }
     out[it.i] = mx_roi::Traits<T>::store(best);
-    argmax[it.i] = arg;
+    if (store_argmax) argmax[it.i] = arg;  // 0: inference, nothing kept
   }
 }
 

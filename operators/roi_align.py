@@ -87,10 +87,10 @@ class ROIAlign(RoIOp):
             if gy * gx >= 2 ** 31:  # the argmax iy*Gx+ix is an int32
                 raise ValueError(f"{self.name}: {gy}x{gx} sample points per bin are "
                                  "too many for pool_mode='max' on the CUDA backend")
-            arg = launch.empty((R, C, P, Q), np.int32)
+            arg = launch.empty((R, C, P, Q) if launch.keep else (1,), np.int32)
             launch.forward("roi_align_forward_max", out.size, tables, data=data, C=C, H=H,
-                           W=W, out=out, argmax=arg)
-            return out, arg
+                           W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
+            return out, (arg if launch.keep else None)
         launch.forward("roi_align_forward_avg", out.size, tables, data=data, C=C, H=H, W=W,
                        out=out)
         return out, None

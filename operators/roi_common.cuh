@@ -50,6 +50,26 @@ __device__ __forceinline__ A max_init() {
   return (A)(-3.402823466385288598117e+38f);
 }
 
+// One step of the max scan: if v > best (strict; NaN never wins), best = v and arg = k.
+// In the native host build the argmax update is a mask, hidden from the compiler so that
+// it cannot turn it back into a branch: on real data '>' is unpredictable, and a
+// mispredicted branch per cell made the ROIPooling training forward 2-3x slower than
+// the max alone.  Same result either way.
+template <typename A>
+__device__ __forceinline__ void max_step(A v, A& best, int k, int& arg) {
+#ifdef MX_ROI_HOST_NATIVE
+  int take = -(int)(v > best);
+  __asm__("" : "+r"(take));
+  arg = (k & take) | (arg & ~take);
+  best = v > best ? v : best;
+#else
+  if (v > best) {
+    best = v;
+    arg = k;
+  }
+#endif
+}
+
 // ---- the items (output elements) of a launch -----------------------------------------
 // Item: output element (r, c, p, q) of the (R, C, P, Q) output and its flat index i.
 struct Item {
@@ -114,11 +134,15 @@ class ItemLoop {
 };
 #else
 // Native host build (mx_roi/cuda/host_shim.h with MX_ROI_HOST_NATIVE): the calling
-// thread's output channels [mx_roi_c_begin, mx_roi_c_end), channel by channel, so the
-// input planes of a channel stay in cache across all rois, and threads with disjoint
-// channel ranges never write the same input-gradient plane (no atomics needed).  Within
-// a channel: (r, p, q) order (contiguous output rows) when every bin reads the same
-// plane, (p, q, r) when each bin has its own plane (position-sensitive ops).
+// thread's block of output channels [mx_roi_c_begin, mx_roi_c_end); threads with
+// disjoint channel blocks never write the same input-gradient plane (no atomics needed),
+// and every channel is walked in the same (r, p, q) order whatever the block, so results
+// do not depend on the thread count.  When every bin of a channel reads the same plane:
+// roi by roi, the block's channels in turn -- one contiguous run of output / out-grad
+// elements per roi, while the block's planes stay in cache (measured: ROIPooling 14x14
+// forward 1.4x, backward 1.3x faster than channel by channel).  When each bin has its
+// own plane (position-sensitive ops): channel, bin, then all rois of that bin's plane.
+// The flat index is advanced, not recomputed.
 class ItemLoop {
  public:
   ItemLoop(long long n, int C, int P, int Q, bool plane_per_bin)
@@ -130,11 +154,15 @@ class ItemLoop {
     it_.p = 0;
     it_.q = 0;
     first_ = true;
+    begin_ = mx_roi_c_begin;
     end_ = R_ > 0 ? mx_roi_c_end : mx_roi_c_begin;
+    if (!roi_inner_ && end_ <= begin_) R_ = 0;
   }
   inline bool next(Item& it) {
     if (first_) {
       first_ = false;
+      if (roi_inner_ ? it_.c >= end_ : it_.r >= R_) return false;
+      it_.i = ((it_.r * C_ + it_.c) * P_ + it_.p) * Q_ + it_.q;
     } else if (roi_inner_) {
       if (++it_.r == R_) {
         it_.r = 0;
@@ -142,22 +170,28 @@ class ItemLoop {
           it_.q = 0;
           if (++it_.p == P_) {
             it_.p = 0;
-            ++it_.c;
+            if (++it_.c >= end_) return false;
+          }
+        }
+        it_.i = ((long long)it_.c * P_ + it_.p) * Q_ + it_.q;
+      } else {
+        it_.i += (long long)C_ * P_ * Q_;
+      }
+    } else {
+      // a roi's channels [begin, end) are one contiguous run of output elements
+      ++it_.i;
+      if (++it_.q == Q_) {
+        it_.q = 0;
+        if (++it_.p == P_) {
+          it_.p = 0;
+          if (++it_.c == end_) {
+            it_.c = begin_;
+            if (++it_.r >= R_) return false;
+            it_.i = (it_.r * C_ + begin_) * ((long long)P_ * Q_);
           }
         }
       }
-    } else if (++it_.q == Q_) {
-      it_.q = 0;
-      if (++it_.p == P_) {
-        it_.p = 0;
-        if (++it_.r == R_) {
-          it_.r = 0;
-          ++it_.c;
-        }
-      }
     }
-    if (it_.c >= end_) return false;
-    it_.i = ((it_.r * C_ + it_.c) * P_ + it_.p) * Q_ + it_.q;
     it = it_;
     return true;
   }
@@ -165,7 +199,7 @@ class ItemLoop {
  private:
   Item it_;
   long long R_;
-  int C_, P_, Q_, end_;
+  int C_, P_, Q_, begin_, end_;
   bool roi_inner_, first_;
 };
 #endif

@@ -10,7 +10,7 @@ __global__ void roi_pooling_forward(
     const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ hstart,
     const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
     int C, int H, int W, int P, int Q, T* __restrict__ out, int* __restrict__ argmax,
-    long long n) {
+    int store_argmax, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
@@ -23,16 +23,12 @@ __global__ void roi_pooling_forward(
       for (int h = hs; h < he; ++h) {
         for (int w = ws; w < we; ++w) {
           const int k = h * W + w;
-          const A v = mx_roi::Traits<T>::load(plane[k]);
-          if (v > best) {
-            best = v;
-            arg = k;
-          }
+          mx_roi::max_step(mx_roi::Traits<T>::load(plane[k]), best, k, arg);
         }
       }
     }
     out[it.i] = mx_roi::Traits<T>::store(best);
-    argmax[it.i] = arg;
+    if (store_argmax) argmax[it.i] = arg;  // 0: inference, nothing kept
   }
 }
 

@@ -127,10 +127,10 @@ class ROIPooling(RoIOp):
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         out = launch.output((R, C, P, Q))
-        arg = launch.empty((R, C, P, Q), np.int32)
+        arg = launch.empty((R, C, P, Q) if launch.keep else (1,), np.int32)
         launch.forward("roi_pooling_forward", out.size, int_bins_tables(bins), data=data,
-                       C=C, H=H, W=W, out=out, argmax=arg)
-        return out, arg
+                       C=C, H=H, W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
+        return out, (arg if launch.keep else None)
 
     def backward_cuda(self, launch, bins, grad, data_shape, arg):
         _, C, H, W = data_shape

@@ -206,7 +206,7 @@ def _pool_args(**over):
              wstart=np.zeros((1, 2), np.int32), wend=np.full((1, 2), 2, np.int32),
              C=np.int32(1), H=np.int32(4), W=np.int32(4), P=np.int32(2), Q=np.int32(2),
              out=np.zeros((1, 1, 2, 2), np.float32), argmax=np.zeros((1, 1, 2, 2), np.int32),
-             n=np.int64(4))
+             store_argmax=np.int32(1), n=np.int64(4))
     a.update(over)
     return tuple(a.values())
 
@@ -225,7 +225,7 @@ def test_valid_launch_runs():
 
 @pytest.mark.parametrize("bad,match", [
     (dict(C=1), r"argument 6 \(int C\) must be a NumPy scalar"),
-    (dict(n=4), r"argument 13 \(long long n\) must be a NumPy scalar"),
+    (dict(n=4), r"argument 14 \(long long n\) must be a NumPy scalar"),
     (dict(C=np.int64(1)), r"int C\) must have dtype int32, got int64"),
     (dict(n=np.int32(4)), r"long long n\) must have dtype int64"),
     (dict(data=np.zeros((1, 1, 4, 4), np.float64)), r"const float\* data\) must have dtype"),
@@ -240,7 +240,7 @@ def test_argument_checker_rejects(bad, match):
 
 
 def test_argument_checker_counts_and_scalars_of_double():
-    with pytest.raises(loader.KernelArgumentError, match="13 arguments for 14"):
+    with pytest.raises(loader.KernelArgumentError, match="14 arguments for 15"):
         _kernel()((1,), (32,), _pool_args()[:-1])
     k = _kernel("roi_pooling_backward<float, float, float>")
     sig = k.signature
@@ -262,7 +262,7 @@ def test_launch_binds_arguments_by_name():
     """Launch.forward orders keyword arguments by the parsed signature, converts read-only
     arrays and Python numbers, fills n; the written arrays reach the kernel as they are."""
     kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
-                   "Q", "out", "argmax", "n"], _pool_args()))
+                   "Q", "out", "argmax", "store_argmax", "n"], _pool_args()))
     kw["data"] = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)   # converted (const T*)
     kw.update(C=1, H=4, W=4, P=2, Q=2)                                  # Python ints
     del kw["n"]                                                         # the launch's n
@@ -287,7 +287,7 @@ def test_launch_binds_arguments_by_name():
 ])
 def test_launch_binding_rejects(change, err, match):
     kw = dict(zip(["data", "batch", "hstart", "hend", "wstart", "wend", "C", "H", "W", "P",
-                   "Q", "out", "argmax"], _pool_args()))
+                   "Q", "out", "argmax", "store_argmax"], _pool_args()))
     kw.update(change)
     kw = {k: v for k, v in kw.items() if v is not None}
     with pytest.raises(err, match=match):

@@ -575,3 +575,34 @@ def test_native_threads_skips_threads_for_small_launches(monkeypatch):
     assert loader.native_threads(2500, 4) == 2
     assert loader.native_threads(10 ** 9, 4) == 4
     assert loader.native_threads(10 ** 9, 1) == 1
+
+
+# ------------------------------------------------- inference: no argmax is stored
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[5]], ids=["ROIPooling", "ROIAlign-max"])
+@pytest.mark.parametrize("backend", [NATIVE, EMU], ids=["native", "emulated"])
+def test_inference_forward_stores_no_argmax(backend, name, params, monkeypatch):
+    """An inference forward (nothing kept for a backward) passes store_argmax=0 and a
+    one-element argmax; a training forward stores the full argmax; the outputs agree
+    bit for bit, and the training forward's argmax routes the gradient as before."""
+    op = make_op(name, params)
+    data, rois, grad = problem(op, np.float32, seed=3)
+    seen = []
+    real = Launch.bind
+
+    def spy(self, sig, n, tables, args):
+        seen.append({k: args[k] for k in ("argmax", "store_argmax") if k in args})
+        return real(self, sig, n, tables, args)
+
+    monkeypatch.setattr(Launch, "bind", spy)
+    shape = op.out_shape(data.shape, rois.shape)
+    out_inf, out_train = nd(np.full(shape, 9.0, np.float32)), nd(np.full(shape, 9.0, np.float32))
+    assert backend.forward(op, "write", nd(data), nd(rois), out_inf, keep=False) is None
+    saved = backend.forward(op, "write", nd(data), nd(rois), out_train, keep=True)
+    assert seen[0]["store_argmax"] == 0 and seen[0]["argmax"].size == 1
+    assert seen[1]["store_argmax"] == 1 and seen[1]["argmax"].shape == shape
+    identical(out_inf.asnumpy(), out_train.asnumpy(), "inference vs training output")
+    monkeypatch.undo()
+    dgrad = nd(np.full(data.shape, 7.0, np.float32))
+    backend.backward(op, "write", nd(grad), nd(data), nd(rois), dgrad, saved)
+    _, want = run(REF, op, data, rois, grad)
+    close(dgrad.asnumpy(), want, np.float32, "gradient through the training argmax")

@@ -70,7 +70,7 @@ import math
 
 import numpy as np
 
-from .. import ndio
+from .. import ndio, scratch
 from ..geometry import compute_dtype
 from ..ndio import Kind
 from ..saved import keep_for_backward, unpack_saved
@@ -106,9 +106,14 @@ class Launch:
         self.grad_target = None
         # 'add': the kernels add into grad_target as it is (not zeroed)
         self.grad_req = "write"
+        # False (set by the backend for an inference forward): nothing is kept for a
+        # backward, so the max kernels need not store their argmax
+        self.keep = True
         self.launches = []  # (expression, n) of every launch, for tests
 
     def empty(self, shape, dtype=None):
+        if self.xp is np:  # large host scratch arrays reuse their memory
+            return scratch.empty(shape, dtype or self.dtype)
         return self.xp.empty(shape, dtype=dtype or self.dtype)
 
     def output(self, shape):
@@ -363,6 +368,7 @@ class CudaBackend:
         geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
         launch = self._launch(op, data.dtype, data_nd)
         launch.out_target = self._target(out_nd, req)
+        launch.keep = bool(keep)
         out, saved = op.forward_cuda(launch, geo, data)
         if out is not launch.out_target:
             self._write(out_nd, req, out)
