@@ -1,5 +1,5 @@
 """Packaging for mx_roi: RoI operators for MXNet as Python custom ops."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # mxnet 1.9.1 uses ``np.bool`` (removed in numpy 1.24), so numpy is pinned below 1.24.
 NUMPY = "numpy<1.24"
@@ -15,8 +15,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
-    packages=["mx_roi", "mx_roi.cuda", "mx_roi.viz", "mx_roi.operators", "example_rcnn"],
-    package_dir={"mx_roi.operators": "operators"},
+    # mx_roi and every subpackage.  operators/ ships as mx_roi.operators through the
+    # symlink mx_roi/operators -> ../operators, the one mechanism for a checkout,
+    # `pip install -e .` and the wheel (setuptools follows it and copies the files).
+    # example_rcnn is not installed: it runs from a checkout (`python -m example_rcnn.demo`).
+    packages=find_packages(include=["mx_roi", "mx_roi.*"]),
     package_data={"mx_roi.operators": ["*.cu", "*.cuh"], "mx_roi.cuda": ["*.h"]},
     install_requires=[NUMPY],
     extras_require={

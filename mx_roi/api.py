@@ -8,34 +8,100 @@ fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` thro
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from . import mxpatch
 from .registry import REGISTERED
 
-__all__ = ["make_function", "populate"]
+__all__ = ["make_function", "populate", "bind_params", "parse_params"]
+
+_FALSE = (False, "False", "false", "0", 0)
+
+
+def _name_args(op_cls, order, args, kwargs) -> dict:
+    """``kwargs`` plus ``args`` named by ``order``; TypeError for too many / duplicates."""
+    if len(args) > len(order):
+        raise TypeError(f"{op_cls.name}() takes at most {len(order)} positional parameters "
+                        f"({', '.join(order)}), got {len(args)}")
+    named = dict(kwargs)
+    for key, value in zip(order, args):
+        if key in named:
+            raise TypeError(f"{op_cls.name}() got multiple values for parameter '{key}'")
+        named[key] = value
+    return named
+
+
+def parse_params(op_cls, kwargs: dict):
+    """The op's parameter struct from keyword parameters (ValueError naming a bad one).
+
+    ``position_sensitive`` (a parameter of ``contrib.ROIAlign``, in its positional order)
+    is accepted when false; true points to PSROIAlign."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("position_sensitive", False) not in _FALSE:
+        raise ValueError(f"{op_cls.name}: parameter 'position_sensitive': use PSROIAlign "
+                         "(with output_dim) instead of ROIAlign(position_sensitive=True)")
+    return op_cls.param_cls.from_kwargs(**kwargs)
+
+
+def _keyword_form(op_cls, named: dict, args_names) -> str:
+    return f"{op_cls.name}(" + ", ".join(f"{k}={named[k]!r}" for k in args_names) + ")"
+
+
+def bind_params(op_cls, args, kwargs, old_order=None, stacklevel=2):
+    """The parameter struct of a call with positional ``args`` and keyword ``kwargs``.
+
+    ``args`` are named by ``op_cls.positional_order()`` (the built-in's order).  With
+    ``old_order`` (a positional order the entry point used to take), a call that is only
+    valid in the old order is mapped with a ``DeprecationWarning`` showing the keyword
+    form; a call valid in both orders with different meanings raises ``TypeError``
+    (never silently one of them); a call valid in neither raises the built-in order's
+    error (naming the parameter).
+    """
+    order = op_cls.positional_order()
+    if not old_order or not args or tuple(old_order[:len(args)]) == order[:len(args)]:
+        return parse_params(op_cls, _name_args(op_cls, order, args, kwargs))
+    try:
+        param = parse_params(op_cls, _name_args(op_cls, order, args, kwargs))
+    except (TypeError, ValueError) as exc:
+        new_error = exc
+        param = None
+    try:
+        old_named = _name_args(op_cls, old_order, args, kwargs)
+        old_param = parse_params(op_cls, old_named)
+    except (TypeError, ValueError):
+        old_param = None
+    if old_param is None or old_param == param:
+        if param is None:
+            raise new_error
+        return param
+    old_names = tuple(old_order[:len(args)])
+    if param is None:
+        warnings.warn(
+            f"{op_cls.name}(): positional parameters in the parameter struct's order "
+            f"({', '.join(old_order)}) are deprecated; the positional order is now the "
+            f"built-in's ({', '.join(order)}). Pass them by name: "
+            f"{_keyword_form(op_cls, old_named, old_names)}",
+            DeprecationWarning, stacklevel=stacklevel + 1)
+        return old_param
+    new_named = _name_args(op_cls, order, args, kwargs)
+    raise TypeError(
+        f"{op_cls.name}(): ambiguous positional parameters {args!r}: in the built-in's "
+        f"order they read {_keyword_form(op_cls, new_named, order[:len(args)])}, in the "
+        f"old (parameter struct) order {_keyword_form(op_cls, old_named, old_names)}; "
+        "pass them by name")
 
 
 def make_function(F, op_cls):
     """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **kw)``."""
     fields = dataclasses.fields(op_cls.param_cls)
-    # the built-in's positional order (RoIOp.builtin_order), so that
+    # the built-in's positional order (RoIOp.positional_order), so that
     # ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
     order = op_cls.positional_order()
 
     def fn(data=None, rois=None, *args, name=None, **kwargs):
-        if len(args) > len(order):
-            raise TypeError(f"{op_cls.name}() takes at most {len(order)} positional "
-                            f"parameters after data, rois ({', '.join(order)})")
-        for key, value in zip(order, args):
-            if key in kwargs:
-                raise TypeError(f"{op_cls.name}() got multiple values for '{key}'")
-            kwargs[key] = value
-        if kwargs.pop("position_sensitive", False) not in (False, "False", "0", 0):
-            raise ValueError(f"{op_cls.name}: parameter 'position_sensitive': use PSROIAlign "
-                             "(with output_dim) instead of ROIAlign(position_sensitive=True)")
+        param = bind_params(op_cls, args, kwargs)
         if data is None or rois is None:
             raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
-        param = op_cls.param_cls.from_kwargs(**kwargs)
         extra = {"name": name} if name is not None else {}
         return mxpatch.call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
 

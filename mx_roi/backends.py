@@ -60,7 +60,7 @@ def native_available(cuda_source: str) -> bool:
         if ok is None:
             from .cuda import loader
             try:
-                loader.get_module(cuda_source, True, native=True)
+                loader.get_module(cuda_source, Kind.NATIVE)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - no compiler, failed build: fall back
                 warnings.warn(f"mx_roi: the native CPU kernels of {cuda_source} are not "

@@ -2,9 +2,13 @@
 
 * :class:`ROIPooling`, :class:`ROIAlign`, :class:`PSROIPooling`, :class:`PSROIAlign`:
   one ``HybridBlock`` per registered op, generated from :data:`mx_roi.registry.REGISTERED`.
-  The constructor takes the op's parameters (positionally in the struct's field order,
-  or by name) and validates them through the op's parameter struct, so a bad value fails
-  when the block is built, with a ``ValueError`` naming the parameter.
+  The constructor takes the op's parameters (by name, or positionally in the built-in's
+  order like :mod:`mx_roi.nd`: ``op_cls.positional_order()``) and validates them through
+  the op's parameter struct, so a bad value fails when the block is built, with a
+  ``ValueError`` naming the parameter.  The old positional order (the struct's fields,
+  different for PSROIPooling and ROIAlign) is still mapped, with a ``DeprecationWarning``,
+  where the values cannot be read in the new order; a call valid in both orders with
+  different meanings raises ``TypeError`` asking for names.
   ``block(data, rois)`` builds ``Custom(data, rois, op_type=...)`` through
   :func:`mx_roi.call_custom` (the oneDNN guard), imperatively or symbolically.
 * :class:`MultiScaleROIAlign`: FPN level assignment + pooling of every RoI at its level
@@ -62,16 +66,11 @@ class RoIBlock(HybridBlock):
     def __init__(self, *args, prefix=None, params=None, **kwargs):
         if self.op_cls is None:
             raise TypeError("RoIBlock is abstract; use mx_roi.gluon.ROIAlign etc.")
-        names = self.op_cls.param_cls.field_names()
-        if len(args) > len(names):
-            raise TypeError(f"{self.op_cls.name}() takes at most {len(names)} positional "
-                            f"parameters ({', '.join(names)}), got {len(args)}")
-        for name, value in zip(names, args):
-            if name in kwargs:
-                raise TypeError(f"{self.op_cls.name}() got multiple values for parameter "
-                                f"'{name}'")
-            kwargs[name] = value
-        param = self.op_cls.param_cls.from_kwargs(**kwargs)  # ValueError naming the param
+        # positional: the built-in's order (op_cls.positional_order()), as mx_roi.nd/sym;
+        # the old order (the struct's fields) still works where it cannot be misread,
+        # with a DeprecationWarning
+        param = api.bind_params(self.op_cls, args, kwargs, stacklevel=2,
+                                old_order=self.op_cls.param_cls.field_names())
         super().__init__(prefix=prefix, params=params)
         self._param = param
 
@@ -103,20 +102,34 @@ class RoIBlock(HybridBlock):
 
 def _make_block(op_cls):
     """One ``HybridBlock`` subclass for a registered op."""
-    fields = dataclasses.fields(op_cls.param_cls)
+    fields = {f.name: f for f in dataclasses.fields(op_cls.param_cls)}
+    order = op_cls.positional_order()  # the built-in's order, then the other fields
+
+    def default(name):
+        if name not in fields:  # position_sensitive (contrib.ROIAlign's): only False
+            return False
+        f = fields[name]
+        return P.empty if f.default is dataclasses.MISSING else f.default
+
+    def doc_line(name):
+        if name not in fields:
+            return f"{name} : default False\n    the built-in's; True is refused (use PSROIAlign)"
+        f = fields[name]
+        return (f"{name} : {'required' if f.default is dataclasses.MISSING else 'default ' + repr(f.default)}"
+                f"\n    {f.metadata.get('doc', '')}")
+
     P = inspect.Parameter
     sig = inspect.Signature(
         [P("self", P.POSITIONAL_OR_KEYWORD)]
-        + [P(f.name, P.POSITIONAL_OR_KEYWORD,
-             default=P.empty if f.default is dataclasses.MISSING else f.default)
-           for f in fields]
+        + [P(name, P.POSITIONAL_OR_KEYWORD, default=default(name)) for name in order]
         + [P("prefix", P.KEYWORD_ONLY, default=None), P("params", P.KEYWORD_ONLY, default=None)])
-    lines = "\n".join(f"{f.name} : {'required' if f.default is dataclasses.MISSING else 'default ' + repr(f.default)}"
-                      f"\n    {f.metadata.get('doc', '')}" for f in fields)
+    lines = "\n".join(doc_line(name) for name in order)
     doc = (f"Gluon block for ``{op_cls.name}`` (``Custom(op_type='{op_cls.name}')``).\n\n"
            f"{(op_cls.__doc__ or '').strip()}\n\nCall as ``block(data, rois)`` with data "
            "(N, C, H, W) and rois (R, 5) = (batch_index, x1, y1, x2, y2) of the same dtype; "
            "a negative batch index marks a padding roi (output 0).\n\n"
+           f"Positional parameters: {', '.join(order)} (the built-in's order, as "
+           "``mx_roi.nd``).\n\n"
            f"Parameters\n----------\n{lines}\n")
     cls = type(op_cls.name, (RoIBlock,), {"op_cls": op_cls, "__module__": __name__,
                                          "__doc__": doc})

@@ -44,8 +44,9 @@ class RoIOp:
     cuda_source = ""
     #: ``mode`` of :func:`mx_roi.gluon.roi_pooler` / ``MultiScaleROIAlign`` ('' = none)
     gluon_mode = ""
-    #: positional parameter order after (data, rois) of mx_roi.nd/sym (the built-in's);
-    #: None = the parameter struct's field order
+    #: the built-in's positional parameter order after (data, rois); every entry point
+    #: (mx_roi.nd/sym, gluon.ops(F), the Gluon blocks) takes it, followed by the struct's
+    #: other fields (see :meth:`positional_order`); None = the struct's field order
     builtin_order: Tuple[str, ...] = None
     #: parameter dicts ``python -m mx_roi.selftest`` checks on every backend
     selftest_cases: Tuple[dict, ...] = ()
@@ -78,8 +79,11 @@ class RoIOp:
 
     @classmethod
     def positional_order(cls) -> Tuple[str, ...]:
-        """Positional parameter names after (data, rois) of ``mx_roi.nd``/``sym``."""
-        return tuple(cls.builtin_order or cls.param_cls.field_names())
+        """Positional parameter names of every entry point (after ``data, rois`` for the
+        functions; the Gluon block constructors start with them): ``builtin_order``, then
+        the parameter struct's other fields in field order."""
+        head = tuple(cls.builtin_order or ())
+        return head + tuple(n for n in cls.param_cls.field_names() if n not in head)
 
     @staticmethod
     def selftest_builtin(params: dict, data, rois):

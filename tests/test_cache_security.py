@@ -23,10 +23,11 @@ import pytest
 
 from mx_roi import backends
 from mx_roi.cuda import loader
+from mx_roi.ndio import Kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = "roi_pooling.cu"
-N_LAUNCH = len(loader.host_source(SOURCE, True)[1])
+N_LAUNCH = len(loader.host_source(SOURCE, Kind.NATIVE)[1])
 
 # The child: one native ROIPooling forward against the scalar reference, then a report.
 CHILD = r"""
@@ -36,6 +37,7 @@ import numpy as np
 import mxnet as mx
 import mx_roi
 from mx_roi.cuda import loader
+from mx_roi.ndio import Kind
 from tests import reference
 data = np.random.default_rng(0).standard_normal((2, 3, 8, 9)).astype(np.float32)
 rois = np.array([[0, 0, 0, 5, 5], [1, 1, 2, 8, 6], [0, 3, 1, 7, 7]], np.float32)
@@ -44,7 +46,7 @@ with warnings.catch_warnings(record=True) as caught:
     out = mx_roi.nd.ROIPooling(mx.nd.array(data), mx.nd.array(rois), pooled_size=(2, 3),
                                spatial_scale=1.0).asnumpy()
 want = reference.roi_pooling_forward(data, rois, (2, 3), 1.0)
-mod = loader._MODULES[("roi_pooling.cu", True, -1, True)]
+mod = loader._MODULES[("roi_pooling.cu", Kind.NATIVE, -1)]  # the one the op used
 print("REPORT" + json.dumps(dict(
     equal=bool(np.array_equal(out, want)), lib=mod._lib._name, cache=loader.cache_dir(),
     problems=[loader.path_problem(os.path.dirname(mod._lib._name), True),
@@ -63,7 +65,7 @@ __attribute__((constructor)) static void planted(void) {
 
 def expected_name():
     """The library's file name, from the loader's own functions (anyone can compute it)."""
-    return os.path.basename(loader.host_library_path(SOURCE, True)[0])
+    return os.path.basename(loader.host_library_path(SOURCE, Kind.NATIVE)[0])
 
 
 def build_plant(tmp_path, marker, with_launch=True, with_constructor=True):
@@ -132,7 +134,7 @@ def test_world_writable_mx_roi_cache_is_not_loaded_from(tmp_path, marker):
     # the private fallback already holds a good build of ours: no compile needed here
     private = tmp_path / "tmpdir" / f"mx_roi-{os.geteuid()}"
     private.mkdir(parents=True, mode=0o700)
-    shutil.copy(loader.get_module(SOURCE, True, native=True)._lib._name, private / name)
+    shutil.copy(loader.get_module(SOURCE, Kind.NATIVE)._lib._name, private / name)
     report = run_child(child_env(tmp_path, MX_ROI_CACHE=shared))
     assert_safe(report, marker, shared)
     assert report["cache"] == str(private) and report["lib"] == str(private / name)
@@ -189,7 +191,7 @@ def test_foreign_owned_file_in_our_cache_is_replaced(tmp_path, marker):
 def test_truncated_entry_is_rebuilt_by_the_next_call(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    good = loader.get_module(SOURCE, True, native=True)._lib._name
+    good = loader.get_module(SOURCE, Kind.NATIVE)._lib._name
     name = os.path.basename(good)
     with open(good, "rb") as f:
         (cache / name).write_bytes(f.read(4096))
@@ -303,7 +305,7 @@ def failing_compiler(tmp_path, monkeypatch):
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
     # a truncated entry under the expected name: it will fail to load, and so will the
     # rebuild
-    path = loader.host_library_path(SOURCE, True)[0]
+    path = loader.host_library_path(SOURCE, Kind.NATIVE)[0]
     with open(path, "wb") as f:
         f.write(b"\x7fELF" + b"\0" * 60)
     return log

@@ -18,6 +18,7 @@ import pytest
 
 from mx_roi.cuda import loader
 from mx_roi.cuda import source as S
+from mx_roi.ndio import Kind
 
 SRC = "psroi_pooling.cu"
 
@@ -76,14 +77,14 @@ def entries(tmp_path):
 
 
 def test_second_process_loads_without_compiling(tc, tmp_path):
-    mod = loader.get_module(SRC, False, 0)
+    mod = loader.get_module(SRC, Kind.CUDA, 0)
     assert tc.compiled == [("80", 0)] and tc.loaded == []
     [entry] = entries(tmp_path)
     assert entry.startswith("psroi_pooling-sm80-")
     assert oct(os.stat(tmp_path / "cache" / entry).st_mode & 0o777) == "0o644"
     exprs = S.name_expressions(SRC)
     fresh_process()
-    again = loader.get_module(SRC, False, 0)
+    again = loader.get_module(SRC, Kind.CUDA, 0)
     assert tc.compiled == [("80", 0)] and tc.loaded == [0]
     assert again._mangled == mod._mangled == {e: f"_Z{k}mangled" for k, e in enumerate(exprs)}
     assert again._module.binary == mod._module.binary
@@ -95,7 +96,7 @@ def test_second_process_loads_without_compiling(tc, tmp_path):
 
 @pytest.mark.parametrize("change", ["arch", "nvrtc", "cupy", "options"])
 def test_key_covers_arch_nvrtc_cupy_and_options(tc, tmp_path, monkeypatch, change):
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     fresh_process()
     if change == "arch":
         tc.archs[0] = "90"
@@ -105,23 +106,23 @@ def test_key_covers_arch_nvrtc_cupy_and_options(tc, tmp_path, monkeypatch, chang
         tc.version = "12.3.0"
     else:
         monkeypatch.setattr(S, "NVRTC_OPTIONS", tuple(S.NVRTC_OPTIONS) + ("-DMX_ROI_X=1",))
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     assert len(tc.compiled) == 2 and tc.loaded == []
     assert len(entries(tmp_path)) == 2
 
 
 def test_compiled_for_the_intended_device(tc, tmp_path):
     """Each device gets the binary of its own arch, compiled now (not lazily later)."""
-    loader.get_module(SRC, False, 1)
+    loader.get_module(SRC, Kind.CUDA, 1)
     assert tc.compiled == [("70", 1)]
     assert entries(tmp_path)[0].startswith("psroi_pooling-sm70-")
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     assert tc.compiled == [("70", 1), ("80", 0)]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "mapping"])
 def test_damaged_entry_is_recompiled_once(tc, tmp_path, damage):
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     path = tmp_path / "cache" / entries(tmp_path)[0]
     data = path.read_bytes()
     head, _, binary = data.partition(b"\n")
@@ -138,32 +139,32 @@ def test_damaged_entry_is_recompiled_once(tc, tmp_path, damage):
     path.write_bytes(data)
     fresh_process()
     with pytest.warns(loader.CacheWarning, match="recompiling the damaged cache entry"):
-        loader.get_module(SRC, False, 0)
+        loader.get_module(SRC, Kind.CUDA, 0)
     assert len(tc.compiled) == 2 and tc.loaded == []
     fresh_process()
-    loader.get_module(SRC, False, 0)  # healed: loaded, no third compile
+    loader.get_module(SRC, Kind.CUDA, 0)  # healed: loaded, no third compile
     assert len(tc.compiled) == 2 and tc.loaded == [0]
 
 
 def test_entry_the_driver_rejects_is_recompiled(tc, tmp_path, monkeypatch):
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     fresh_process()
 
     def reject(binary, device_id):
         raise RuntimeError("CUDA_ERROR_INVALID_IMAGE: device kernel image is invalid")
     monkeypatch.setattr(tc, "load", reject)
     with pytest.warns(loader.CacheWarning, match="CUDA_ERROR_INVALID_IMAGE"):
-        loader.get_module(SRC, False, 0)
+        loader.get_module(SRC, Kind.CUDA, 0)
     assert len(tc.compiled) == 2
 
 
 def test_untrusted_entry_and_dir_are_not_loaded(tc, tmp_path, monkeypatch):
-    loader.get_module(SRC, False, 0)
+    loader.get_module(SRC, Kind.CUDA, 0)
     path = tmp_path / "cache" / entries(tmp_path)[0]
     os.chmod(path, 0o666)  # someone could have written it
     fresh_process()
     with pytest.warns(loader.CacheWarning, match="writable by group or others"):
-        loader.get_module(SRC, False, 0)
+        loader.get_module(SRC, Kind.CUDA, 0)
     assert len(tc.compiled) == 2 and tc.loaded == []
     # a world-writable cache directory: its entry is never read
     shared = tmp_path / "shared"
@@ -175,7 +176,7 @@ def test_untrusted_entry_and_dir_are_not_loaded(tc, tmp_path, monkeypatch):
     monkeypatch.setattr(loader.tempfile, "tempdir", None)
     fresh_process()
     with pytest.warns(loader.CacheWarning, match="chmod go-w"):
-        loader.get_module(SRC, False, 0)
+        loader.get_module(SRC, Kind.CUDA, 0)
     assert len(tc.compiled) == 3 and tc.loaded == []
 
 
@@ -183,7 +184,7 @@ def test_no_binary_means_no_disk_entry(tc, tmp_path, monkeypatch):
     """CUPY_CACHE_IN_MEMORY=1: CuPy writes no binary; the module still works."""
     real = tc.compile
     monkeypatch.setattr(tc, "compile", lambda *a: real(*a)[:1] + (None,) + real(*a)[2:])
-    mod = loader.get_module(SRC, False, 0)
+    mod = loader.get_module(SRC, Kind.CUDA, 0)
     assert mod._mangled and entries(tmp_path) == []
 
 

@@ -212,7 +212,7 @@ def _pool_args(**over):
 
 
 def _kernel(expr="roi_pooling_forward<float, float>"):
-    return loader.get_module("roi_pooling.cu", True).get(expr)
+    return loader.get_module("roi_pooling.cu", Kind.EMULATED).get(expr)
 
 
 def test_valid_launch_runs():
@@ -255,7 +255,7 @@ def test_argument_checker_counts_and_scalars_of_double():
 
 
 def _launch_for(module_file="roi_pooling.cu"):
-    return Launch(loader.get_module(module_file, True), np, np.float32)
+    return Launch(loader.get_module(module_file, Kind.EMULATED), np, np.float32)
 
 
 def test_launch_binds_arguments_by_name():
@@ -298,13 +298,40 @@ def test_host_library_cached(tmp_path, monkeypatch):
     """The host build is cached by source hash under $MX_ROI_CACHE."""
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setattr(loader, "_MODULES", {})
-    mod = loader.get_module("psroi_pooling.cu", True)
+    mod = loader.get_module("psroi_pooling.cu", Kind.EMULATED)
     libs = [f for f in os.listdir(tmp_path) if f.endswith(".so")]
     assert len(libs) == 1 and libs[0].startswith("psroi_pooling-")
-    code, index = loader.host_source("psroi_pooling.cu")
+    code, index = loader.host_source("psroi_pooling.cu", Kind.EMULATED)
     assert len(index) == len(S.name_expressions("psroi_pooling.cu"))
     assert 'extern "C" void mx_roi_launch_0' in code
     assert mod.get("psroi_pooling_forward<__half, float>").signature.params[0].ctype == "__half"
+
+
+def test_get_module_takes_one_kind(tmp_path, monkeypatch):
+    """get_module(filename, kind): one ndio.Kind (or its name) per build, memoised per
+    kind; the host libraries keep their file names (``<stem>-native-<key>.so`` and
+    ``<stem>-<key>.so``); booleans (the former ``emulated``/``native`` flags) and
+    NUMPY are refused, naming the parameter."""
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "_MODULES", {})
+    emu = loader.get_module("roi_pooling.cu", Kind.EMULATED)
+    assert emu.kind is Kind.EMULATED and loader.get_module("roi_pooling.cu", "emulated-cuda") is emu
+    assert set(loader._MODULES) == {("roi_pooling.cu", Kind.EMULATED, -1)}
+    emu_name = os.path.basename(loader.host_library_path("roi_pooling.cu", Kind.EMULATED)[0])
+    nat_name = os.path.basename(loader.host_library_path("roi_pooling.cu", Kind.NATIVE)[0])
+    assert emu_name.startswith("roi_pooling-") and not emu_name.startswith("roi_pooling-native-")
+    assert nat_name.startswith("roi_pooling-native-") and emu_name[12:] != nat_name[19:]
+    assert os.listdir(tmp_path) == [emu_name]
+    for bad in (True, False, None, 1):
+        with pytest.raises(TypeError, match=rf"kind: expected an mx_roi.ndio.Kind .*got {bad!r}"):
+            loader.get_module("roi_pooling.cu", bad)
+    with pytest.raises(ValueError, match="kind: Kind.NUMPY has no compiled kernels"):
+        loader.get_module("roi_pooling.cu", Kind.NUMPY)
+    with pytest.raises(ValueError, match="kind: expected an mx_roi.ndio.Kind .*'gpu'"):
+        loader.get_module("roi_pooling.cu", "gpu")
+    with pytest.raises(ValueError, match="kind: expected a host build .*Kind.CUDA"):
+        loader.host_library_path("roi_pooling.cu", Kind.CUDA)
+    assert set(loader._MODULES) == {("roi_pooling.cu", Kind.EMULATED, -1)}
 
 
 def test_selftest_subprocess():
@@ -409,7 +436,7 @@ def _fake_cupy():
             filename = next(f for f in S.sources() if S.read_source(f) == code)
             assert (code, tuple(exprs)) == S.module_source(filename)[:2]
             assert tuple(options) == loader.cupy_options(filename) and arch == "80"
-            host = loader.get_module(filename, True)
+            host = loader.get_module(filename, Kind.EMULATED)
             fake.log.append(("compile", filename))
             return HostModule(host), None, {e: f"_mangled_{e}" for e in exprs}
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -115,16 +118,120 @@ def test_every_custom_node_goes_through_the_guard(monkeypatch):
 @op_param
 def test_positional_parameters_and_param_struct(op):
     kwargs = CASES[op][0]
-    names = [f for f in getattr(G, op).op_cls.param_cls.field_names()]
-    args = [kwargs.get(n) for n in names[:names.index("spatial_scale") + 1]]
-    b = getattr(G, op)(*args)
-    assert b.param == getattr(G, op).op_cls.param_cls.from_kwargs(
-        **{n: kwargs[n] for n in names[:len(args)]})
+    cls = getattr(G, op)
+    order = cls.op_cls.positional_order()  # the built-in's order, then the other fields
+    assert list(inspect.signature(cls).parameters)[1:len(order) + 1] == list(order)
+    args = [kwargs[n] for n in order[:max(order.index(n) for n in kwargs) + 1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # the built-in order never warns
+        b = cls(*args)
+    assert b.param == cls.op_cls.param_cls.from_kwargs(**kwargs)
     assert b.op_type == op and b.op_kwargs() == b.param.to_kwargs()
-    with pytest.raises(TypeError, match="multiple values"):
-        getattr(G, op)(*args, spatial_scale=1.0)
-    with pytest.raises(TypeError, match="positional"):
-        getattr(G, op)(*([1] * (len(names) + 1)))
+    with pytest.raises(TypeError, match="multiple values for parameter 'spatial_scale'"):
+        cls(*args, spatial_scale=1.0)
+    with pytest.raises(TypeError, match=rf"takes at most {len(order)} positional"):
+        cls(*([1] * (len(order) + 1)))
+
+
+# per op: positional parameters in the built-in's order (after data, rois) and the
+# built-in called with the same positional arguments (None: MXNet has no such op)
+BUILTIN_POSITIONAL = {
+    "ROIPooling": (((2, 3), 0.5), mx.nd.ROIPooling),
+    # contrib.ROIAlign(data, rois, pooled_size, spatial_scale, sample_ratio,
+    #                  position_sensitive, aligned)
+    "ROIAlign": (((2, 3), 0.5, 2, False, True), mx.nd.contrib.ROIAlign),
+    # contrib.PSROIPooling(data, rois, spatial_scale, output_dim, pooled_size, group_size)
+    "PSROIPooling": ((0.5, 3, 2, 2), mx.nd.contrib.PSROIPooling),
+    # no built-in of its own: contrib.ROIAlign(position_sensitive=True), checked below
+    "PSROIAlign": ((2, 3, 0.5, 2), None),
+}
+
+
+@op_param
+def test_block_positional_builtin_order_matches_nd_and_builtin(op):
+    args, builtin = BUILTIN_POSITIONAL[op]
+    data, rois = inputs(op)
+    rois = mx.nd.array(rois.asnumpy()[[0, 1, 2, 4]])   # no padding roi (built-ins differ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = getattr(G, op)(*args)
+    out = b(data, rois).asnumpy()
+    b.hybridize()
+    np.testing.assert_array_equal(b(data, rois).asnumpy(), out)
+    np.testing.assert_array_equal(getattr(mx_roi.nd, op)(data, rois, *args).asnumpy(), out)
+    np.testing.assert_array_equal(G.ops(mx.nd).__getattr__(op)(data, rois, *args).asnumpy(),
+                                  out)
+    if builtin is None:  # PSROIAlign(pooled_size, output_dim, spatial_scale, sample_ratio)
+        pooled, _, scale, ratio = args
+        ref = mx.nd.contrib.ROIAlign(data, rois, (pooled, pooled), scale, ratio,
+                                     True).asnumpy()
+    else:
+        ref = builtin(data, rois, *args).asnumpy()
+    assert np.abs(out).max() > 0
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# old (parameter struct order) positional calls that cannot be read in the built-in order
+# -> the same parameters by name
+OLD_ORDER_CALLS = [
+    ("PSROIPooling", (2, 3, 0.5), {}, dict(pooled_size=2, output_dim=3, spatial_scale=0.5)),
+    ("PSROIPooling", ((2, 2), 3), dict(spatial_scale=0.5),
+     dict(pooled_size=(2, 2), output_dim=3)),
+    ("ROIAlign", ((2, 3), 0.5, 2, True), {},
+     dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2, aligned=True)),
+    ("ROIAlign", ((2, 3), 0.5, 2, False, "max"), {},
+     dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2, aligned=False,
+          pool_mode="max")),
+]
+
+
+@pytest.mark.parametrize("op, args, kwargs, named", OLD_ORDER_CALLS)
+def test_block_old_positional_order_warns_and_maps(op, args, kwargs, named):
+    keyword = ", ".join(f"{k}={v!r}" for k, v in named.items())
+    with pytest.warns(DeprecationWarning,
+                      match=rf"^{op}\(\): positional parameters in the parameter struct's "
+                            rf"order .* are deprecated; the positional order is now the "
+                            rf"built-in's \(.*\)\. Pass them by name: "
+                            rf"{re.escape(f'{op}({keyword})')}$") as record:
+        b = getattr(G, op)(*args, **kwargs)
+    assert len(record) == 1 and record[0].filename == __file__  # points at the caller
+    expected = getattr(G, op)(**named, **kwargs)
+    assert b.param == expected.param
+    data, rois = inputs(op)
+    np.testing.assert_array_equal(b(data, rois).asnumpy(), expected(data, rois).asnumpy())
+
+
+def test_block_positional_same_in_both_orders_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = G.PSROIPooling(2, 3, 2)       # spatial_scale = pooled_size = 2 either way
+        a = G.ROIAlign(2, 0.5, 2, False)  # position_sensitive=False / aligned=False
+    assert b.param == G.PSROIPooling(spatial_scale=2, output_dim=3, pooled_size=2).param
+    assert a.param == G.ROIAlign(2, 0.5, sample_ratio=2).param
+
+
+def test_block_positional_ambiguous_or_invalid_raises_naming_the_parameters():
+    # valid in both orders with different meanings: refused, never guessed
+    with pytest.raises(TypeError, match=re.escape(
+            "PSROIPooling(): ambiguous positional parameters (2, 3, 1.0): in the built-in's "
+            "order they read PSROIPooling(spatial_scale=2, output_dim=3, pooled_size=1.0), in "
+            "the old (parameter struct) order PSROIPooling(pooled_size=2, output_dim=3, "
+            "spatial_scale=1.0); pass them by name")):
+        G.PSROIPooling(2, 3, 1.0)
+    # valid in neither order: the built-in order's error, naming the parameter
+    with pytest.raises(ValueError, match=re.escape(
+            "PSROIPooling: parameter 'pooled_size': expected an int or a (height, width) "
+            "tuple, got 0.25")):
+        G.PSROIPooling(0.5, 3, 0.25)
+    with pytest.raises(TypeError, match="multiple values for parameter 'spatial_scale'"):
+        G.PSROIPooling(0.5, 3, 2, spatial_scale=1.0)
+    with pytest.raises(ValueError, match="parameter 'position_sensitive': use PSROIAlign"):
+        G.ROIAlign(2, 0.5, 2, True, True)   # old order: pool_mode=True is invalid too
+    assert G.PSROIPooling(0.5, 3, 2).param.spatial_scale == 0.5   # the next call works
+    # mx_roi.nd / ops(F) never had the old order: no mapping there
+    data, rois = inputs("PSROIPooling")
+    with pytest.raises(ValueError, match="parameter 'spatial_scale': expected a number"):
+        mx_roi.nd.PSROIPooling(data, rois, (2, 2), 3, 0.5)
 
 
 @op_param

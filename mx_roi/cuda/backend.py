@@ -338,9 +338,9 @@ class CudaBackend:
             _trim_pool(cupy)
 
     def _launch(self, op, dtype, nd):
-        host, native = self.kind.on_host, self.kind is Kind.NATIVE
-        module = loader.get_module(op.cuda_source, host,
-                                   0 if host else nd.context.device_id, native)
+        native = self.kind is Kind.NATIVE
+        module = loader.get_module(op.cuda_source, self.kind,
+                                   0 if self.kind.on_host else nd.context.device_id)
         # the native build is deterministic anyway (each thread owns whole gradient
         # planes), so it never needs the fixed-point accumulation
         deterministic = getattr(op.param, "deterministic", False) and not native

@@ -4,12 +4,12 @@
 ``kernel(grid, block, args)`` -- the CuPy ``RawKernel`` calling convention -- for a name
 expression such as ``roi_align_forward_avg<float, float>``:
 
-* ``emulated=False``: compiled with NVRTC through CuPy (``RawModule``'s own compile
+* ``Kind.CUDA``: compiled with NVRTC through CuPy (``RawModule``'s own compile
   function, :class:`CupyToolchain`) for the arch of the intended device, once per
   (source, device) and memoised; the binary and its name-expression -> mangled-name map
   are cached on disk by us (CuPy never reuses its own cache with name expressions), keyed
   by source, options, arch, NVRTC and CuPy versions, and loaded without recompiling;
-* ``emulated=True``: the same text compiled with ``g++`` through
+* ``Kind.EMULATED``: the same text compiled with ``g++`` through
   ``mx_roi/cuda/host_shim.h`` into a shared library with one generated
   ``extern "C" void mx_roi_launch_<k>(unsigned grid, unsigned block, void** args)``
   per name expression (``args[i]`` points at parameter ``i``'s value, as in
@@ -19,7 +19,7 @@ expression such as ``roi_align_forward_avg<float, float>``:
   entry is rebuilt once) and built on first use (a few seconds per source).  ``$CXX`` picks
   the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
   The launch runs the grid serially (a faithful emulation of the GPU's grid-stride loops);
-* ``native=True``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
+* ``Kind.NATIVE``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
   the launch ignores the grid and splits the output channels over
   :func:`mx_roi.parallel.num_threads` threads (see ``host_shim.h``); the CPU backend
   ``native`` of :mod:`mx_roi.backends`.
@@ -51,6 +51,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from . import source as S
+from ..ndio import Kind  # the backend kind (an enum; ndio imports nothing of ours)
 
 __all__ = ["KernelArgumentError", "KernelModule", "get_module", "check_args", "cache_dir",
            "CacheWarning", "HostLibraryError", "path_problem", "host_library_path",
@@ -144,15 +145,14 @@ def _dim(v, what):
 class KernelModule:
     """The compiled kernels of one source file (for one device, or the host)."""
 
-    def __init__(self, filename: str, emulated: bool, device_id: int = 0, native: bool = False):
+    def __init__(self, filename: str, kind: Kind, device_id: int = 0):
         self.filename = filename
-        self.native = bool(native)
-        self.emulated = bool(emulated) or self.native  # host-compiled
+        self.kind = _build_kind(kind)
         self.device_id = device_id
         self.expressions = S.name_expressions(filename)
         self._kernels: Dict[str, _Kernel] = {}
-        if self.emulated:
-            self._lib, self._index = _build_host_library(filename, self.native)
+        if self.kind.on_host:
+            self._lib, self._index = _build_host_library(filename, self.kind)
             self.array_type = np.ndarray
         else:
             toolchain = _cupy_toolchain()
@@ -165,9 +165,9 @@ class KernelModule:
             if expr not in self.expressions:
                 raise KeyError(f"{self.filename}: {expr!r} is not instantiated; compiled: "
                                + ", ".join(self.expressions))
-            if self.native:
+            if self.kind is Kind.NATIVE:
                 launch = self._native_launcher(expr)
-            elif self.emulated:
+            elif self.kind is Kind.EMULATED:
                 launch = self._host_launcher(expr)
             else:
                 fn = self._module.get_function(self._mangled[expr])
@@ -404,11 +404,29 @@ def host_compiler() -> str:
     return shutil.which(cxx) or ""
 
 
-def host_source(filename: str, native: bool = False) -> Tuple[str, Dict[str, int]]:
+def _build_kind(kind) -> Kind:
+    """``kind`` as a kernel build: ``Kind.CUDA``, ``Kind.EMULATED`` or ``Kind.NATIVE``
+    (or its ``MX_ROI_BACKEND`` name); TypeError/ValueError naming it otherwise."""
+    if isinstance(kind, bool) or not isinstance(kind, (Kind, str)):
+        raise TypeError(f"kind: expected an mx_roi.ndio.Kind (CUDA, EMULATED or NATIVE), "
+                        f"got {kind!r}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ValueError(f"kind: expected an mx_roi.ndio.Kind (CUDA, EMULATED or NATIVE), "
+                         f"got {kind!r}") from None
+    if kind is Kind.NUMPY:
+        raise ValueError("kind: Kind.NUMPY has no compiled kernels (expected CUDA, EMULATED "
+                         "or NATIVE)")
+    return kind
+
+
+def host_source(filename: str, kind: Kind = Kind.EMULATED) -> Tuple[str, Dict[str, int]]:
     """The C++ translation unit of the host build and ``{expr: wrapper index}``.
 
     Emulation wrappers take ``(grid, block, args)``; native ones ``(nthreads, args)`` and
     split the kernel's ``C`` (output channels) over the threads."""
+    native = _host_kind(kind) is Kind.NATIVE
     code = S.read_source(filename)
     lines = [code, "", "// ---- generated launch wrappers (mx_roi.cuda.loader) ----"]
     index = {}
@@ -443,15 +461,26 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def host_library_path(filename: str, native: bool = False) -> Tuple[str, str, Dict[str, int]]:
+def _host_kind(kind) -> Kind:
+    kind = _build_kind(kind)
+    if not kind.on_host:
+        raise ValueError(f"kind: expected a host build (Kind.EMULATED or Kind.NATIVE), got "
+                         f"{kind}")
+    return kind
+
+
+def host_library_path(filename: str, kind: Kind = Kind.EMULATED
+                      ) -> Tuple[str, str, Dict[str, int]]:
     """``(path, code, {expr: wrapper index})`` of the host library of ``filename``: its
-    file in :func:`cache_dir`, named by a hash of the source, shim, compiler and flags."""
+    file in :func:`cache_dir`, named by a hash of the source, shim, compiler and flags
+    (the name and hash are those of the former ``native=`` flag: caches stay valid)."""
+    native = _host_kind(kind) is Kind.NATIVE
     cxx = host_compiler()
     if not cxx:
         raise HostLibraryError(
             f"the {'native' if native else 'emulated-cuda'} backend needs a C++ compiler "
             "(g++ or $CXX) to build the kernels for the host; none was found")
-    code, index = host_source(filename, native)
+    code, index = host_source(filename, kind)
     with open(SHIM, encoding="utf-8") as f:
         shim = f.read()
     key = S.source_hash(code, shim, _compiler_id(cxx), " ".join(_host_flags(native)),
@@ -471,14 +500,15 @@ def _host_flags(native):
 _FAILED: Dict[str, str] = {}  # library path -> why it could not be built/loaded
 
 
-def _build_host_library(filename: str, native: bool = False):
+def _build_host_library(filename: str, kind: Kind):
     """Load the cached host library of ``filename``, building it if missing.
 
     An entry that fails to load (truncated, wrong architecture, lacking a launch symbol,
     of another build, or not trusted) is removed and rebuilt, once; if that fails too, a
     :class:`HostLibraryError` says why, and later calls in this process repeat it without
     rebuilding."""
-    lib_path, code, index = host_library_path(filename, native)
+    lib_path, code, index = host_library_path(filename, kind)
+    native = kind is Kind.NATIVE
     with _BUILD_LOCK:
         if lib_path in _FAILED:
             raise HostLibraryError(_FAILED[lib_path])
@@ -751,19 +781,19 @@ def _cupy_module(toolchain, filename: str, device_id: int):
         return module, mapping
 
 
-_MODULES: Dict[Tuple[str, bool, int, bool], KernelModule] = {}
+_MODULES: Dict[Tuple[str, Kind, int], KernelModule] = {}
 _MODULES_LOCK = threading.RLock()
 
 
-def get_module(filename: str, emulated: bool, device_id: int = 0,
-               native: bool = False) -> KernelModule:
-    """The memoised :class:`KernelModule` of ``filename`` (per device; one per host build)."""
-    host = bool(emulated) or bool(native)
-    key = (filename, host, -1 if host else int(device_id), bool(native))
+def get_module(filename: str, kind: Kind, device_id: int = 0) -> KernelModule:
+    """The memoised :class:`KernelModule` of ``filename`` built for ``kind``
+    (``Kind.CUDA``: per device; ``Kind.EMULATED``/``Kind.NATIVE``: one per host build)."""
+    kind = _build_kind(kind)
+    key = (filename, kind, -1 if kind.on_host else int(device_id))
     mod = _MODULES.get(key)
     if mod is None:
         with _MODULES_LOCK:
             mod = _MODULES.get(key)
             if mod is None:
-                mod = _MODULES[key] = KernelModule(filename, emulated, device_id, native)
+                mod = _MODULES[key] = KernelModule(filename, kind, device_id)
     return mod

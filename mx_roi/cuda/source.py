@@ -25,12 +25,10 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-__all__ = ["OPERATORS_DIR", "HEADER", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
+__all__ = ["HEADER", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
            "Param", "Signature", "sources", "read_source", "module_source", "name_expressions",
            "kernel_signatures", "instantiate", "expression", "ctype_of", "cuda_include_dirs"]
 
-OPERATORS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "operators")
 HEADER = "roi_common.cuh"
 
 #: (element type, accumulator/table type) of every instantiation.
@@ -65,14 +63,11 @@ def ctype_of(dtype) -> str:
 
 
 def _operators_dir() -> str:
-    try:  # installed wheel: mx_roi.operators is the operators/ directory
-        import mx_roi.operators as ops
-        here = os.path.dirname(os.path.abspath(ops.__file__))
-        if os.path.exists(os.path.join(here, HEADER)):
-            return here
-    except ImportError:  # pragma: no cover
-        pass
-    return OPERATORS_DIR
+    """The directory of the package ``mx_roi.operators``, where the ``.cu`` files are: in
+    a checkout (and an editable install) the symlink ``mx_roi/operators -> ../operators``,
+    in a wheel the copy that setuptools made of it."""
+    from .. import operators
+    return os.path.dirname(os.path.abspath(operators.__file__))
 
 
 def sources() -> Tuple[str, ...]:
