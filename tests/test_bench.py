@@ -160,27 +160,28 @@ def test_busy_mode(tmp_path):
 
 
 def test_thread_env_and_mxnet_rule(monkeypatch):
-    from mx_roi import bench
-    env = bench.thread_env("3", {"PATH": "/bin", "MX_ROI_NUM_THREADS": "7"})
+    from mx_roi.bench import machine, threads
+    env = threads.thread_env("3", {"PATH": "/bin", "MX_ROI_NUM_THREADS": "7"})
     assert {k: env[k] for k in ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS",
                                 "MX_ROI_NUM_THREADS", "OPENBLAS_NUM_THREADS")} == dict.fromkeys(
         ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MX_ROI_NUM_THREADS",
          "OPENBLAS_NUM_THREADS"), "3")
-    assert bench.thread_env("default", {"A": "1"}) == {"A": "1"}
-    assert bench.thread_env("all", {})["OMP_NUM_THREADS"] == str(bench.usable_cores())
-    assert bench.mxnet_omp_threads({"MXNET_OMP_MAX_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
-    assert bench.mxnet_omp_threads({"OMP_NUM_THREADS": "3,2"}) == 3
-    monkeypatch.setattr(bench, "usable_cores", lambda: 8)
-    monkeypatch.setattr(bench.platform, "machine", lambda: "x86_64")
-    assert bench.mxnet_omp_threads({}) == 4  # half the logical cores on x86
-    assert bench._child_argv(["--quick", "--threads", "1,all", "--json=x", "--plot", "p.png",
-                              "--only", "ROIAlign"]) == ["--quick", "--only", "ROIAlign"]
+    assert threads.thread_env("default", {"A": "1"}) == {"A": "1"}
+    assert threads.thread_env("all", {})["OMP_NUM_THREADS"] == str(machine.usable_cores())
+    assert machine.mxnet_omp_threads({"MXNET_OMP_MAX_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
+    assert machine.mxnet_omp_threads({"OMP_NUM_THREADS": "3,2"}) == 3
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
+    assert machine.mxnet_omp_threads({}) == 4  # half the logical cores on x86
+    assert threads._child_argv(["--quick", "--threads", "1,all", "--json=x", "--plot", "p.png",
+                                "--only", "ROIAlign"]) == ["--quick", "--only", "ROIAlign"]
 
 
 def test_roofline_counts_by_hand():
     """ROIPooling 2x2 on one 8x8 image: two 4x4 boxes overlapping in a 2x2 corner."""
     import numpy as np
-    from mx_roi import registry, roofline
+    from mx_roi import registry
+    from mx_roi.bench import roofline
     cls = registry.get_op("ROIPooling")
     op = cls(cls.param_cls.from_kwargs(pooled_size="(2, 2)", spatial_scale="1.0"))
     rois = np.array([[0, 0, 0, 3, 3], [0, 2, 2, 5, 5]], np.float32)
@@ -200,7 +201,7 @@ def test_roofline_counts_by_hand():
 def test_thread_summary_rows_without_builtin():
     """Workloads with no built-in (max ROIAlign) have no ratio: the side-by-side summary
     shows '-' for them instead of failing after the children ran."""
-    from mx_roi.bench import format_thread_summary
+    from mx_roi.bench.report import format_thread_summary
     rows = [dict(key="ROIAlign-max/7x7", direction="fwd", ratio=None),
             dict(key="ROIPooling/7x7", direction="fwd", ratio=0.5)]
     text = format_thread_summary({"default": dict(results=rows), "1": dict(results=rows)})
@@ -208,3 +209,27 @@ def test_thread_summary_rows_without_builtin():
     assert line.split()[-2:] == ["-", "-"]
     assert next(ln for ln in text.splitlines()
                 if ln.startswith("ROIPooling/7x7")).split()[-2:] == ["0.50", "0.50"]
+
+
+def test_bench_is_not_imported_and_registers_only_its_overhead_ops():
+    """``import mx_roi`` does not import the bench; of the bench's modules only
+    ``overhead`` (and ``cli``, which uses it) registers Custom ops."""
+    code = (
+        "import sys, mxnet as mx\n"
+        "names = []\n"
+        "real = mx.operator.register\n"
+        "mx.operator.register = lambda name: (names.append(name), real(name))[1]\n"
+        "import mx_roi\n"
+        "assert not [m for m in sys.modules if 'bench' in m], sys.modules\n"
+        "base = len(names)\n"
+        "import mx_roi.bench\n"
+        "for m in ('workloads', 'timing', 'memory', 'machine', 'roofline', 'busy', 'threads',\n"
+        "          'report', 'step'):\n"
+        "    __import__('mx_roi.bench.' + m)\n"
+        "assert names[base:] == [], names[base:]\n"
+        "import mx_roi.bench.overhead\n"
+        "print(sorted(names[base:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "['mx_roi_bench_noop', 'mx_roi_bench_numpy_io']"

@@ -28,6 +28,7 @@ def test_wheel_contains_operators_and_kernels(wheel):
     assert "mx_roi/operators/roi_common.cuh" in names
     assert "mx_roi/cuda/host_shim.h" in names
     assert "mx_roi/viz/__init__.py" in names
+    assert "mx_roi/bench/__main__.py" in names  # python -m mx_roi.bench after pip install
 
 
 @pytest.mark.slow

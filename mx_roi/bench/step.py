@@ -1,6 +1,6 @@
 """Step-level benchmark: a detector's train step with MXNet's built-in RoI op and with ours.
 
-Run as ``python -m mx_roi.bench --step`` (or ``python -m mx_roi.bench_step``).  Op-level
+Run as ``python -m mx_roi.bench --step`` (or ``python -m mx_roi.bench.step``).  Op-level
 ratios do not reach the user; the training step does.  For every configuration two
 executors are bound from the *same* graph, once with the built-in op
 (``mx.sym.ROIPooling`` / ``mx.sym.contrib.ROIAlign`` / ``mx.sym.contrib.PSROIPooling``)
@@ -209,7 +209,7 @@ INPUTS = ("data", "rois", "label", "bbox_target", "bbox_weight")
 
 
 def _input_values(cfg: StepConfig) -> Dict[str, np.ndarray]:
-    from .bench import make_rois
+    from .workloads import make_rois
     rng = np.random.RandomState(SEED)
     h, w = cfg.image_hw
     return dict(
@@ -324,8 +324,8 @@ _TIMERS = _Timers()
 def _instrument(op_name: str) -> _Timers:
     """Wrap ``op_name``'s kernels, geometry and checks and the backends' callbacks in
     :data:`_TIMERS` (once; idempotent)."""
-    from . import backends
-    from .registry import get_op
+    from .. import backends
+    from ..registry import get_op
     timers = _TIMERS
     cls = get_op(op_name)
     for attr in ("forward_numpy", "forward_cuda"):
@@ -401,7 +401,7 @@ def run_setting(configs: List[StepConfig], steps: int, model: str, profile: bool
     os.environ.setdefault("MXNET_EXEC_BULK_EXEC_TRAIN", "1")
     import mxnet as mx
     import mx_roi  # noqa: F401  (registers the ops, installs the guard)
-    from .bench import machine_info
+    from .machine import machine_info
     results = []
     for cfg in configs:
         syms = {side: build_symbol(cfg, side, model) for side in ("ours", "builtin")}
@@ -459,13 +459,13 @@ def _child_env(setting: str) -> dict:
     if setting == "equal":
         n = str(os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = env["MX_ROI_NUM_THREADS"] = n
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from .machine import CHECKOUT as root
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
 def _run_child(setting: str, args) -> dict:
-    cmd = [sys.executable, "-m", "mx_roi.bench_step", "--child", "--configs",
+    cmd = [sys.executable, "-m", "mx_roi.bench.step", "--child", "--configs",
            ",".join(c.name for c in args.config_list), "--steps", str(args.steps),
            "--model", args.model] + (["--quick"] if args.quick else []) + \
         ([] if args.profile else ["--no-profile"])
