@@ -12,7 +12,7 @@ import time
 
 import mxnet as mx
 
-from . import report
+from . import report, torchvision_ops
 from .busy import add_busy_ratios, busy_core
 from .machine import machine_info
 from .memory import bench_memory, memory_child
@@ -65,6 +65,10 @@ def _parse_args(argv=None):
     p.add_argument("--busy", action="store_true",
                    help="time every workload a second time while another process keeps one "
                         "core busy; report busy/quiet per side")
+    p.add_argument("--torchvision", dest="torchvision", action="store_true", default=None,
+                   help="time torchvision.ops as a third side where it computes the same "
+                        "(default: when torch and torchvision import; CPU only)")
+    p.add_argument("--no-torchvision", dest="torchvision", action="store_false")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -77,6 +81,20 @@ def _parse_args(argv=None):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     return args
+
+
+def _load_torchvision(args, machine):
+    """(Torchvision or None, why there is no column or ''); records it in ``machine``."""
+    if args.torchvision is False:
+        return None, ""
+    if args.ctx != "cpu":
+        return None, "not compared with --ctx gpu (its CPU kernels only)"
+    tv, why = torchvision_ops.load(machine["threads"]["ours"])
+    if tv is None:
+        return None, (f"not importable ({why}); no torchvision column (optional: pip install "
+                      "'mx_roi[torch]', README \"Speed\")")
+    machine["torchvision"] = tv.info
+    return tv, ""
 
 
 def main(argv=None) -> int:
@@ -100,7 +118,13 @@ def main(argv=None) -> int:
         return run_thread_settings(args, sys.argv[1:] if argv is None else list(argv))
     t_start = time.perf_counter()
     machine = machine_info(args.ctx)
+    tv, tv_missing = _load_torchvision(args, machine)
+    if args.torchvision and tv is None:
+        print(f"--torchvision: {tv_missing}", file=sys.stderr)
+        return 3
     print(report.format_header(machine, args), flush=True)
+    if tv_missing:
+        print(f"torchvision: {tv_missing}", flush=True)
     print(flush=True)
     hw = probe_hardware(args.quick)
 
@@ -117,7 +141,7 @@ def main(argv=None) -> int:
     max_boxes = max([w.boxes for w in workloads] + (sweep_boxes if args.plot else [1]))
     inputs = Inputs(ctx, max_boxes)
 
-    rows = bench_all(workloads, inputs, args.repeat)
+    rows = bench_all(workloads, inputs, args.repeat, tv=tv)
     add_bounds(rows, workloads, hw)
     busy_rows = None
     if args.busy:
@@ -155,6 +179,8 @@ def main(argv=None) -> int:
     print()
     print(report.format_hardware(hw))
     print(report.format_legend())
+    if tv is not None:
+        print(report.format_tv_summary(rows))
     if gm is not None:
         print(f"geometric mean of fwd+bwd ratios ours/builtin over {len(comparable)} "
               f"comparable workloads: {gm:.2f}" + (f"  (fwd only: {gm_fwd:.2f})" if gm_fwd else ""))

@@ -10,7 +10,7 @@ from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_
                         STRIDE)
 
 __all__ = ["format_header", "format_table", "format_hardware", "format_legend",
-           "format_busy", "format_overhead", "format_memory", "format_thread_summary",
+           "format_tv_summary", "format_busy", "format_overhead", "format_memory", "format_thread_summary",
            "geomean", "plot"]
 
 
@@ -36,29 +36,38 @@ def format_header(m: dict, args) -> str:
         f"runs (ours, builtin, ...) after 1 warm-up each"
         + ("; QUICK (reduced sizes)" if args.quick else ""),
     ]
+    tv = m.get("torchvision")
+    if tv:
+        lines.append(f"torchvision {tv['torchvision']} (torch {tv['torch']}): "
+                     f"torch.set_num_threads({tv['threads']}) = mx_roi's thread count; timed "
+                     "as a third interleaved side where its ops agree with ours (np.allclose "
+                     "of output and gradient first), '-' where the semantics differ")
     return "\n".join(lines)
 
 
+def _ms(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
 
 def format_table(rows) -> str:
+    with_tv = any("tv_op" in r for r in rows)
+    tv_head = f" {'tv ms':>9} {'ours/tv':>8}" if with_tv else ""
     head = (f"{'op':<13} {'config':<52} {'dir':<8} {'kernels':<7} {'ours ms':>10} "
-            f"{'builtin ms':>11} {'ours/bi':>8} {'bound ms':>9} {'reached':>8}  {'check':<5} "
-            "note")
+            f"{'builtin ms':>11} {'ours/bi':>8}{tv_head} {'bound ms':>9} {'reached':>8}  "
+            f"{'check':<5} note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        bi = f"{r['builtin_ms']:.2f}" if r["builtin_ms"] is not None else "-"
-        ours = f"{r['ours_ms']:.2f}" if r["ours_ms"] is not None else "-"
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        bi, ours, ratio = _ms(r["builtin_ms"]), _ms(r["ours_ms"]), _ms(r["ratio"])
+        tv = f" {_ms(r.get('tv_ms')):>9} {_ms(r.get('tv_ratio')):>8}" if with_tv else ""
         bound = (f"{r['bound_ms']:.2f}{r['bound_by'][0]}" if r.get("bound_ms") is not None
                  else "-")
         reached = f"{100 * r['reached']:.0f}%" if r.get("reached") is not None else "-"
         check = ("ERROR" if r.get("error") else "-" if r["check"] is None
                  else "ok" if r["check"]["ok"] else "FAIL")
         lines.append(f"{r['op']:<13} {r['config']:<52} {r['direction']:<8} "
-                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8} {bound:>9} "
+                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8}{tv} {bound:>9} "
                      f"{reached:>8}  {check:<5} {r['note']}")
     return "\n".join(lines)
-
 
 
 def format_hardware(hw: dict) -> str:
@@ -74,6 +83,21 @@ def geomean(values) -> Optional[float]:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
+
+
+def format_tv_summary(rows) -> Optional[str]:
+    """Geometric means of ours / torchvision per direction, or None without the column."""
+    if not any("tv_op" in r for r in rows):
+        return None
+    parts = []
+    for direction in DIRECTIONS:
+        vals = [r["tv_ratio"] for r in rows
+                if r["direction"] == direction and r.get("tv_ratio") is not None]
+        gm = geomean(vals)
+        parts.append(f"{direction} {gm:.2f} over {len(vals)}" if gm else f"{direction} -")
+    worst = max((r["tv_ratio"] for r in rows if r.get("tv_ratio") is not None), default=None)
+    return ("ours/tv = ours / torchvision.ops median time at the same thread count; geometric "
+            "mean " + ", ".join(parts) + (f"; worst {worst:.2f}" if worst else ""))
 
 
 def format_legend() -> str:

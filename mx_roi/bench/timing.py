@@ -11,7 +11,8 @@ import numpy as np
 
 import mxnet as mx
 
-from .workloads import ATOL, DIRECTIONS, RTOL, Inputs, Workload
+from . import torchvision_ops
+from .workloads import ATOL, DIRECTIONS, RTOL, Inputs, Workload, make_out_grad
 
 __all__ = ["run_once", "compare", "bench_pair", "bench_workload", "bench_all", "sweep", "drain"]
 
@@ -46,8 +47,24 @@ def compare(a: np.ndarray, b: np.ndarray):
     return ok, diff, float(np.abs(b).max()) if b.size else 0.0
 
 
-def bench_pair(ours, builtin, data, rois, direction, repeat, out_grad):
-    """Interleaved ours/builtin timing; returns a result dict (times in ms)."""
+def agreement(out_o, grad_o, out_b, grad_b) -> dict:
+    """:func:`compare` of our output (and data gradient, when ``grad_o`` is given) with
+    another side's: ``fwd_ok``, ``fwd_max_abs_diff``, ``fwd_max_abs``, ``grad_*``, ``ok``."""
+    ok, diff, scale = compare(out_o, out_b)
+    check = {"fwd_ok": ok, "fwd_max_abs_diff": diff, "fwd_max_abs": scale}
+    if grad_o is not None:
+        gok, gdiff, gscale = compare(grad_o, grad_b)
+        check.update(grad_ok=gok, grad_max_abs_diff=gdiff, grad_max_abs=gscale)
+    check["ok"] = bool(check["fwd_ok"] and check.get("grad_ok", True))
+    return check
+
+
+def bench_pair(ours, builtin, data, rois, direction, repeat, out_grad, peer=None):
+    """Interleaved ours/builtin timing; returns a result dict (times in ms).
+
+    ``peer`` (optional): ``peer(direction) -> (seconds, output, gradient)`` on its own
+    copies of the inputs (torchvision); checked against ours first and timed, interleaved
+    as a third side, only where it agrees (``tv_*`` keys)."""
     if direction == "fwd+bwd":
         data.attach_grad()
     # warm-up (one of each), also the outputs checked for agreement
@@ -59,41 +76,64 @@ def bench_pair(ours, builtin, data, rois, direction, repeat, out_grad):
         _, out_b, grad_b = run_once(builtin, data, rois, direction, out_grad)
         out_b = out_b.asnumpy()
         grad_b = grad_b.asnumpy() if grad_b is not None else None
-        ok, diff, scale = compare(out_o, out_b)
-        check = {"fwd_ok": ok, "fwd_max_abs_diff": diff, "fwd_max_abs": scale}
-        if grad_o is not None:
-            gok, gdiff, gscale = compare(grad_o, grad_b)
-            check.update(grad_ok=gok, grad_max_abs_diff=gdiff, grad_max_abs=gscale)
+        check = agreement(out_o, grad_o, out_b, grad_b)
         check["builtin_all_zero"] = bool(not np.any(out_b)) or (
             grad_b is not None and not np.any(grad_b))
-        check["ok"] = bool(check["fwd_ok"] and check.get("grad_ok", True))
         res["check"] = check
-    ours_t, builtin_t = [], []
+    if peer is not None:
+        try:
+            _, out_p, grad_p = peer(direction)
+            res["tv_check"] = agreement(out_o, grad_o, out_p, grad_p)
+        except Exception as exc:  # a failing peer costs its column, never our row
+            res["tv_check"] = None
+            res["tv_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        if not (res["tv_check"] or {}).get("ok"):
+            peer = None
+    ours_t, builtin_t, peer_t = [], [], []
     for _ in range(repeat):
         ours_t.append(run_once(ours, data, rois, direction, out_grad)[0] * 1e3)
         if builtin is not None:
             builtin_t.append(run_once(builtin, data, rois, direction, out_grad)[0] * 1e3)
+        if peer is not None:
+            peer_t.append(peer(direction)[0] * 1e3)
     res["ours_runs_ms"] = ours_t
     res["builtin_runs_ms"] = builtin_t or None
     res["ours_ms"] = statistics.median(ours_t)
     res["builtin_ms"] = statistics.median(builtin_t) if builtin_t else None
     res["ratio"] = (res["ours_ms"] / res["builtin_ms"]) if builtin_t else None
+    if peer_t:
+        res.update(tv_runs_ms=peer_t, tv_ms=statistics.median(peer_t))
+        res["tv_ratio"] = res["ours_ms"] / res["tv_ms"]
     return res
 
 
-def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIONS):
+def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIONS,
+                   tv=None):
+    """Both directions of ``w``: one row each; with ``tv`` (a
+    :class:`~mx_roi.bench.torchvision_ops.Torchvision`) also its column."""
     rows = []
     rois = inputs.rois(w.boxes)
     out_grad = inputs.out_grad(w.out_shape)
+    peer, tv_fields = None, {}
+    if tv is not None:
+        name, kwargs, why = torchvision_ops.counterpart(w.op, w.ours_kwargs)
+        tv_fields = dict(tv_op=torchvision_ops.describe(name, kwargs) if name else None,
+                         tv_ms=None, tv_runs_ms=None, tv_ratio=None, tv_check=None,
+                         tv_note=why)
+        if name:
+            peer = tv.runner(name, kwargs, inputs.data_np(w.channels), inputs.rois_np[:w.boxes],
+                             make_out_grad(w.out_shape))
     for direction in directions:
         data = inputs.data(w.channels)  # fresh array per direction, same values
         try:
-            res = bench_pair(w.ours(), w.builtin(), data, rois, direction, repeat, out_grad)
+            res = bench_pair(w.ours(), w.builtin(), data, rois, direction, repeat, out_grad,
+                             peer)
         except Exception as exc:  # a broken op must not hide the others' results
             res = dict(check=None, ours_runs_ms=None, builtin_runs_ms=None, ours_ms=None,
                        builtin_ms=None, ratio=None,
                        error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             drain()
+        res = {**tv_fields, **res}
         res.update(key=w.key, op=w.op, config=w.config, direction=direction,
                    backend=_backend_of(w, inputs),
                    boxes=w.boxes, channels=w.channels, builtin=w.builtin_name,
@@ -135,22 +175,41 @@ def _note(w: Workload, res) -> str:
             notes.append(f"FORWARD MISMATCH max|diff|={check['fwd_max_abs_diff']:.3g}")
         if not check.get("grad_ok", True):
             notes.append(f"GRAD MISMATCH max|diff|={check['grad_max_abs_diff']:.3g}")
+    notes += _tv_notes(res)
     return "; ".join(notes)
 
 
+def _tv_notes(res) -> List[str]:
+    """Why the torchvision column is '-' for this row (nothing when it is filled)."""
+    if res.get("tv_ms") is not None or "tv_op" not in res:
+        return []
+    if res.get("tv_error"):
+        return ["torchvision failed: " + res["tv_error"][:120]]
+    check = res.get("tv_check")
+    if check is None:
+        return [res["tv_note"]] if res.get("tv_note") else []
+    what = [f"fwd max|diff|={check['fwd_max_abs_diff']:.3g}"] if not check["fwd_ok"] else []
+    if not check.get("grad_ok", True):
+        what.append(f"grad max|diff|={check['grad_max_abs_diff']:.3g}")
+    return ["torchvision semantics differ (" + ", ".join(what) + ")"]
 
-def bench_all(workloads: List[Workload], inputs: Inputs, repeat: int, label: str = ""):
+
+
+def bench_all(workloads: List[Workload], inputs: Inputs, repeat: int, label: str = "",
+              tv=None):
     rows = []
     for w in workloads:
-        new = bench_workload(w, inputs, repeat)
+        new = bench_workload(w, inputs, repeat, tv=tv)
         for r in new:
             bi = f"{r['builtin_ms']:.2f} ms" if r["builtin_ms"] is not None else "-"
             ours = f"{r['ours_ms']:9.2f} ms" if r["ours_ms"] is not None else "ERROR"
-            print(f"  {label}{w.key:<26} {r['direction']:<8} ours {ours}, builtin {bi}"
+            tvs = "" if "tv_op" not in r else (
+                f", torchvision {r['tv_ms']:.2f} ms" if r.get("tv_ms") is not None
+                else ", torchvision -")
+            print(f"  {label}{w.key:<26} {r['direction']:<8} ours {ours}, builtin {bi}{tvs}"
                   + (f"  {r['error']}" if r.get("error") else ""), flush=True)
         rows.extend(new)
     return rows
-
 
 
 def sweep(workloads: List[Workload], inputs: Inputs, boxes_list, repeat, direction):

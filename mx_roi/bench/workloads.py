@@ -177,10 +177,14 @@ class Inputs:
         self.rois_np = make_rois(max_boxes)
         self._data = {}
 
-    def data(self, channels):
+    def data_np(self, channels) -> np.ndarray:
+        """The seeded data ``(BATCH, channels, FEAT_H, FEAT_W)`` as NumPy (cached)."""
         if channels not in self._data:
             self._data[channels] = make_data(channels)
-        return mx.nd.array(self._data[channels], ctx=self.ctx)
+        return self._data[channels]
+
+    def data(self, channels):
+        return mx.nd.array(self.data_np(channels), ctx=self.ctx)
 
     def rois(self, count):
         return mx.nd.array(self.rois_np[:count], ctx=self.ctx)
