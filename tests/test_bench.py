@@ -238,7 +238,7 @@ def test_bench_is_not_imported_and_registers_only_its_overhead_ops():
         "base = len(names)\n"
         "import mx_roi.bench\n"
         "for m in ('workloads', 'timing', 'memory', 'machine', 'roofline', 'busy', 'threads',\n"
-        "          'report', 'step', 'torchvision_ops'):\n"
+        "          'report', 'step', 'step_model', 'step_profile', 'torchvision_ops'):\n"
         "    __import__('mx_roi.bench.' + m)\n"
         "assert names[base:] == [], names[base:]\n"
         "import mx_roi.bench.overhead\n"

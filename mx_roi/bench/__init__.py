@@ -28,7 +28,9 @@ here with the same shapes: one that does nothing, one that only moves the inputs
 NumPy and writes a zero output / gradient, the floor of any NumPy-backed custom op),
 the peak extra resident memory of one fwd+bwd (``ru_maxrss`` delta in a fresh
 subprocess per op and side; ``--memory``) and, with ``--plot out.png``, time against
-the number of boxes (64 ... 2048) for ours and the built-in.
+the number of boxes (64 ... 2048) for ours and the built-in.  When torch and torchvision
+import, ``torchvision.ops`` is timed as a third side at our thread count where it
+computes the same (:mod:`.torchvision_ops`).
 
 The package (importing ``mx_roi`` does not import it; nothing here registers an op
 until :mod:`.overhead` is imported):
@@ -41,7 +43,9 @@ until :mod:`.overhead` is imported):
 * :mod:`.roofline`  -- first-principles lower bounds and the bandwidth / FMA probe;
 * :mod:`.busy`      -- the competing process of ``--busy``;
 * :mod:`.threads`   -- ``--threads``: one child run per thread setting;
+* :mod:`.torchvision_ops` -- the torchvision column (when torch and torchvision import);
 * :mod:`.report`    -- the printed tables and the plot;
-* :mod:`.step`      -- ``--step``: a detector's train step, built-in against ours;
+* :mod:`.step`      -- ``--step``: a detector's train step, built-in against ours
+  (:mod:`.step_model`: the graphs, inputs and check; :mod:`.step_profile`: the profile);
 * :mod:`.cli`       -- the options and ``main``.
 """
