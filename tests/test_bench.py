@@ -21,9 +21,15 @@ EXPECTED = {
 DIRECTIONS = ("fwd", "fwd+bwd")
 
 
-def _run(args, timeout=120):  # a few seconds normally; generous for a loaded CI machine
+FAKE_TORCH = os.path.join(ROOT, "tests", "fake_torch")
+
+
+def _run(args, timeout=120, pythonpath=None):  # seconds normally; generous for a loaded CI
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "mx_roi.bench"] + args, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
     return proc
 
@@ -32,7 +38,10 @@ def _run(args, timeout=120):  # a few seconds normally; generous for a loaded CI
 def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out_json = tmp / "tmp.json"
-    proc = _run(["--quick", "--json", str(out_json)])
+    # a ``torch`` that fails to import, whether or not the real one is installed here
+    (tmp / "torch").mkdir()
+    (tmp / "torch" / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    proc = _run(["--quick", "--json", str(out_json)], pythonpath=tmp)
     with open(out_json) as f:
         return proc, json.load(f)
 
@@ -71,6 +80,11 @@ def test_overhead_and_header(quick_run):
     assert "geometric mean of fwd+bwd ratios" in proc.stdout
     assert "ours/bi" in proc.stdout
     assert "Custom-op overhead" in proc.stdout
+    # without torch the bench says so once and has no torchvision column
+    assert proc.stdout.count("torchvision: not importable (ImportError: no torch in this "
+                             "test)") == 1
+    assert "ours/tv" not in proc.stdout and "torchvision" not in machine
+    assert not any(k.startswith("tv_") for r in payload["results"] for k in r)
 
 
 def test_plot(tmp_path):
@@ -160,27 +174,28 @@ def test_busy_mode(tmp_path):
 
 
 def test_thread_env_and_mxnet_rule(monkeypatch):
-    from mx_roi import bench
-    env = bench.thread_env("3", {"PATH": "/bin", "MX_ROI_NUM_THREADS": "7"})
+    from mx_roi.bench import machine, threads
+    env = threads.thread_env("3", {"PATH": "/bin", "MX_ROI_NUM_THREADS": "7"})
     assert {k: env[k] for k in ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS",
                                 "MX_ROI_NUM_THREADS", "OPENBLAS_NUM_THREADS")} == dict.fromkeys(
         ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MX_ROI_NUM_THREADS",
          "OPENBLAS_NUM_THREADS"), "3")
-    assert bench.thread_env("default", {"A": "1"}) == {"A": "1"}
-    assert bench.thread_env("all", {})["OMP_NUM_THREADS"] == str(bench.usable_cores())
-    assert bench.mxnet_omp_threads({"MXNET_OMP_MAX_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
-    assert bench.mxnet_omp_threads({"OMP_NUM_THREADS": "3,2"}) == 3
-    monkeypatch.setattr(bench, "usable_cores", lambda: 8)
-    monkeypatch.setattr(bench.platform, "machine", lambda: "x86_64")
-    assert bench.mxnet_omp_threads({}) == 4  # half the logical cores on x86
-    assert bench._child_argv(["--quick", "--threads", "1,all", "--json=x", "--plot", "p.png",
-                              "--only", "ROIAlign"]) == ["--quick", "--only", "ROIAlign"]
+    assert threads.thread_env("default", {"A": "1"}) == {"A": "1"}
+    assert threads.thread_env("all", {})["OMP_NUM_THREADS"] == str(machine.usable_cores())
+    assert machine.mxnet_omp_threads({"MXNET_OMP_MAX_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
+    assert machine.mxnet_omp_threads({"OMP_NUM_THREADS": "3,2"}) == 3
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
+    assert machine.mxnet_omp_threads({}) == 4  # half the logical cores on x86
+    assert threads._child_argv(["--quick", "--threads", "1,all", "--json=x", "--plot", "p.png",
+                                "--only", "ROIAlign"]) == ["--quick", "--only", "ROIAlign"]
 
 
 def test_roofline_counts_by_hand():
     """ROIPooling 2x2 on one 8x8 image: two 4x4 boxes overlapping in a 2x2 corner."""
     import numpy as np
-    from mx_roi import registry, roofline
+    from mx_roi import registry
+    from mx_roi.bench import roofline
     cls = registry.get_op("ROIPooling")
     op = cls(cls.param_cls.from_kwargs(pooled_size="(2, 2)", spatial_scale="1.0"))
     rois = np.array([[0, 0, 0, 3, 3], [0, 2, 2, 5, 5]], np.float32)
@@ -200,7 +215,7 @@ def test_roofline_counts_by_hand():
 def test_thread_summary_rows_without_builtin():
     """Workloads with no built-in (max ROIAlign) have no ratio: the side-by-side summary
     shows '-' for them instead of failing after the children ran."""
-    from mx_roi.bench import format_thread_summary
+    from mx_roi.bench.report import format_thread_summary
     rows = [dict(key="ROIAlign-max/7x7", direction="fwd", ratio=None),
             dict(key="ROIPooling/7x7", direction="fwd", ratio=0.5)]
     text = format_thread_summary({"default": dict(results=rows), "1": dict(results=rows)})
@@ -208,3 +223,101 @@ def test_thread_summary_rows_without_builtin():
     assert line.split()[-2:] == ["-", "-"]
     assert next(ln for ln in text.splitlines()
                 if ln.startswith("ROIPooling/7x7")).split()[-2:] == ["0.50", "0.50"]
+
+
+def test_bench_is_not_imported_and_registers_only_its_overhead_ops():
+    """``import mx_roi`` does not import the bench; of the bench's modules only
+    ``overhead`` (and ``cli``, which uses it) registers Custom ops."""
+    code = (
+        "import sys, mxnet as mx\n"
+        "names = []\n"
+        "real = mx.operator.register\n"
+        "mx.operator.register = lambda name: (names.append(name), real(name))[1]\n"
+        "import mx_roi\n"
+        "assert not [m for m in sys.modules if 'bench' in m], sys.modules\n"
+        "base = len(names)\n"
+        "import mx_roi.bench\n"
+        "for m in ('workloads', 'timing', 'memory', 'machine', 'roofline', 'busy', 'threads',\n"
+        "          'report', 'step', 'step_model', 'step_profile', 'torchvision_ops'):\n"
+        "    __import__('mx_roi.bench.' + m)\n"
+        "assert names[base:] == [], names[base:]\n"
+        "import mx_roi.bench.overhead\n"
+        "print(sorted(names[base:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "['mx_roi_bench_noop', 'mx_roi_bench_numpy_io']"
+
+
+# ---- the torchvision column (issue 18), against the stand-in in tests/fake_torch -----------
+
+
+def test_torchvision_counterparts():
+    from mx_roi.bench.torchvision_ops import counterpart, describe
+    name, kw, why = counterpart("ROIAlign", dict(pooled_size=(7, 7), spatial_scale=0.0625,
+                                                 sample_ratio=2, aligned=True))
+    assert (name, why) == ("roi_align", "")
+    assert kw == dict(output_size=(7, 7), spatial_scale=0.0625, sampling_ratio=2, aligned=True)
+    assert describe(name, kw) == "torchvision.ops.roi_align(aligned=True, sampling_ratio=2)"
+    assert counterpart("ROIAlign", dict(pooled_size=(7, 7), spatial_scale=1.0,
+                                        pool_mode="max"))[::2] == (
+        None, "torchvision has no max-mode RoIAlign")
+    assert counterpart("PSROIPooling", dict(pooled_size=(7, 7), spatial_scale=1.0,
+                                            output_dim=2, group_size=3))[0] is None
+    assert counterpart("PSROIPooling", dict(pooled_size=(7, 7), spatial_scale=1.0,
+                                            output_dim=2, group_size=7))[:2] == (
+        "ps_roi_pool", dict(output_size=(7, 7), spatial_scale=1.0))
+
+
+def test_torchvision_column_with_stand_in(tmp_path):
+    out_json = tmp_path / "tv.json"
+    proc = _run(["--quick", "--no-memory", "--repeat", "2", "--only",
+                 "ROIPooling,ROIAlign-aligned,ROIAlign-max,PSROIPooling,PSROIAlign",
+                 "--json", str(out_json)], pythonpath=FAKE_TORCH)
+    with open(out_json) as f:
+        payload = json.load(f)
+    machine = payload["machine"]
+    ours_threads = machine["threads"]["ours"]
+    assert machine["torchvision"] == dict(torch="0.0-fake", torchvision="0.0-fake",
+                                          threads=ours_threads)
+    assert (f"torchvision 0.0-fake (torch 0.0-fake): torch.set_num_threads({ours_threads}) "
+            "= mx_roi's thread count") in proc.stdout
+    assert "not importable" not in proc.stdout
+    rows = {(r["key"], r["direction"]): r for r in payload["results"]}
+    assert len(rows) == 10
+    timed = {"ROIPooling/7x7": "torchvision.ops.roi_pool()",
+             "ROIAlign-aligned/14x14": "torchvision.ops.roi_align(aligned=True, sampling_ratio=2)",
+             "PSROIPooling/7x7": "torchvision.ops.ps_roi_pool()"}
+    for (key, direction), r in rows.items():
+        if key in timed:  # the stand-in agrees: checked, timed, ratio
+            assert r["tv_op"] == timed[key]
+            assert r["tv_check"]["ok"] and ("grad_ok" in r["tv_check"]) == (
+                direction == "fwd+bwd")
+            assert len(r["tv_runs_ms"]) == 2 and all(_positive(t) for t in r["tv_runs_ms"])
+            assert r["tv_ratio"] == pytest.approx(r["ours_ms"] / r["tv_ms"])
+            assert "torchvision" not in r["note"]
+        elif key == "ROIAlign-max/7x7":  # no counterpart: not run at all
+            assert r["tv_op"] is None and r["tv_check"] is None and r["tv_ms"] is None
+            assert r["note"] == "no built-in; torchvision has no max-mode RoIAlign"
+        else:  # PSROIAlign: the stand-in's half-pixel offset differs from ours
+            assert key == "PSROIAlign/7x7"
+            assert r["tv_op"] == "torchvision.ops.ps_roi_align(sampling_ratio=2)"
+            assert r["tv_check"]["fwd_ok"] is False and not r["tv_check"]["ok"]
+            assert r["tv_ms"] is None and r["tv_ratio"] is None and r["tv_runs_ms"] is None
+            assert "torchvision semantics differ (fwd max|diff|=" in r["note"]
+    assert payload["failures"] == []  # a torchvision difference is not our failure
+    # the table's two columns (right-aligned under their headings), in the final table
+    out_lines = proc.stdout.splitlines()
+    head = max(i for i, ln in enumerate(out_lines) if ln.startswith("op ") and "ours/tv" in ln)
+    lines = out_lines[head:]
+    end_ms, end_ratio = lines[0].index("tv ms") + 5, lines[0].index("ours/tv") + 7
+    cells = {}
+    for ln in lines[2:12]:
+        config = ln[14:66].strip()
+        cells[(ln[:13].strip(), config, ln[67:75].strip())] = (
+            ln[end_ms - 9:end_ms].strip(), ln[end_ratio - 8:end_ratio].strip())
+    for r in payload["results"]:
+        want = (("-", "-") if r["tv_ms"] is None else
+                (f"{r['tv_ms']:.2f}", f"{r['tv_ratio']:.2f}"))
+        assert cells[(r["op"], r["config"], r["direction"])] == want, (r["key"], cells)
+    assert "ours/tv = ours / torchvision.ops median time at the same thread count" in proc.stdout

@@ -30,6 +30,7 @@ def test_wheel_contains_operators_and_kernels(wheel):
     assert "mx_roi/operators/__init__.py" in names
     assert "mx_roi/cuda/host_shim.h" in names
     assert "mx_roi/viz/__init__.py" in names
+    assert "mx_roi/bench/__main__.py" in names  # python -m mx_roi.bench after pip install
     # only mx_roi goes into site-packages: no example_rcnn, tests or bare operators/
     tops = {n.split("/")[0] for n in names if not n.startswith("mx_roi-")}
     assert tops == {"mx_roi"}, tops

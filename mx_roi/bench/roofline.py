@@ -24,11 +24,12 @@ import time
 
 import numpy as np
 
-from . import kernels_numpy as K
-from . import parallel
-from .geometry import IntBins
+from .. import kernels_numpy as K
+from .. import parallel
+from ..geometry import IntBins
+from .workloads import BATCH, FEAT_H, FEAT_W, make_rois
 
-__all__ = ["probe", "workload_work", "bound_ms"]
+__all__ = ["probe", "workload_work", "bound_ms", "probe_hardware", "add_bounds"]
 
 
 def probe(threads: int, mbytes: int = 64, repeat: int = 5) -> dict:
@@ -159,3 +160,29 @@ def bound_ms(work: dict, direction: str, machine: dict):
     t_mem = nbytes / machine["bandwidth"]
     t_fma = ops / machine["fma_rate"]
     return 1e3 * max(t_mem, t_fma), ("mem" if t_mem >= t_fma else "fma")
+
+
+def probe_hardware(quick: bool) -> dict:
+    """:func:`probe` on mx_roi's thread count (smaller and fewer with ``quick``)."""
+    return probe(parallel.num_threads(), mbytes=16 if quick else 128,
+                 repeat=2 if quick else 5)
+
+
+def add_bounds(rows, workloads, hw: dict) -> None:
+    """Each row gains ``bound_ms`` (the lower bound at the probed bandwidth / multiply-add
+    rate), ``bound_by`` ('mem' or 'fma'), ``work`` and ``reached`` (bound / ours)."""
+    work = {}
+    for w in workloads:
+        try:
+            work[w.key] = workload_work(w.op_instance(), (BATCH, w.channels, FEAT_H, FEAT_W),
+                                        make_rois(w.boxes))
+        except Exception:  # a bound is a report, never a reason to fail the bench
+            work[w.key] = None
+    for r in rows:
+        wk = work.get(r["key"])
+        if wk is None:
+            r.update(bound_ms=None, bound_by=None, reached=None, work=None)
+            continue
+        ms, by = bound_ms(wk, r["direction"], hw)
+        r.update(bound_ms=ms, bound_by=by, work=wk,
+                 reached=(ms / r["ours_ms"]) if r.get("ours_ms") else None)

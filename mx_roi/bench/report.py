@@ -1,0 +1,212 @@
+"""What the bench prints: the header, the main table, the bound / busy / overhead /
+memory / thread-setting summaries, and the time-vs-boxes plot."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .memory import mb
+from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_W, RTOL,
+                        STRIDE)
+
+__all__ = ["format_header", "format_table", "format_hardware", "format_legend",
+           "format_tv_summary", "format_busy", "format_overhead", "format_memory", "format_thread_summary",
+           "geomean", "plot"]
+
+
+def format_header(m: dict, args) -> str:
+    env = ", ".join(f"{k}={v}" for k, v in sorted(m["env"].items())) or "(none set)"
+    feats = [f for f in m["mxnet_features"] if f in
+             ("MKLDNN", "OPENMP", "BLAS_OPEN", "BLAS_MKL", "BLAS_ATLAS", "BLAS_APPLE",
+              "CUDA", "CUDNN", "NCCL", "INT64_TENSOR_SIZE")]
+    lines = [
+        f"mx_roi.bench  {m['date']}  ctx={m['ctx']}"
+        + (f" ({', '.join(m['gpus'])})" if m["gpus"] else ""),
+        f"CPU: {m['cpu']}, {m['cpu_count']} logical cores ({m['cpu_affinity']} usable); "
+        f"{m['platform']}; load average at start {m['loadavg']}",
+        f"python {m['python']}, mxnet {m['mxnet']} ({', '.join(feats)}), numpy {m['numpy']}, "
+        f"mx_roi {m['mx_roi']} (git {m['git'] or '?'})",
+        f"thread/env settings: {env}",
+        f"threads: MXNet built-ins {m['threads']['mxnet']} (OpenMP), mx_roi "
+        f"{m['threads']['ours']} (its pool and native kernels; NumPy's BLAS held at "
+        f"{m['threads']['ours_blas_in_kernels'] or '?'} inside mx_roi kernels, "
+        f"{m['threads']['numpy_blas'] or '?'} outside)",
+        f"workload: data ({BATCH}, C, {FEAT_H}, {FEAT_W}) float32 = {IMAGE_H}x{IMAGE_W} image "
+        f"at stride {STRIDE}; seeded random proposals; median of {args.repeat} interleaved "
+        f"runs (ours, builtin, ...) after 1 warm-up each"
+        + ("; QUICK (reduced sizes)" if args.quick else ""),
+    ]
+    tv = m.get("torchvision")
+    if tv:
+        lines.append(f"torchvision {tv['torchvision']} (torch {tv['torch']}): "
+                     f"torch.set_num_threads({tv['threads']}) = mx_roi's thread count; timed "
+                     "as a third interleaved side where its ops agree with ours (np.allclose "
+                     "of output and gradient first), '-' where the semantics differ")
+    return "\n".join(lines)
+
+
+def _ms(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(rows) -> str:
+    with_tv = any("tv_op" in r for r in rows)
+    tv_head = f" {'tv ms':>9} {'ours/tv':>8}" if with_tv else ""
+    head = (f"{'op':<13} {'config':<52} {'dir':<8} {'kernels':<7} {'ours ms':>10} "
+            f"{'builtin ms':>11} {'ours/bi':>8}{tv_head} {'bound ms':>9} {'reached':>8}  "
+            f"{'check':<5} note")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        bi, ours, ratio = _ms(r["builtin_ms"]), _ms(r["ours_ms"]), _ms(r["ratio"])
+        tv = f" {_ms(r.get('tv_ms')):>9} {_ms(r.get('tv_ratio')):>8}" if with_tv else ""
+        bound = (f"{r['bound_ms']:.2f}{r['bound_by'][0]}" if r.get("bound_ms") is not None
+                 else "-")
+        reached = f"{100 * r['reached']:.0f}%" if r.get("reached") is not None else "-"
+        check = ("ERROR" if r.get("error") else "-" if r["check"] is None
+                 else "ok" if r["check"]["ok"] else "FAIL")
+        lines.append(f"{r['op']:<13} {r['config']:<52} {r['direction']:<8} "
+                     f"{r.get('backend', '?'):<7} {ours:>10} {bi:>11} {ratio:>8}{tv} {bound:>9} "
+                     f"{reached:>8}  {check:<5} {r['note']}")
+    return "\n".join(lines)
+
+
+def format_hardware(hw: dict) -> str:
+    return (f"bound = max(bytes that must move / {hw['bandwidth'] / 1e9:.1f} GB/s copy "
+            f"bandwidth, multiply-adds / {hw['fma_rate'] / 1e9:.1f} GFMA/s float32 matmul), "
+            f"both measured here on {hw['threads']} thread(s) (mx_roi.bench.roofline); m/f = "
+            "memory/multiply-add bound; reached = bound / ours")
+
+
+def geomean(values) -> Optional[float]:
+    values = [v for v in values if v is not None and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+
+def format_tv_summary(rows) -> Optional[str]:
+    """Geometric means of ours / torchvision per direction, or None without the column."""
+    if not any("tv_op" in r for r in rows):
+        return None
+    parts = []
+    for direction in DIRECTIONS:
+        vals = [r["tv_ratio"] for r in rows
+                if r["direction"] == direction and r.get("tv_ratio") is not None]
+        gm = geomean(vals)
+        parts.append(f"{direction} {gm:.2f} over {len(vals)}" if gm else f"{direction} -")
+    worst = max((r["tv_ratio"] for r in rows if r.get("tv_ratio") is not None), default=None)
+    return ("ours/tv = ours / torchvision.ops median time at the same thread count; geometric "
+            "mean " + ", ".join(parts) + (f"; worst {worst:.2f}" if worst else ""))
+
+
+def format_legend() -> str:
+    return ("ratio = ours / builtin median time (< 1: mx_roi faster); check = np.allclose(ours, "
+            f"builtin, rtol={RTOL:g}, atol={ATOL:g}) on the benchmark inputs: forward output "
+            "(fwd) and also the data gradient (fwd+bwd); kernels = the mx_roi backend our side "
+            "ran on (native: the CUDA kernels compiled for the host, on threads; numpy: NumPy/"
+            "BLAS; MX_ROI_BACKEND overrides the per-op default)")
+
+
+def format_busy(busy_rows) -> str:
+    def f(v, spec=".2f"):
+        return format(v, spec) if v is not None else "-"
+    head = (f"{'workload':<27} {'dir':<8} {'ours ms':>9} {'bi ms':>9} {'ours busy/quiet':>16} "
+            f"{'bi busy/quiet':>14} {'ours/bi busy':>13} {'ours/bi quiet':>14}")
+    lines = ["One core kept busy by another process (a spinning Python process), same "
+             "workloads:", head, "-" * len(head)]
+    for r in busy_rows:
+        lines.append(f"{r['key']:<27} {r['direction']:<8} {f(r.get('ours_ms')):>9} "
+                     f"{f(r.get('builtin_ms')):>9} {f(r.get('ours_busy_over_quiet')):>16} "
+                     f"{f(r.get('builtin_busy_over_quiet')):>14} {f(r.get('ratio')):>13} "
+                     f"{f(r.get('quiet_ratio')):>14}")
+    return "\n".join(lines)
+
+
+
+def format_overhead(overhead) -> str:
+    lines = ["Custom-op overhead (trivial custom ops with the same input/output shapes):"]
+    for o in overhead:
+        lines.append(f"  {o['label']:<38} data {tuple(o['data_shape'])} -> out "
+                     f"{tuple(o['out_shape'])}  {o['direction']:<8} {o['ms']:8.3f} ms")
+    return "\n".join(lines)
+
+
+def format_memory(memory) -> str:
+    methods = sorted({m["method"] for m in memory if m.get("method")})
+    lines = ["Peak extra RSS of one fwd+bwd: fresh process per op and side, 2-box warm-up, "
+             f"then peak RSS - RSS before ({', '.join(methods) or '?'}); includes MXNet's "
+             "pooled allocator. out+grad = bytes of the output + the data gradient:",
+             f"  {'workload':<27} {'ours':>10} {'builtin':>10} {'out+grad':>10} "
+             f"{'ours/(out+grad)':>16}"]
+    for m in memory:
+        need = (m.get("out_bytes") or 0) + (m.get("grad_bytes") or 0)
+        rel = f"{m['ours'] / need:.2f}" if m.get("ours") is not None and need else "-"
+        lines.append(f"  {m['key']:<27} {mb(m.get('ours')):>10} {mb(m.get('builtin')):>10} "
+                     f"{mb(need):>10} {rel:>16}"
+                     + ("  (ours failed: see JSON)" if m.get("ours_error") else "")
+                     + ("  (builtin failed: see JSON)" if m.get("builtin_error") else ""))
+    return "\n".join(lines)
+
+
+def format_thread_summary(runs) -> str:
+    settings = list(runs)
+    lines = ["Ratios ours / built-in per thread setting (MXNet threads / mx_roi threads):"]
+    head = f"{'workload':<27} {'dir':<8}" + "".join(
+        f" {s + ' ' + _threads_tag(runs[s]):>16}" for s in settings)
+    lines += [head, "-" * len(head)]
+    table = {}
+    for s in settings:
+        for r in (runs[s] or {}).get("results", []):
+            table.setdefault((r["key"], r["direction"]), {})[s] = r.get("ratio")
+    for (key, direction), by in table.items():
+        lines.append(f"{key:<27} {direction:<8}" + "".join(
+            f" {'-' if by.get(s) is None else format(by[s], '.2f'):>16}"
+            for s in settings))
+    for direction in DIRECTIONS:
+        cells = []
+        for s in settings:
+            vals = [r["ratio"] for r in (runs[s] or {}).get("results", [])
+                    if r["direction"] == direction and r.get("ratio")]
+            cells.append(f"{max(vals):.2f}/{geomean(vals):.2f}" if vals else "-")
+        lines.append(f"{'worst/geomean':<27} {direction:<8}" + "".join(
+            f" {c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _threads_tag(run) -> str:
+    t = ((run or {}).get("machine") or {}).get("threads") or {}
+    return f"({t.get('mxnet', '?')}/{t.get('ours', '?')})"
+
+
+def plot(sweep_result, path, direction, machine):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(sweep_result)
+    cols = min(3, len(keys))
+    rows = int(math.ceil(len(keys) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        e = sweep_result[key]
+        ax.plot(e["boxes"], e["ours_ms"], "o-", label="mx_roi (Custom)")
+        if e["builtin"] and all(v is not None for v in e["builtin_ms"]):
+            ax.plot(e["boxes"], e["builtin_ms"], "s--", label=e["builtin"])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(e["boxes"])
+        ax.set_xticklabels([str(b) for b in e["boxes"]])
+        ax.set_title(f"{key} ({direction})", fontsize=10)
+        ax.set_xlabel("number of boxes")
+        ax.set_ylabel("median time [ms]")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(f"mx_roi vs MXNet built-in, {machine.get('ctx')}, {machine.get('cpu')}, "
+                 f"mxnet {machine.get('mxnet')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

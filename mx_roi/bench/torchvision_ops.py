@@ -1,0 +1,96 @@
+"""The torchvision column: ``torchvision.ops`` on the same inputs at mx_roi's thread count.
+
+When ``torch`` and ``torchvision`` import, every workload whose op has a torchvision
+counterpart (``roi_pool``, ``roi_align`` with its ``aligned`` flag and
+``sampling_ratio``, ``ps_roi_pool``, ``ps_roi_align``) is run once through it and
+compared with our output (and, for fwd+bwd, our data gradient) with the bench's
+``np.allclose``; only where they agree is torchvision timed, interleaved with the other
+sides, and its ratio ours / torchvision reported.  Where the semantics differ (max-mode
+RoIAlign has no counterpart; torchvision's position-sensitive ops place their bins
+differently from MXNet's) the column says '-' and the note says why.  torch is optional
+(``pip install "mx_roi[torch]"``, README "Speed"): nothing here imports it until
+:func:`load` is called.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Torchvision", "load", "counterpart"]
+
+#: our op -> the torchvision.ops function computing the same thing (where it does)
+FUNCTIONS = {"ROIPooling": "roi_pool", "ROIAlign": "roi_align",
+             "PSROIPooling": "ps_roi_pool", "PSROIAlign": "ps_roi_align"}
+
+
+def counterpart(op: str, kwargs: Dict) -> Tuple[Optional[str], Dict, str]:
+    """(torchvision.ops function name or None, its keyword arguments, why not) for our
+    op ``op`` with parameters ``kwargs`` (a workload's ``ours_kwargs``)."""
+    if op not in FUNCTIONS:
+        return None, {}, f"torchvision has no {op}"
+    if kwargs.get("pool_mode", "avg") != "avg":
+        return None, {}, "torchvision has no max-mode RoIAlign"
+    if kwargs.get("legacy"):
+        return None, {}, f"torchvision has no legacy={kwargs['legacy']!r} variant"
+    ph, pw = kwargs["pooled_size"]
+    group = kwargs.get("group_size")
+    if group is not None and tuple(np.broadcast_to(group, 2)) != (ph, pw):
+        return None, {}, "torchvision's position-sensitive grid is the output grid"
+    tv = dict(output_size=(int(ph), int(pw)), spatial_scale=float(kwargs["spatial_scale"]))
+    if op in ("ROIAlign", "PSROIAlign"):
+        tv["sampling_ratio"] = int(kwargs.get("sample_ratio", -1))
+    if op == "ROIAlign":
+        tv["aligned"] = bool(kwargs.get("aligned", False))
+    return FUNCTIONS[op], tv, ""
+
+
+def describe(name: str, kwargs: Dict) -> str:
+    """``torchvision.ops.roi_align(aligned=True, sampling_ratio=2)`` for the table."""
+    extra = ", ".join(f"{k}={kwargs[k]}" for k in ("aligned", "sampling_ratio") if k in kwargs)
+    return f"torchvision.ops.{name}({extra})"
+
+
+class Torchvision:
+    """torch + torchvision.ops, their threads set to ``threads`` (mx_roi's count)."""
+
+    def __init__(self, torch, ops, torchvision_version: str, threads: int):
+        self.torch, self.ops = torch, ops
+        torch.set_num_threads(int(threads))
+        self.info = dict(torch=str(torch.__version__), torchvision=torchvision_version,
+                         threads=int(torch.get_num_threads()))
+
+    def runner(self, name: str, kwargs: Dict, data: np.ndarray, rois: np.ndarray,
+               out_grad: np.ndarray) -> Callable:
+        """``run(direction) -> (seconds, output, data gradient or None)`` on copies of the
+        bench's arrays (``data`` (N, C, H, W), ``rois`` (R, 5), ``out_grad``)."""
+        torch, fn = self.torch, getattr(self.ops, name)
+        x = torch.from_numpy(np.ascontiguousarray(data, np.float32))
+        boxes = torch.from_numpy(np.ascontiguousarray(rois, np.float32))
+        g = torch.from_numpy(np.ascontiguousarray(out_grad, np.float32))
+
+        def run(direction):
+            if direction == "fwd":
+                t0 = time.perf_counter()
+                out = fn(x, boxes, **kwargs)
+                elapsed = time.perf_counter() - t0
+                return elapsed, out.detach().numpy(), None
+            leaf = x.detach().requires_grad_(True)  # a fresh leaf: the gradient is written
+            t0 = time.perf_counter()
+            out = fn(leaf, boxes, **kwargs)
+            out.backward(g)
+            elapsed = time.perf_counter() - t0
+            return elapsed, out.detach().numpy(), leaf.grad.numpy()
+        return run
+
+
+def load(threads: int) -> Tuple[Optional[Torchvision], str]:
+    """(:class:`Torchvision`, '') when torch and torchvision import, else (None, why)."""
+    try:
+        import torch
+        import torchvision
+        from torchvision import ops
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no column
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return Torchvision(torch, ops, str(getattr(torchvision, "__version__", "?")), threads), ""

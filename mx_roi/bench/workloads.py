@@ -1,0 +1,194 @@
+"""The benchmark's inputs and workloads: seeded data / proposals / out-grads and the table
+of op configurations, each ours against its MXNet built-in."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+import mxnet as mx
+
+import mx_roi
+
+__all__ = ["Workload", "build_workloads", "make_rois", "make_data", "make_out_grad", "Inputs"]
+
+IMAGE_H, IMAGE_W, STRIDE = 600, 800, 16
+FEAT_H, FEAT_W = IMAGE_H // STRIDE + 1, IMAGE_W // STRIDE  # 38 x 50, as a VGG/ResNet C4 map
+SPATIAL_SCALE = 1.0 / STRIDE
+BATCH = 2
+SEED = 0
+DIRECTIONS = ("fwd", "fwd+bwd")
+SWEEP_BOXES = (64, 128, 256, 512, 1024, 2048)
+RTOL, ATOL = 1e-4, 1e-4
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_rois(count: int, batch: int = BATCH, seed: int = SEED,
+              image_hw=(IMAGE_H, IMAGE_W)) -> np.ndarray:
+    """``count`` realistic proposals (batch_index, x1, y1, x2, y2) inside the image.
+
+    Sizes are log-uniform from 16 to ~2/3 of the image side, aspect ratios log-uniform
+    in [1/3, 3] (RPN anchors span 1:2..2:1 plus regression), centres uniform; boxes are
+    clipped to the image as a proposal layer does.  The set for ``count`` boxes is a
+    prefix of the set for more boxes, so sweeps grow one workload.
+    """
+    rng = np.random.RandomState(seed)
+    img_h, img_w = image_hw
+    n = max(count, 1)
+    idx = rng.randint(0, batch, size=n)
+    scale = np.exp(rng.uniform(np.log(16.0), np.log(min(img_h, img_w) * 0.66), size=n))
+    aspect = np.exp(rng.uniform(np.log(1 / 3.0), np.log(3.0), size=n))  # h / w
+    w = scale / np.sqrt(aspect)
+    h = scale * np.sqrt(aspect)
+    cx = rng.uniform(0, img_w - 1, size=n)
+    cy = rng.uniform(0, img_h - 1, size=n)
+    x1 = np.clip(cx - w / 2, 0, img_w - 2)
+    y1 = np.clip(cy - h / 2, 0, img_h - 2)
+    x2 = np.clip(np.maximum(cx + w / 2, x1 + 1), 0, img_w - 1)
+    y2 = np.clip(np.maximum(cy + h / 2, y1 + 1), 0, img_h - 1)
+    rois = np.stack([idx, x1, y1, x2, y2], axis=1).astype(np.float32)
+    return rois[:count]
+
+
+def make_data(channels: int, seed: int = SEED) -> np.ndarray:
+    rng = np.random.RandomState(seed + 1000 + channels)
+    return rng.standard_normal((BATCH, channels, FEAT_H, FEAT_W)).astype(np.float32)
+
+
+def make_out_grad(shape, seed: int = SEED) -> np.ndarray:
+    rng = np.random.RandomState(seed + 2000)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """One row pair of the table: an op configuration, ours against the built-in."""
+
+    key: str                    # stable id, e.g. "ROIAlign/7x7"
+    op: str                     # mx_roi op name
+    config: str                 # human description
+    channels: int
+    boxes: int
+    ours_kwargs: Dict
+    builtin_name: Optional[str]  # e.g. "mx.nd.contrib.ROIAlign"; None: no built-in
+    builtin_kwargs: Dict = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def has_builtin(self) -> bool:
+        return self.builtin_name is not None
+
+    def ours(self) -> Callable:
+        fn = getattr(mx_roi.nd, self.op)
+        kwargs = dict(self.ours_kwargs)
+        return lambda data, rois: fn(data, rois, **kwargs)
+
+    def builtin(self) -> Optional[Callable]:
+        if self.builtin_name is None:
+            return None
+        fn = mx
+        for part in self.builtin_name.split(".")[1:]:
+            fn = getattr(fn, part)
+        kwargs = dict(self.builtin_kwargs)
+        return lambda data, rois: fn(data, rois, **kwargs)
+
+    @property
+    def out_shape(self):
+        """Our output's shape ``(R, C_out, PH, PW)``."""
+        ph, pw = self.ours_kwargs["pooled_size"]
+        return (self.boxes, self.ours_kwargs.get("output_dim", self.channels), ph, pw)
+
+    def op_instance(self):
+        """Our op definition (:class:`mx_roi.registry.RoIOp`) with this workload's params."""
+        from .. import registry
+        cls = registry.get_op(self.op)
+        return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in self.ours_kwargs.items()}))
+
+
+def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload]:
+    """The issue-6 workloads; ``quick`` shrinks channels/boxes for a seconds-long run."""
+    if quick:
+        channels, boxes, classes = 32, 32, 4
+        big_boxes = 64
+    else:
+        channels, boxes, classes = 256, 256, 21
+        big_boxes = 512
+    s = SPATIAL_SCALE
+    out: List[Workload] = []
+
+    def add(size, nboxes, suffix=""):
+        p = (size, size)
+        tag = f"{size}x{size}, {nboxes} boxes"
+        out.append(Workload(f"ROIPooling/{size}x{size}{suffix}", "ROIPooling", tag, channels,
+                            nboxes, dict(pooled_size=p, spatial_scale=s),
+                            "mx.nd.ROIPooling", dict(pooled_size=p, spatial_scale=s)))
+        out.append(Workload(f"ROIAlign/{size}x{size}{suffix}", "ROIAlign",
+                            f"{tag}, sample_ratio=2", channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s, sample_ratio=2),
+                            "mx.nd.contrib.ROIAlign",
+                            dict(pooled_size=p, spatial_scale=s, sample_ratio=2)))
+        if size == 7:  # the issue's 14x14 aligned workload; its variant is the 512-box one
+            ap, atag = (14, 14), f"14x14, {nboxes} boxes"
+        else:
+            ap, atag = p, tag
+        out.append(Workload(f"ROIAlign-aligned/{ap[0]}x{ap[1]}{suffix}", "ROIAlign",
+                            f"{atag}, aligned=True, sample_ratio=2", channels, nboxes,
+                            dict(pooled_size=ap, spatial_scale=s, sample_ratio=2, aligned=True),
+                            "mx.nd.contrib.ROIAlign",
+                            dict(pooled_size=ap, spatial_scale=s, sample_ratio=2, aligned=True)))
+        out.append(Workload(f"ROIAlign-max/{size}x{size}{suffix}", "ROIAlign",
+                            f"{tag}, pool_mode='max', sample_ratio=2", channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s, sample_ratio=2,
+                                 pool_mode="max"),
+                            None, note="no built-in"))
+        ps_channels = classes * size * size
+        pstag = f"{classes} cls, {size}x{size}, {nboxes} boxes, C={ps_channels}"
+        out.append(Workload(f"PSROIPooling/{size}x{size}{suffix}", "PSROIPooling", pstag,
+                            ps_channels, nboxes,
+                            dict(pooled_size=p, output_dim=classes, group_size=size,
+                                 spatial_scale=s),
+                            "mx.nd.contrib.PSROIPooling",
+                            dict(pooled_size=size, output_dim=classes, group_size=size,
+                                 spatial_scale=s)))
+        out.append(Workload(f"PSROIAlign/{size}x{size}{suffix}", "PSROIAlign",
+                            pstag + ", sample_ratio=2", ps_channels, nboxes,
+                            dict(pooled_size=p, output_dim=classes, spatial_scale=s,
+                                 sample_ratio=2),
+                            "mx.nd.contrib.ROIAlign",
+                            dict(pooled_size=p, spatial_scale=s, sample_ratio=2,
+                                 position_sensitive=True)))
+
+    add(7, boxes)
+    if variants:
+        add(14, big_boxes, suffix="-big")
+    return out
+
+
+class Inputs:
+    """Seeded inputs on a context, shared by ours and the built-in (identical arrays)."""
+
+    def __init__(self, ctx, max_boxes):
+        self.ctx = ctx
+        self.rois_np = make_rois(max_boxes)
+        self._data = {}
+
+    def data_np(self, channels) -> np.ndarray:
+        """The seeded data ``(BATCH, channels, FEAT_H, FEAT_W)`` as NumPy (cached)."""
+        if channels not in self._data:
+            self._data[channels] = make_data(channels)
+        return self._data[channels]
+
+    def data(self, channels):
+        return mx.nd.array(self.data_np(channels), ctx=self.ctx)
+
+    def rois(self, count):
+        return mx.nd.array(self.rois_np[:count], ctx=self.ctx)
+
+    def out_grad(self, shape):
+        return mx.nd.array(make_out_grad(shape), ctx=self.ctx)
+

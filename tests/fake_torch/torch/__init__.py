@@ -1,0 +1,42 @@
+"""A small stand-in for ``torch``, enough for ``mx_roi.bench.torchvision_ops`` (tests only:
+tests/test_bench.py puts ``tests/fake_torch`` on PYTHONPATH of a bench child process).
+
+Tensors wrap NumPy arrays; ``backward`` runs the closure the producing op left behind.
+"""
+import numpy as np
+
+__version__ = "0.0-fake"
+_threads = [1]
+
+
+def set_num_threads(n):
+    _threads[0] = int(n)
+
+
+def get_num_threads():
+    return _threads[0]
+
+
+class Tensor:
+    def __init__(self, array, backward_fn=None):
+        self._array = array
+        self._backward_fn = backward_fn
+        self.requires_grad = False
+        self.grad = None
+
+    def numpy(self):
+        return self._array
+
+    def detach(self):
+        return Tensor(self._array)
+
+    def requires_grad_(self, flag=True):
+        self.requires_grad = bool(flag)
+        return self
+
+    def backward(self, gradient):
+        self._backward_fn(gradient.numpy())
+
+
+def from_numpy(array):
+    return Tensor(np.asarray(array))
