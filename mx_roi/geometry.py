@@ -196,10 +196,12 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
 
     MXNet/Detectron rule: a coordinate below -1 or above ``limit`` gives weight 0;
     otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps to the last cell.
-    Returns ``low, high, w_low, w_high`` with the shape of ``coord``.
+    ``limit`` is an int, or an integer array broadcasting against ``coord`` (one length
+    per stacked axis).  Returns ``low, high, w_low, w_high`` with the shape of ``coord``.
     """
     cdt = coord.dtype
-    outside = (coord < cdt.type(valid_lo)) | (coord > cdt.type(limit))
+    lim = limit.astype(cdt) if hasattr(limit, "astype") else cdt.type(limit)
+    outside = (coord < cdt.type(valid_lo)) | (coord > lim)
     c = xp.where(coord <= 0, cdt.type(0), coord) if clamp_low else coord
     low = xp.trunc(xp.where(outside, cdt.type(0), c)).astype(np.int32)
     last = low >= limit - 1
@@ -210,17 +212,6 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     w_high = xp.where(outside, cdt.type(0), frac).astype(cdt)
     w_low = xp.where(outside, cdt.type(0), cdt.type(1) - frac).astype(cdt)
     return low, high, w_low, w_high
-
-
-def _axis_from_coords(coord, count, limit, xp, **rule) -> SampleAxis:
-    g = xp.arange(coord.shape[2], dtype=np.int32)
-    live = g[None, None, :] < count[:, :, None]
-    low, high, w_low, w_high = bilinear_axis(coord, limit, xp, **rule)
-    zero = coord.dtype.type(0)
-    return SampleAxis(count.astype(np.int32), coord,
-                      xp.where(live, low, 0).astype(np.int32),
-                      xp.where(live, high, 0).astype(np.int32),
-                      xp.where(live, w_low, zero), xp.where(live, w_high, zero))
 
 
 def _check_samples(n):
@@ -242,32 +233,72 @@ def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, heig
     r = rois.astype(cdt)
     s = _scale(spatial_scale, cdt)
     offset = cdt.type(0.5 if aligned else 0.0)
-    x1, y1, x2, y2 = (r[:, k] * s - offset for k in (1, 2, 3, 4))
-    axes = []
-    for start, end, pooled, limit in ((y1, y2, pooled_size[0], height),
-                                      (x1, x2, pooled_size[1], width)):
-        size = end - start
-        if not aligned:
-            size = xp.maximum(size, cdt.type(1))
-        bin_size = size / cdt.type(pooled)
-        if sample_ratio > 0:
-            grid = xp.full(size.shape, sample_ratio, dtype=np.int32)
-        else:
-            grid = xp.maximum(xp.ceil(size / cdt.type(pooled)), 0).astype(np.int32)
-        i = xp.arange(pooled, dtype=cdt)
-        # y = start + p*bin + (iy + .5) * bin / grid   (operation order as in Caffe2/MXNet)
-        first = start[:, None] + i[None, :] * bin_size[:, None]
-        gmax = max(int(grid.max()) if grid.size else 0, 1)
-        _check_samples(gmax * pooled)
-        g = xp.arange(gmax, dtype=cdt) + cdt.type(0.5)
-        safe_grid = xp.maximum(grid, 1).astype(cdt)
-        coord = first[:, :, None] + (g[None, None, :] * bin_size[:, None, None]) \
-            / safe_grid[:, None, None]
-        count = xp.broadcast_to(grid[:, None], (grid.shape[0], pooled))
-        axes.append(_axis_from_coords(coord.astype(cdt), count, limit, xp))
-    ay, ax = axes
+    # rows: y then x (the same elementwise operations as column by column)
+    start = (r[:, [2, 1]] * s - offset).T                      # (2, R): y1, x1
+    size = (r[:, [4, 3]] * s - offset).T - start                # (2, R): y2 - y1, x2 - x1
+    if not aligned:
+        size = xp.maximum(size, cdt.type(1))
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    if P == Q:  # both axes in one pass of array operations
+        ay, ax = _align_axes(start, size, P, (height, width), sample_ratio, xp, cdt)
+    else:
+        ay, = _align_axes(start[:1], size[:1], P, (height,), sample_ratio, xp, cdt)
+        ax, = _align_axes(start[1:], size[1:], Q, (width,), sample_ratio, xp, cdt)
     divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
     return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
+
+
+def _align_axes(start, size, pooled, limits, sample_ratio, xp, cdt):
+    """ROIAlign's :class:`SampleAxis` of ``A`` stacked axes with ``pooled`` bins each.
+
+    ``start``, ``size``: (A, R) box start and size (clamped) along each axis, in feature
+    map cells; ``limits``: the A map lengths.  Axes whose padded sample counts differ are
+    built one at a time (each keeps its own padding).  Returns a list of A axes.
+    """
+    A = start.shape[0]
+    bin_size = size / cdt.type(pooled)
+    if sample_ratio > 0:
+        grid = xp.full(size.shape, sample_ratio, dtype=np.int32)
+    else:
+        grid = xp.maximum(xp.ceil(size / cdt.type(pooled)), 0).astype(np.int32)
+    gmaxes = [max(int(g), 1) for g in (grid.max(axis=1).tolist() if grid.size else [0] * A)]
+    if len(set(gmaxes)) > 1:  # one axis at a time, (R,) arrays
+        return [_align_samples(start[k], bin_size[k], grid[k], gmaxes[k], pooled, limits[k],
+                               sample_ratio <= 0, xp, cdt)
+                for k in range(A)]
+    if A == 1:
+        return [_align_samples(start[0], bin_size[0], grid[0], gmaxes[0], pooled, limits[0],
+                               sample_ratio <= 0, xp, cdt)]
+    return _align_samples(start, bin_size, grid, gmaxes[0], pooled,
+                          xp.asarray(limits, dtype=np.int64).reshape(A, 1, 1, 1),
+                          sample_ratio <= 0, xp, cdt)
+
+
+def _align_samples(start, bin_size, grid, gmax, pooled, limit, padded, xp, cdt):
+    """:func:`_align_axes` for one axis (``start``, ``bin_size``, ``grid`` (R,), ``limit``
+    an int; returns a SampleAxis) or stacked axes sharing the padded sample count
+    ``gmax`` ((A, R), ``limit`` (A, 1, 1, 1); returns a list of A)."""
+    _check_samples(gmax * pooled)
+    i = xp.arange(pooled, dtype=cdt)
+    # y = start + p*bin + (iy + .5) * bin / grid   (operation order as in Caffe2/MXNet)
+    first = start[..., None] + i * bin_size[..., None]                    # (..., R, P)
+    g = xp.arange(gmax, dtype=cdt) + cdt.type(0.5)
+    safe_grid = xp.maximum(grid, 1).astype(cdt)
+    coord = (first[..., None] + (g * bin_size[..., None, None])
+             / safe_grid[..., None, None]).astype(cdt)                    # (..., R, P, G)
+    count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
+    low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
+    if padded:  # padding past a bin's count: no tap, weight 0
+        live = xp.arange(gmax, dtype=np.int32) < count[..., None]
+        zero = cdt.type(0)
+        low = xp.where(live, low, 0).astype(np.int32)
+        high = xp.where(live, high, 0).astype(np.int32)
+        w_low, w_high = xp.where(live, w_low, zero), xp.where(live, w_high, zero)
+    # (a fixed sample_ratio gives every bin gmax samples: no padding)
+    if start.ndim == 1:
+        return SampleAxis(count, coord, low, high, w_low, w_high)
+    return [SampleAxis(count[k], coord[k], low[k], high[k], w_low[k], w_high[k])
+            for k in range(start.shape[0])]
 
 
 # --------------------------------------------------------------------------- legacy modes

@@ -37,13 +37,40 @@ class PositionSensitive(RoIOp):
         """(output_dim, (Gh, Gw), gh (P,), gw (Q,)) for the position-sensitive kernels."""
         p = self.param
         Gh, Gw = p.group_grid
+        if xp is np:
+            return _host_tables(p)[0]
         return (p.output_dim, (Gh, Gw), geometry.group_index(p.pooled_size[0], Gh, xp),
                 geometry.group_index(p.pooled_size[1], Gw, xp))
 
     def channel_map(self, xp=np):
         """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
         p = self.param
+        if xp is np:
+            return _host_tables(p)[1]
         return geometry.ps_channel_map(p.output_dim, p.pooled_size, p.group_grid, xp)
+
+
+_HOST_TABLES = {}
+
+
+def _host_tables(param):
+    """``(group_args, channel_map)`` on the host for a parameter struct, built once per
+    distinct parameters (they depend on nothing else) and read-only, so every call of
+    an op with these parameters shares them."""
+    tables = _HOST_TABLES.get(param)
+    if tables is None:
+        Gh, Gw = param.group_grid
+        gh = geometry.group_index(param.pooled_size[0], Gh, np)
+        gw = geometry.group_index(param.pooled_size[1], Gw, np)
+        cmap = geometry.ps_channel_map(param.output_dim, param.pooled_size, param.group_grid,
+                                       np)
+        for a in (gh, gw, cmap):
+            a.flags.writeable = False
+        tables = (param.output_dim, (Gh, Gw), gh, gw), cmap
+        if len(_HOST_TABLES) >= 256:  # parameter sets of a process are few; stay bounded
+            _HOST_TABLES.clear()
+        _HOST_TABLES[param] = tables
+    return tables
 
 
 def _spelled(group):

@@ -107,3 +107,73 @@ def test_unpack_saved_rules():
         None, None)
     assert unpack_saved("plain", rois, (5, 6)) == ("plain", None)
     assert unpack_saved(None, rois, (5, 6)) == (None, None)
+
+
+# ---- small calls: no helper thread, per-parameter tables built once -------------------
+
+SMALL_CASES = [("ROIAlign", dict(pooled_size="(7, 7)", spatial_scale="0.0625",
+                                 sample_ratio="2")),
+               ("ROIAlign", dict(pooled_size="(7, 7)", spatial_scale="0.0625",
+                                 sample_ratio="2", pool_mode="max")),
+               ("ROIPooling", dict(pooled_size="(7, 7)", spatial_scale="0.0625")),
+               ("PSROIPooling", dict(pooled_size="(7, 7)", output_dim="16", group_size="2",
+                                     spatial_scale="0.0625")),
+               ("PSROIAlign", dict(pooled_size="(7, 7)", output_dim="16", group_size="2",
+                                   spatial_scale="0.0625", sample_ratio="2"))]
+
+
+def _small_inputs(op):
+    """Issue 18's small call: 1 image, 64 channels, 19x25 map, 16 boxes."""
+    rng = np.random.RandomState(3)
+    data = rng.standard_normal((1, 64, 19, 25)).astype(np.float32)
+    xy = np.sort(rng.uniform(0, 390, (16, 2, 2)), axis=1)        # x1 <= x2, y1 <= y2
+    rois = np.zeros((16, 5), np.float32)
+    rois[:, 1:] = np.stack([xy[:, 0, 0], xy[:, 0, 1] * 0.75, xy[:, 1, 0], xy[:, 1, 1] * 0.75], 1)
+    grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
+    return data, rois, grad
+
+
+@pytest.mark.parametrize("name,kwargs", SMALL_CASES)
+def test_small_call_starts_no_helper_thread(name, kwargs, monkeypatch):
+    """A small call of the NumPy kernels runs on the calling thread: the pool is never
+    asked for a thread (starting or waking one costs more than 16 rois of work)."""
+    from mx_roi import parallel
+    op = _op(name, kwargs)
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+
+    def no_pool(n):
+        raise AssertionError(f"a small call asked the pool for {n} thread(s)")
+
+    monkeypatch.setattr(parallel, "_executor", no_pool)
+    data, rois, grad = _small_inputs(op)
+    backend = backends.get("numpy")
+    out = _nd(np.full(op.out_shape(data.shape, rois.shape), 5.0, np.float32))
+    x, r = _nd(data), _nd(rois)
+    saved = backend.forward(op, "write", x, r, out, keep=True)
+    dgrad = _nd(np.full(data.shape, 7.0, np.float32))
+    backend.backward(op, "write", _nd(grad), x, r, dgrad, saved)
+    assert np.isfinite(out.asnumpy()).all() and np.isfinite(dgrad.asnumpy()).all()
+    assert np.abs(dgrad.asnumpy()).sum() > 0
+
+
+def test_position_sensitive_tables_built_once_per_parameters(monkeypatch):
+    """The PS ops' channel map and group cells depend only on the parameters: built once
+    per parameter set, shared by every op instance (MXNet makes one per call), and
+    read-only so that no kernel can change them for the next call."""
+    from mx_roi import geometry
+    ps = pytest.importorskip("mx_roi.operators.psroi_pooling")
+    monkeypatch.setattr(ps, "_HOST_TABLES", {})
+    built = []
+    real = geometry.ps_channel_map
+    monkeypatch.setattr(geometry, "ps_channel_map", lambda *a, **k: built.append(1) or
+                        real(*a, **k))
+    kwargs = dict(pooled_size="(3, 3)", output_dim="2", spatial_scale="0.5")
+    maps = [_op(name, kwargs).channel_map() for name in ("PSROIPooling", "PSROIPooling")]
+    assert len(built) == 1
+    np.testing.assert_array_equal(maps[0], real(2, (3, 3), (3, 3)))
+    with pytest.raises(ValueError, match="read-only"):
+        maps[1][0, 0, 0] = 5
+    args = _op("PSROIPooling", kwargs).group_args()
+    np.testing.assert_array_equal(args[2], geometry.group_index(3, 3))
+    other = _op("PSROIPooling", dict(kwargs, output_dim="3")).channel_map()
+    assert len(built) == 2 and other.shape == (3, 3, 3)

@@ -158,25 +158,26 @@ class Launch:
         NumPy scalars of the parameter's type.  Written arrays are passed as they are:
         :func:`mx_roi.cuda.loader.check_args` then checks every argument at launch.
         """
-        where = S.expression(sig.kernel, sig.template)
-        names = [p.name for p in sig.params]
+        plan = _bind_plan(sig)
+        names = plan.names
         unknown = [a for a in args if a not in names]
         if unknown:
             raise loader.KernelArgumentError(
-                f"{where}: no parameter(s) {', '.join(unknown)}; parameters: "
+                f"{plan.where}: no parameter(s) {', '.join(unknown)}; parameters: "
                 + ", ".join(p.describe() for p in sig.params))
         values = {"n": n, "scale": self.scale, **tables, **args}
-        missing = [p.describe() for p in sig.params if p.name not in values]
-        if missing:
-            raise loader.KernelArgumentError(f"{where}: missing argument(s) for "
+        if not names.issubset(values):
+            missing = [p.describe() for p in sig.params if p.name not in values]
+            raise loader.KernelArgumentError(f"{plan.where}: missing argument(s) for "
                                              + ", ".join(missing))
         ordered = []
-        for p in sig.params:
-            v = values[p.name]
-            if p.pointer and p.decl.startswith("const "):
-                v = self.xp.ascontiguousarray(v, dtype=p.dtype)
-            elif not p.pointer and isinstance(v, (int, float, np.integer, np.floating)) \
-                    and not isinstance(v, bool) and not (isinstance(v, np.generic) and v.dtype == p.dtype):
+        xp = self.xp
+        for p, name, const_pointer, pointer, dtype in plan.params:
+            v = values[name]
+            if const_pointer:
+                v = xp.ascontiguousarray(v, dtype=dtype)
+            elif not pointer and isinstance(v, _NUMBERS) and not isinstance(v, bool) \
+                    and not (isinstance(v, np.generic) and v.dtype == dtype):
                 v = _scalar(v, p)
             ordered.append(v)
         return tuple(ordered)
@@ -248,16 +249,53 @@ class Launch:
         return out
 
 
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
+class _BindPlan:
+    """What :meth:`Launch.bind` needs of a signature, derived once per signature."""
+
+    __slots__ = ("where", "names", "params")
+
+    def __init__(self, sig):
+        self.where = S.expression(sig.kernel, sig.template)
+        self.names = frozenset(p.name for p in sig.params)
+        self.params = tuple((p, p.name, p.pointer and p.decl.startswith("const "),
+                             p.pointer, p.dtype) for p in sig.params)
+
+
+_BIND_PLANS = {}
+
+
+def _bind_plan(sig) -> _BindPlan:
+    plan = _BIND_PLANS.get(sig)
+    if plan is None:
+        plan = _BIND_PLANS[sig] = _BindPlan(sig)
+    return plan
+
+
 def _scalar(v, p):
     """``v`` as a NumPy scalar of scalar parameter ``p``'s type (ints range-checked)."""
     if p.dtype.kind in "iu":
         if isinstance(v, (float, np.floating)) and v != int(v):
             raise TypeError(f"{p.describe()}: {v!r} is not an integer")
-        info = np.iinfo(p.dtype)
-        if not info.min <= int(v) <= info.max:
+        lo, hi = _int_range(p.dtype)
+        if not lo <= int(v) <= hi:
             raise OverflowError(f"{v} does not fit the kernel parameter {p.describe()}")
         return p.dtype.type(int(v))
     return p.dtype.type(v)
+
+
+_INT_RANGES = {}
+
+
+def _int_range(dtype):
+    """``(min, max)`` of an integer dtype (``np.iinfo``, read once per dtype)."""
+    r = _INT_RANGES.get(dtype)
+    if r is None:
+        info = np.iinfo(dtype)
+        r = _INT_RANGES[dtype] = (int(info.min), int(info.max))
+    return r
 
 
 def _zeroed(xp, shape, dtype):

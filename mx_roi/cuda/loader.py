@@ -123,9 +123,13 @@ class _Kernel:
         self.signature = S.instantiate(filename, expr)
         self._launch = launch
         self._array_type = array_type
+        # (pointer, dtype) per parameter: the per-launch check reads these (parsed once)
+        self._plan = tuple((p.pointer, p.dtype) for p in self.signature.params)
 
     def __call__(self, grid, block, args):
-        check_args(self.signature, args, self._array_type, self.expr)
+        if not _args_match(self._plan, args, self._array_type):
+            # the exact check, with its message (it raises on whatever did not match)
+            check_args(self.signature, args, self._array_type, self.expr)
         grid = _dim(grid, "grid")
         block = _dim(block, "block")
         self._launch(grid, block, tuple(args))
@@ -134,7 +138,23 @@ class _Kernel:
         return f"<kernel {self.expr} from {self.filename}>"
 
 
+def _args_match(plan, args, array_type) -> bool:
+    """Whether ``args`` pass :func:`check_args` (same rules, no messages): the per-launch
+    fast path; on False the caller runs :func:`check_args` for the error."""
+    if type(args) is not tuple and type(args) is not list or len(args) != len(plan):
+        return False
+    for (pointer, dtype), a in zip(plan, args):
+        if pointer:
+            if not isinstance(a, array_type) or a.dtype != dtype or not a.flags.c_contiguous:
+                return False
+        elif not isinstance(a, np.generic) or a.dtype != dtype:
+            return False
+    return True
+
+
 def _dim(v, what):
+    if type(v) is tuple and len(v) == 3 and all(type(x) is int and x >= 1 for x in v):
+        return v  # launch_config's form: nothing to convert
     t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
     t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
     if len(t) != 3 or min(t) < 1:
@@ -182,26 +202,27 @@ class KernelModule:
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
         fn.restype = None
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        n_index = [p.name for p in S.instantiate(self.filename, expr).params].index("n")
+        params = S.instantiate(self.filename, expr).params
+        n_index = [p.name for p in params].index("n")
+        pack = _slot_packer(params)
 
         def launch(grid, block, args):  # the grid is the GPU's; threads split channels
-            slots, keep = _arg_slots(args)
+            buf = pack(args)
             fn(native_threads(int(args[n_index]), parallel.num_threads()),
-               ctypes.cast(slots, ctypes.c_void_p))
-            del keep
+               ctypes.addressof(buf))
         return launch
 
     def _host_launcher(self, expr):
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
         fn.restype = None
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
+        pack = _slot_packer(S.instantiate(self.filename, expr).params)
 
         def launch(grid, block, args):
             if grid[1:] != (1, 1) or block[1:] != (1, 1):
                 raise ValueError("the host emulation runs 1-D launches only")
-            slots, keep = _arg_slots(args)
-            fn(grid[0], block[0], ctypes.cast(slots, ctypes.c_void_p))
-            del keep
+            buf = pack(args)
+            fn(grid[0], block[0], ctypes.addressof(buf))
         return launch
 
 
@@ -209,6 +230,50 @@ def native_threads(items: int, available: int) -> int:
     """Threads of a native launch over ``items``: at most ``available``, and none that
     would get fewer than :data:`NATIVE_MIN_ITEMS_PER_THREAD` items."""
     return max(1, min(int(available), int(items) // max(1, NATIVE_MIN_ITEMS_PER_THREAD)))
+
+
+#: struct codes of the scalar parameter types (each value gets an 8-byte cell)
+_SCALAR_CODES = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x",
+                 np.dtype(np.int64): "q", np.dtype(np.uint64): "Q",
+                 np.dtype(np.float32): "f4x", np.dtype(np.float64): "d"}
+
+
+def _slot_packer(params):
+    """``pack(args) -> buffer`` for a kernel with parameters ``params``: one ctypes buffer
+    holding the ``void*`` array of the launch (``args[i]`` points at parameter ``i``'s
+    value, as in ``cuLaunchKernel``) followed by one 8-byte cell per value (an array's
+    data address, or a scalar's bytes in its exact type), written by one ``struct`` call.
+    The buffer must stay alive during the call (the caller holds it).  Arguments are
+    checked (:func:`check_args`) before they get here.  Parameter types without a code
+    fall back to :func:`_arg_slots`."""
+    codes = []
+    for p in params:
+        code = "P" if p.pointer else _SCALAR_CODES.get(p.dtype)
+        if code is None:
+            return _generic_packer
+        codes.append(code)
+    n = max(len(codes), 1)
+    fmt = "@" + "P" * len(codes) + "".join(codes)
+    size = struct.calcsize(fmt)
+    assert size == 16 * len(codes), fmt  # 8-byte slots, then 8-byte cells
+    kinds = tuple(p.pointer for p in params)
+    offsets = tuple(8 * (n + i) for i in range(len(codes)))
+    buf_type = ctypes.c_byte * max(size, 8)
+    pack_into = struct.Struct(fmt).pack_into
+
+    def pack(args):
+        buf = buf_type()
+        base = ctypes.addressof(buf)
+        values = [a.ctypes.data if pointer else a for pointer, a in zip(kinds, args)]
+        pack_into(buf, 0, *[base + o for o in offsets], *values)
+        return buf
+    return pack
+
+
+def _generic_packer(args):
+    slots, keep = _arg_slots(args)
+    slots._mx_roi_keep = keep  # alive as long as the slot array
+    return slots
 
 
 def _arg_slots(args):
