@@ -606,3 +606,57 @@ def test_inference_forward_stores_no_argmax(backend, name, params, monkeypatch):
     backend.backward(op, "write", nd(grad), nd(data), nd(rois), dgrad, saved)
     _, want = run(REF, op, data, rois, grad)
     close(dgrad.asnumpy(), want, np.float32, "gradient through the training argmax")
+
+
+# ------------------------------------------------ the native launch's helper threads
+POOL_CHILD = r"""
+import os, sys, numpy as np
+from mx_roi import registry
+from mx_roi.cuda import loader
+from mx_roi.cuda.backend import Launch
+from mx_roi.ndio import Kind
+loader.NATIVE_MIN_ITEMS_PER_THREAD = 1
+os.environ["MX_ROI_NUM_THREADS"] = "3"
+cls = registry.get_op("ROIPooling")
+op = cls(cls.param_cls.from_kwargs(pooled_size="(3, 3)", spatial_scale="1"))
+rng = np.random.default_rng(0)
+data = rng.standard_normal((2, 24, 12, 13)).astype(np.float32)
+rois = np.array([[0, 0, 0, 11, 10], [1, 2, 3, 9, 12], [0, 5, 1, 6, 2]], np.float32)
+geo = op.geometry(rois, 12, 13, np)
+mod = loader.get_module("roi_pooling.cu", Kind.NATIVE)
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def forward():
+    L = Launch(mod, np, np.float32)
+    return op.forward_cuda(L, geo, data)[0].copy()
+
+before = threads()
+want = forward()
+after_one = threads()
+for _ in range(50):
+    assert np.array_equal(forward(), want)
+print("helpers", after_one - before, threads() - after_one)
+pid = os.fork()
+if pid == 0:  # the child has none of the parent's helper threads
+    ok = all(np.array_equal(forward(), want) for _ in range(20))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_native_helpers_are_kept_and_survive_fork(tmp_path):
+    """A multi-threaded native launch starts its helper threads once (later launches
+    reuse them: 50 launches, no new thread), and a forked child -- which has none of
+    them -- still computes the same result instead of waiting forever."""
+    import subprocess
+    import sys
+    env = dict(os.environ, MX_ROI_CACHE=os.environ.get("MX_ROI_CACHE", str(tmp_path)))
+    res = subprocess.run([sys.executable, "-c", POOL_CHILD], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[-2] == "helpers 2 0", res.stdout
+    assert lines[-1] == "child 0", res.stdout

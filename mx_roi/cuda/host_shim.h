@@ -127,6 +127,8 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 }
 
 #ifdef MX_ROI_HOST_NATIVE
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -140,21 +142,24 @@ static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 // still streams whole planes (a block is at least one channel).
 #define MX_ROI_BLOCKS_PER_THREAD 8
 
-// The shared state of one launch; helpers hold it by shared_ptr, so one that starts
-// after the launch has returned finds no block left and touches nothing else.
+// The shared state of one launch; helpers hold it by shared_ptr, so one that comes
+// after the launch has returned finds no block left and touches nothing else (fn, on
+// the caller's stack, is only called for a block taken while the caller waits).
 struct mx_roi_launch_state {
   std::atomic<int> next{0}, done{0};
+  std::atomic<int> seats{0};  // helpers that may still join (the thread count's limit)
   int blocks = 1, C = 0;
+  void (*call)(void*) = nullptr;  // runs the launch's fn, type-erased
+  void* fn = nullptr;
   std::mutex m;
   std::condition_variable cv;
 };
 
-template <typename F>
-static inline void mx_roi_run_blocks(mx_roi_launch_state& st, F* fn) {
+static inline void mx_roi_run_blocks(mx_roi_launch_state& st) {
   for (int b; (b = st.next.fetch_add(1, std::memory_order_relaxed)) < st.blocks;) {
     mx_roi_c_begin = (int)((long long)st.C * b / st.blocks);
     mx_roi_c_end = (int)((long long)st.C * (b + 1) / st.blocks);
-    (*fn)();
+    st.call(st.fn);
     if (st.done.fetch_add(1, std::memory_order_acq_rel) + 1 == st.blocks) {
       std::lock_guard<std::mutex> lock(st.m);
       st.cv.notify_all();
@@ -162,26 +167,73 @@ static inline void mx_roi_run_blocks(mx_roi_launch_state& st, F* fn) {
   }
 }
 
+// Helper threads kept for the life of the process (starting a thread per launch cost
+// ~0.1 ms, as much as a small call's whole kernel).  They sleep on a condition variable
+// (no spinning: a busy core loses nothing to them) and wake for each published launch.
+// Never freed (a detached helper may still wait on it at exit); after a fork the child
+// has none of the parent's threads, so a pool belongs to one process id.
+struct mx_roi_pool {
+  std::mutex m;
+  std::condition_variable cv;
+  std::shared_ptr<mx_roi_launch_state> job;  // the latest launch
+  unsigned long long gen = 0;                 // launches published
+  int threads = 0;
+  pid_t pid = 0;
+};
+
+static inline void mx_roi_pool_worker(mx_roi_pool* p, unsigned long long seen) {
+  for (;;) {
+    std::shared_ptr<mx_roi_launch_state> job;
+    {
+      std::unique_lock<std::mutex> lock(p->m);
+      p->cv.wait(lock, [&]() { return p->gen != seen; });
+      seen = p->gen;
+      job = p->job;
+    }
+    if (job && job->seats.fetch_sub(1, std::memory_order_acq_rel) > 0) mx_roi_run_blocks(*job);
+  }
+}
+
+static inline mx_roi_pool* mx_roi_pool_get() {
+  static std::atomic<mx_roi_pool*> current{nullptr};
+  const pid_t pid = getpid();
+  mx_roi_pool* p = current.load(std::memory_order_acquire);
+  while (!p || p->pid != pid) {
+    mx_roi_pool* fresh = new (std::nothrow) mx_roi_pool();
+    if (!fresh) return nullptr;
+    fresh->pid = pid;
+    if (current.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return fresh;
+    delete fresh;  // another thread installed one first: p now holds it
+  }
+  return p;
+}
+
+template <typename F>
+static void mx_roi_call(void* fn) {
+  (*static_cast<F*>(fn))();
+}
+
 // Runs fn() over blocks of channels on up to nthreads threads (at most C): every thread,
 // the caller included, takes the next block [c0, c1) from an atomic counter until none is
-// left.  The caller waits only for blocks that were taken, never for a helper thread
-// that has not been scheduled yet (on a busy machine that can take milliseconds): a
-// late helper finds the counter exhausted and exits.  No spinning anywhere.  A helper
-// that cannot be started (resource limits) is simply not there.  An exception must not
-// leave this extern "C" code (it would abort the process).
+// left.  The caller waits only for blocks that were taken, never for a helper that has
+// not woken up yet (on a busy machine that can take milliseconds): a late helper finds
+// the counter exhausted and goes back to sleep.  A helper that cannot be started
+// (resource limits) is simply not there.  An exception must not leave this extern "C"
+// code (it would abort the process).
 template <typename F>
 static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
-  if (T == 1) {
-    mx_roi_c_begin = 0;
-    mx_roi_c_end = C;
-    fn();
-    return;
-  }
   std::shared_ptr<mx_roi_launch_state> st;
-  try {
-    st = std::make_shared<mx_roi_launch_state>();
-  } catch (...) {
+  mx_roi_pool* pool = nullptr;
+  if (T > 1) {
+    try {
+      st = std::make_shared<mx_roi_launch_state>();
+      pool = mx_roi_pool_get();
+    } catch (...) {
+      pool = nullptr;
+    }
+  }
+  if (!pool) {
     mx_roi_c_begin = 0;
     mx_roi_c_end = C;
     fn();
@@ -190,15 +242,24 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   const int want = T * MX_ROI_BLOCKS_PER_THREAD;
   st->blocks = C < want ? C : want;
   st->C = C;
-  F* f = &fn;
-  for (int t = 1; t < T; ++t) {
-    try {
-      std::thread([st, f]() { mx_roi_run_blocks(*st, f); }).detach();
-    } catch (...) {
-      break;
+  st->seats.store(T - 1, std::memory_order_relaxed);
+  st->call = &mx_roi_call<F>;
+  st->fn = &fn;
+  {
+    std::lock_guard<std::mutex> lock(pool->m);
+    while (pool->threads < T - 1) {
+      try {
+        std::thread(mx_roi_pool_worker, pool, pool->gen).detach();
+      } catch (...) {
+        break;
+      }
+      ++pool->threads;
     }
+    pool->job = st;
+    ++pool->gen;
   }
-  mx_roi_run_blocks(*st, f);
+  pool->cv.notify_all();
+  mx_roi_run_blocks(*st);
   std::unique_lock<std::mutex> lock(st->m);
   st->cv.wait(lock, [&]() { return st->done.load(std::memory_order_acquire) == st->blocks; });
 }
