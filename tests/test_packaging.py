@@ -1,5 +1,6 @@
 """The built wheel works on its own: kernels, CUDA sources and ops ship inside it."""
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -15,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
+    # from a copy without build outputs: setuptools would pack a stale build/lib as well
+    src = tmp_path_factory.mktemp("src") / "mx_roi"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(ROOT)], check=True, cwd=out)
+                    "-q", "-w", str(out), str(src)], check=True, cwd=out)
     (whl,) = out.glob("mx_roi-*.whl")
     return whl
 
