@@ -15,7 +15,7 @@ count along an axis (tables are padded to it; entries past a bin's count have we
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 
