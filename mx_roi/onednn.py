@@ -23,7 +23,7 @@ from mxnet.base import _LIB, check_call
 from .mxpatch import GUARD_BOUND as _BOUND, call_custom  # noqa: F401  (re-exported)
 
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "call_custom"]
+           "plain_grad_view", "call_custom"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
 
@@ -143,7 +143,8 @@ def guard_output(F, out, name=None):
     def nm(i):
         return None if name is None else f"{name}_guard_out{i}"
     if isinstance(out, (list, tuple)):
-        return type(out)(barrier(F, o, nm(i)) if _is_array(o) else o
+        return type(out)((plain_grad_view(o) if isinstance(o, mx.nd.NDArray)
+                          else barrier(F, o, nm(i))) if _is_array(o) else o
                          for i, o in enumerate(out))
     if isinstance(out, mx.sym.Symbol):
         n = len(out.list_outputs())
@@ -151,5 +152,16 @@ def guard_output(F, out, name=None):
             return mx.sym.Group([barrier(F, out[i], nm(i)) for i in range(n)])
         return barrier(F, out, nm(0))
     if isinstance(out, mx.nd.NDArray):
-        return barrier(F, out)
+        return plain_grad_view(out)
     return out
+
+
+def plain_grad_view(a):
+    """Imperative output guard: ``a[0:len(a)]``, a recorded ``slice`` whose forward is a
+    view of ``a`` (no copy, no new buffer) and whose backward ``_backward_slice`` is a
+    plain ``FCompute`` kernel writing a fresh plain-layout gradient -- all the backward of
+    the ``Custom`` node needs (``docs/ONEDNN_HAZARD.md``).  An empty array (nothing to
+    slice) goes through :func:`barrier`."""
+    if a.ndim == 0 or a.shape[0] == 0:
+        return barrier(mx.nd, a)
+    return a[0:a.shape[0]]

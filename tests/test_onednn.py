@@ -513,3 +513,27 @@ def test_rois_from_a_custom_op_skip_the_input_guard():
             assert np.isfinite(a).all() and np.allclose(a, b, rtol=1e-5, atol=1e-6), (it, name)
         np.testing.assert_allclose(exes[0].outputs[0].asnumpy(), exes[1].outputs[0].asnumpy(),
                                    rtol=1e-5)
+
+
+def test_imperative_output_guard_is_a_view_with_a_plain_gradient_kernel():
+    """While recording, ``mx.nd`` calls guard the output with a recorded slice: no copy in
+    the forward (the result shares the Custom output's memory), ``_backward_slice`` (a plain
+    kernel writing a fresh array) in the backward -- not an alias op such as ``_copy``."""
+    import json
+    x = mx.nd.arange(24).reshape((4, 6))
+    x.attach_grad()
+    with autograd.record():
+        y = x * 2
+        z = onednn.guard_output(mx.nd, y)
+        w = z * 3
+    assert _data_pointer(z) == _data_pointer(y) and z.shape == y.shape
+    ops = [n["op"] for n in json.loads(autograd.get_symbol(w).tojson())["nodes"]]
+    assert ops == ["null", "_mul_scalar", "slice", "_mul_scalar"], ops
+    w.backward(mx.nd.ones_like(w))
+    np.testing.assert_array_equal(x.grad.asnumpy(), np.full((4, 6), 6.0))
+    # a multi-output list is guarded element by element; an empty output gets the clip
+    with mx.util.np_shape(True):
+        e = mx.nd.zeros((0, 3))
+        with autograd.record():
+            a, b = onednn.guard_output(mx.nd, [y, e])
+        assert _data_pointer(a) == _data_pointer(y) and b.shape == (0, 3)
