@@ -24,6 +24,7 @@ class PSROIAlign(PositionSensitive):
     cuda_source = "psroi_align.cu"
     gluon_mode = "psalign"
     selftest_cases = (dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2),)
+    kernel_tables = staticmethod(sample_grid_tables)
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -40,23 +41,3 @@ class PSROIAlign(PositionSensitive):
     def backward_numpy(self, geo, grad, data_shape, saved):
         sep = K.separable(geo, data_shape[2], data_shape[3])
         return K.ps_avg_backward(sep, grad, data_shape, *self.group_args())
-
-    # ---- CUDA (operators/psroi_align.cu; see mx_roi.cuda.backend) ----------------------
-    def forward_cuda(self, launch, geo, data):
-        """Average of each bin's samples of input channel channel_map[c, p, q]."""
-        _, Cin, H, W = data.shape
-        R, P, Q = geo.divisor.shape
-        C = self.param.output_dim
-        out = launch.output((R, C, P, Q))
-        launch.forward("psroi_align_forward", out.size, sample_grid_tables(geo), data=data,
-                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
-                       out=out)
-        return out, None
-
-    def backward_cuda(self, launch, geo, grad, data_shape, saved):
-        _, Cin, H, W = data_shape
-        buf = launch.grad_buffer(data_shape, grad)
-        launch.backward("psroi_align_backward", grad.size, sample_grid_tables(geo), grad=grad,
-                        channel_map=self.channel_map(launch.xp), C=self.param.output_dim,
-                        Cin=Cin, H=H, W=W, bottom=buf)
-        return launch.grad_value(buf)

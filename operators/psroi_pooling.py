@@ -42,6 +42,33 @@ class PositionSensitive(RoIOp):
         return (p.output_dim, (Gh, Gw), geometry.group_index(p.pooled_size[0], Gh, xp),
                 geometry.group_index(p.pooled_size[1], Gw, xp))
 
+    # ---- CUDA (operators/<op>.cu; see mx_roi.cuda.backend) ----------------------------
+    # Both ops launch ``<cuda_source stem>_forward`` / ``_backward`` with their geometry's
+    # kernel tables (``kernel_tables``) and the channel map; only the tables differ.
+    kernel_tables = None
+
+    def _kernel(self, direction):
+        return f"{self.cuda_source.rsplit('.', 1)[0]}_{direction}"
+
+    def forward_cuda(self, launch, geo, data):
+        """Mean over each bin (cells or samples) of input channel channel_map[c, p, q]."""
+        _, Cin, H, W = data.shape
+        tables = self.kernel_tables(geo)
+        C = self.param.output_dim
+        out = launch.output((tables["batch"].shape[0], C, tables["P"], tables["Q"]))
+        launch.forward(self._kernel("forward"), out.size, tables, data=data,
+                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
+                       out=out)
+        return out, None
+
+    def backward_cuda(self, launch, geo, grad, data_shape, saved):
+        _, Cin, H, W = data_shape
+        buf = launch.grad_buffer(data_shape, grad)
+        launch.backward(self._kernel("backward"), grad.size, self.kernel_tables(geo),
+                        grad=grad, channel_map=self.channel_map(launch.xp),
+                        C=self.param.output_dim, Cin=Cin, H=H, W=W, bottom=buf)
+        return launch.grad_value(buf)
+
     def channel_map(self, xp=np):
         """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
         p = self.param
@@ -86,6 +113,7 @@ class PSROIPooling(PositionSensitive):
     builtin_order = ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
                      "group_size")
     selftest_cases = (dict(pooled_size=3, output_dim=2, spatial_scale=0.5),)
+    kernel_tables = staticmethod(int_bins_tables)
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -106,24 +134,3 @@ class PSROIPooling(PositionSensitive):
     def backward_numpy(self, bins, grad, data_shape, saved):
         sep = self._separable(bins, data_shape[2], data_shape[3], grad.dtype)
         return K.ps_avg_backward(sep, grad, data_shape, *self.group_args())
-
-    # ---- CUDA (operators/psroi_pooling.cu; see mx_roi.cuda.backend) --------------------
-    def forward_cuda(self, launch, bins, data):
-        """Mean over each integer bin of input channel channel_map[c, p, q]."""
-        _, Cin, H, W = data.shape
-        R, P = bins.hstart.shape
-        Q = bins.wstart.shape[1]
-        C = self.param.output_dim
-        out = launch.output((R, C, P, Q))
-        launch.forward("psroi_pooling_forward", out.size, int_bins_tables(bins), data=data,
-                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
-                       out=out)
-        return out, None
-
-    def backward_cuda(self, launch, bins, grad, data_shape, saved):
-        _, Cin, H, W = data_shape
-        buf = launch.grad_buffer(data_shape, grad)
-        launch.backward("psroi_pooling_backward", grad.size, int_bins_tables(bins), grad=grad,
-                        channel_map=self.channel_map(launch.xp), C=self.param.output_dim,
-                        Cin=Cin, H=H, W=W, bottom=buf)
-        return launch.grad_value(buf)
