@@ -87,6 +87,24 @@ def test_overhead_and_header(quick_run):
     assert not any(k.startswith("tv_") for r in payload["results"] for k in r)
 
 
+def test_fixed_cost_section(quick_run):
+    """Every op family, both directions: the small call against the no-op Custom op, the
+    extra cost and whether it meets the issue's target."""
+    proc, payload = quick_run
+    rows = payload["fixed_cost"]
+    families = {r["key"].split("/")[0] for r in payload["results"]}
+    assert {(r["key"], r["direction"]) for r in rows} == {(f, d) for f in families
+                                                          for d in DIRECTIONS}
+    for r in rows:
+        assert _positive(r["ours_ms"]) and _positive(r["noop_ms"])
+        assert math.isclose(r["extra_ms"], r["ours_ms"] - r["noop_ms"])
+        assert r["target_ms"] == {"fwd": 0.5, "fwd+bwd": 1.0}[r["direction"]]
+        assert r["met"] == (r["extra_ms"] <= r["target_ms"])
+        assert r["data_shape"][0] == 1 and r["data_shape"][1] <= 64
+        assert r["data_shape"][2:] == [19, 25] and r["out_shape"][0] == 16
+    assert "Fixed cost of a small call" in proc.stdout
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out_json, png = tmp_path / "plot.json", tmp_path / "plot.png"

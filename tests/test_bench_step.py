@@ -2,6 +2,7 @@
 equality of the built-in and mx_roi sides; no timing assertions)."""
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -48,6 +49,10 @@ def test_both_sides_ran_the_same_step(step_run):
         assert all(_positive(t) for t in r["ours_runs_ms"] + r["builtin_runs_ms"])
         assert r["ours_ms"] == min(r["ours_runs_ms"])
         assert math.isclose(r["ratio"], r["ours_ms"] / r["builtin_ms"])
+        assert math.isclose(r["median_ratio"], statistics.median(r["ours_runs_ms"]) /
+                            statistics.median(r["builtin_runs_ms"]))
+        assert math.isclose(r["builtin_spread"], max(r["builtin_runs_ms"]) /
+                            min(r["builtin_runs_ms"]) - 1)
 
 
 def test_profile_finds_each_side_op(step_run):

@@ -16,7 +16,7 @@ from . import report, torchvision_ops
 from .busy import add_busy_ratios, busy_core
 from .machine import machine_info
 from .memory import bench_memory, memory_child
-from .overhead import bench_overhead
+from .overhead import SMALL_REPEAT, bench_fixed_cost, bench_overhead
 from .roofline import add_bounds, probe_hardware
 from .threads import run_thread_settings
 from .timing import bench_all, sweep
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
         add_busy_ratios(busy_rows, rows)
 
     overhead = bench_overhead(inputs, workloads, args.repeat)
+    fixed = bench_fixed_cost(workloads, ctx, 5 if args.quick else SMALL_REPEAT)
     if args.memory and args.ctx == "gpu":
         print("--memory measures host RSS; skipped with --ctx gpu", flush=True)
         args.memory = False
@@ -190,6 +191,9 @@ def main(argv=None) -> int:
     if overhead:
         print()
         print(report.format_overhead(overhead))
+    if fixed:
+        print()
+        print(report.format_fixed_cost(fixed))
     if memory is not None:
         print()
         print(report.format_memory(memory))
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
                                    rtol=RTOL, atol=ATOL),
                        results=rows, geomean_fwd_bwd_ratio=gm, geomean_fwd_ratio=gm_fwd,
                        hardware=hw, busy=busy_rows,
-                       overhead=overhead, memory=memory, sweep=sweep_result,
+                       overhead=overhead, fixed_cost=fixed, memory=memory, sweep=sweep_result,
                        failures=failures,
                        total_seconds=elapsed)
         with open(args.json, "w") as f:

@@ -132,6 +132,19 @@ def format_overhead(overhead) -> str:
     return "\n".join(lines)
 
 
+def format_fixed_cost(rows) -> str:
+    lines = ["Fixed cost of a small call (1 image, 64-channel 19x25 map, 16 boxes; PS ops: "
+             "output_dim * P * Q <= 64 channels): ours and a no-op Custom op with the same "
+             "shapes, interleaved medians; extra = ours - no-op (target: fwd <= 0.5 ms, "
+             "fwd+bwd <= 1.0 ms):",
+             f"  {'op':<17} {'dir':<8} {'ours ms':>8} {'no-op ms':>9} {'extra ms':>9}  target"]
+    for r in rows:
+        lines.append(f"  {r['key']:<17} {r['direction']:<8} {r['ours_ms']:8.3f} "
+                     f"{r['noop_ms']:9.3f} {r['extra_ms']:9.3f}  "
+                     f"{'met' if r['met'] else 'NOT met'} (<= {r['target_ms']:.1f})")
+    return "\n".join(lines)
+
+
 def format_memory(memory) -> str:
     methods = sorted({m["method"] for m in memory if m.get("method")})
     lines = ["Peak extra RSS of one fwd+bwd: fresh process per op and side, 2-box warm-up, "

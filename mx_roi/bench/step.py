@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -88,6 +89,9 @@ def run_setting(configs: List[StepConfig], steps: int, model: str, profile: bool
         row = dict(config=asdict(cfg), name=cfg.name, op=cfg.op, rois=cfg.rois,
                    ours_ms=best["ours"], builtin_ms=best["builtin"],
                    ratio=best["ours"] / best["builtin"],
+                   median_ratio=statistics.median(runs["ours"]) /
+                   statistics.median(runs["builtin"]),
+                   builtin_spread=max(runs["builtin"]) / min(runs["builtin"]) - 1,
                    ours_runs_ms=runs["ours"], builtin_runs_ms=runs["builtin"],
                    check=check, graph=graph)
         if profile:
@@ -149,7 +153,7 @@ def _report(settings: List[dict]) -> List[str]:
         lines.append(f"\n== threads: {s['threads']} ({s['env_note']}); load average "
                      f"{m.get('loadavg')}")
         lines.append(f"{'config':<20} {'rois':>5} {'ours ms':>8} {'builtin':>8} {'ours/bi':>7} "
-                     f"{'op%bi':>6} {'op%ours':>7} {'guard%':>6}  check")
+                     f"{'median':>6} {'spread':>6} {'op%bi':>6} {'op%ours':>7} {'guard%':>6}  check")
         for r in s["results"]:
             p = r.get("profile") or {}
             bi, ou = p.get("builtin", {}), p.get("ours", {})
@@ -159,7 +163,8 @@ def _report(settings: List[dict]) -> List[str]:
                 return f"{100 * v / w:5.1f}%" if v is not None and w else "    -"
             ok = "ok" if r["check"]["ok"] and r["graph"]["same"] else "MISMATCH"
             lines.append(f"{r['name']:<20} {r['rois']:>5} {_fmt_ms(r['ours_ms'])} "
-                         f"{_fmt_ms(r['builtin_ms'])} {r['ratio']:7.3f} {pct(bi, 'op_ms'):>6} "
+                         f"{_fmt_ms(r['builtin_ms'])} {r['ratio']:7.3f} {r['median_ratio']:6.3f} "
+                         f"{100 * r['builtin_spread']:5.0f}% {pct(bi, 'op_ms'):>6} "
                          f"{pct(ou, 'op_ms'):>7} {pct(ou, 'guard_ms'):>6}  {ok} "
                          f"(rel err {r['check']['max_rel_err']:.1e})")
         for r in s["results"]:
@@ -178,7 +183,9 @@ def _report(settings: List[dict]) -> List[str]:
                              f"{k} {v:.1f}" for k, v in ou["guard_entries"].items()) +
                          f"; inside the callbacks: {parts})")
     lines.append("\nours/bi: least-disturbed (min) step time, ours / built-in (< 1: ours is "
-                 "faster); op%: the RoI op's share of a profiled step (forward + backward; "
+                 "faster); median: the same for the median steps; spread: the built-in's "
+                 "slowest / fastest step - 1 (the machine's noise: a ratio closer to 1 than "
+                 "this says nothing); op%: the RoI op's share of a profiled step (forward + backward; "
                  "ours: the Custom op's Python callbacks), guard%: oneDNN guard "
                  "(_copy/clip/_backward_clip) share; all times in ms.")
     return lines
