@@ -4,7 +4,8 @@ A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the b
 can be handed memory MXNet has already freed.  The guard: every array input and output
 of the node goes through ``clip(x, -B, B)`` (B = :data:`mx_roi.mxpatch.GUARD_BOUND`),
 which always computes into a fresh plain-layout buffer; imperative inputs are instead
-reordered to the plain layout in place (:func:`plain_nd`).  The measurements, the
+reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
+recorded slice view whose backward writes a fresh plain gradient (:func:`plain_grad_view`).  The measurements, the
 mechanism and the cost are in ``docs/ONEDNN_HAZARD.md``.  :func:`mx_roi.call_custom`
 (:mod:`mx_roi.mxpatch`) applies the guard; ``import mx_roi`` makes plain
 ``mx.nd.Custom``/``mx.sym.Custom`` calls of our ops use it too.
@@ -131,7 +132,8 @@ def guard_inputs(F, *arrays, name=None):
 
 
 def guard_output(F, out, name=None):
-    """Return the output(s) of a ``Custom`` node made safe for the backward pass.
+    """Return the output(s) of a ``Custom`` node made safe for the backward pass: in
+    graphs through :func:`barrier`, imperatively as :func:`plain_grad_view`.
 
     Accepts an NDArray, a list/tuple of NDArrays (multi-output ``mx.nd.Custom``), a
     Symbol (single or grouped multi-output ``mx.sym.Custom``).  With ``name`` (symbolic
