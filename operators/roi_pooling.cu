@@ -6,41 +6,62 @@
 #include "roi_common.cuh"
 
 #ifdef MX_ROI_HOST_NATIVE
-// Native host build: the same result, walked plane by plane.  The bins of a roi differ
-// in size by one cell at most, so scanning each bin of a roi over the roi's largest bin
-// (kh x kw cells, the bin's last row / column repeated: a repeat never beats the first
-// maximum) gives every bin the same trip count -- loops the branch predictor learns,
-// where exact per-bin bounds of 1 or 2 cells mispredicted about once per output.
-template <int KH, int KW, typename T, typename A>
-__forceinline__ void roi_pooling_plane(const T* plane, const int* hs, const int* he,
-                                       const int* ws, const int* we, int kh, int kw, int W,
-                                       int P, int Q, T* out, int* argmax) {
-  if (KH) kh = KH;
-  if (KW) kw = KW;
-  for (int p = 0; p < P; ++p) {
-    const int h0 = hs[p], hl = he[p] - h0;
-    for (int q = 0; q < Q; ++q) {
-      const int w0 = ws[q], wl = we[q] - w0;
-      A best = 0;
-      int arg = -1;
-      if (hl > 0 && wl > 0) {
-        best = mx_roi::max_init<A>();
-        for (int i = 0; i < kh; ++i) {
-          const int row = (h0 + (i < hl ? i : hl - 1)) * W;
-          for (int j = 0; j < kw; ++j) {
-            const int k = row + w0 + (j < wl ? j : wl - 1);
-            mx_roi::max_step(mx_roi::Traits<T>::load(plane[k]), best, k, arg);
-          }
-        }
-      }
-      out[p * Q + q] = mx_roi::Traits<T>::store(best);
-      if (argmax) argmax[p * Q + q] = arg;
+#include <cstring>
+#include <vector>
+// Native host build of the forward: the thread's channel block [mx_roi_c_begin,
+// mx_roi_c_end) is first copied channels-last (cell by cell, the block's channels
+// contiguous, loaded as A), then every bin of a roi is scanned cell by cell in row-major
+// order, updating the running max of all the block's channels in one loop the compiler
+// vectorises (the channels are independent lanes: strict '>' per lane gives the same
+// first maximum and NaN rule as the generic kernel, bit for bit).
+// The running max and argmax of L = 16 channels (lanes) over a bin's cells: strict '>'
+// per lane, the first maximum wins and NaN never does.  float: four 4-lane vectors (GCC /
+// Clang vector extensions; g++ does not vectorise the scalar form with its argmax);
+// other types: scalar lanes.
+template <typename A>
+struct MaxLanes {
+  A best[16];
+  int arg[16];
+  void init() {
+    for (int c = 0; c < 16; ++c) {
+      best[c] = mx_roi::max_init<A>();
+      arg[c] = -1;
     }
   }
-}
+  void step(const A* v, int k) {
+    for (int c = 0; c < 16; ++c) mx_roi::max_step(v[c], best[c], k, arg[c]);
+  }
+  A value(int c) const { return best[c]; }
+  int index(int c) const { return arg[c]; }
+};
 
-// The calling thread's channel block [mx_roi_c_begin, mx_roi_c_end) of every roi, roi by
-// roi (one contiguous run of output per roi, the block's planes stay in cache).
+typedef float mx_roi_v4f __attribute__((vector_size(16)));
+typedef int mx_roi_v4i __attribute__((vector_size(16)));
+
+template <>
+struct MaxLanes<float> {
+  mx_roi_v4f best[4];
+  mx_roi_v4i arg[4];
+  void init() {
+    for (int i = 0; i < 4; ++i) {
+      best[i] = mx_roi_v4f{} + mx_roi::max_init<float>();
+      arg[i] = mx_roi_v4i{} - 1;
+    }
+  }
+  void step(const float* v, int k) {
+    const mx_roi_v4i kv = mx_roi_v4i{} + k;
+    for (int i = 0; i < 4; ++i) {
+      mx_roi_v4f x;
+      memcpy(&x, v + 4 * i, sizeof x);
+      const mx_roi_v4i take = x > best[i];  // -1 where strictly greater (NaN: 0)
+      best[i] = take ? x : best[i];
+      arg[i] = take ? kv : arg[i];
+    }
+  }
+  float value(int c) const { return best[c / 4][c % 4]; }
+  int index(int c) const { return arg[c / 4][c % 4]; }
+};
+
 template <typename T, typename A>
 void roi_pooling_forward_native(const T* data, const int* batch, const int* hstart,
                                 const int* hend, const int* wstart, const int* wend, int C,
@@ -48,33 +69,55 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
                                 int store_argmax, long long n) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
   const long long R = per_roi > 0 ? n / per_roi : 0;
+  const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+  if (R <= 0 || nc <= 0) return;
+  const long long HW = (long long)H * W;
+  const int L = 16, ncp = (nc + L - 1) / L * L;  // lanes per pass; padded block width
+  int images = 0;  // images any roi reads (batch indices are validated: < N)
+  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+  static thread_local std::vector<A> cells;
+  cells.resize((size_t)images * HW * ncp);
+  for (int b = 0; b < images; ++b) {
+    A* img = cells.data() + (size_t)b * HW * ncp;
+    for (int c = 0; c < nc; ++c) {
+      const T* plane = data + mx_roi::plane_offset(b, c0 + c, C, H, W);
+      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)mx_roi::Traits<T>::load(plane[k]);
+    }
+    for (int c = nc; c < ncp; ++c)  // padding lanes: computed, never stored
+      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)0;
+  }
   for (long long r = 0; r < R; ++r) {
     const int b = batch[r];
-    const int *hs = hstart + r * P, *he = hend + r * P, *ws = wstart + r * Q, *we = wend + r * Q;
-    int kh = 1, kw = 1;
-    for (int p = 0; p < P; ++p) kh = he[p] - hs[p] > kh ? he[p] - hs[p] : kh;
-    for (int q = 0; q < Q; ++q) kw = we[q] - ws[q] > kw ? we[q] - ws[q] : kw;
-    for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
-      const long long o = (r * C + c) * plane_out;
-      int* a = store_argmax ? argmax + o : nullptr;  // 0: inference, nothing kept
-      if (b < 0) {
-        for (long long i = 0; i < plane_out; ++i) {
-          out[o + i] = mx_roi::Traits<T>::store((A)0);
-          if (a) a[i] = -1;
+    const A* img = b >= 0 ? cells.data() + (size_t)b * HW * ncp : nullptr;
+    for (int p = 0; p < P; ++p) {
+      const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
+      for (int q = 0; q < Q; ++q) {
+        const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
+        T* o = out + (r * C + c0) * plane_out + p * Q + q;  // channel c0 + c: o[c * plane_out]
+        int* a = store_argmax ? argmax + (o - out) : nullptr;  // 0: inference, nothing kept
+        if (b < 0 || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
+          for (int c = 0; c < nc; ++c) {
+            o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+            if (a) a[c * plane_out] = -1;
+          }
+          continue;
         }
-        continue;
+        for (int cc = 0; cc < ncp; cc += L) {
+          MaxLanes<A> m;
+          m.init();
+          for (int i = 0; i < hl; ++i) {
+            for (int j = 0; j < wl; ++j) {
+              const int k = (h0 + i) * W + w0 + j;
+              m.step(img + (size_t)k * ncp + cc, k);
+            }
+          }
+          const int lanes = nc - cc < L ? nc - cc : L;
+          for (int c = 0; c < lanes; ++c) {
+            o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+            if (a) a[(cc + c) * plane_out] = m.index(c);
+          }
+        }
       }
-      const T* plane = data + mx_roi::plane_offset(b, c, C, H, W);
-      if (kh == 1 && kw == 1)
-        roi_pooling_plane<1, 1, T, A>(plane, hs, he, ws, we, kh, kw, W, P, Q, out + o, a);
-      else if (kh == 1 && kw == 2)
-        roi_pooling_plane<1, 2, T, A>(plane, hs, he, ws, we, kh, kw, W, P, Q, out + o, a);
-      else if (kh == 2 && kw == 1)
-        roi_pooling_plane<2, 1, T, A>(plane, hs, he, ws, we, kh, kw, W, P, Q, out + o, a);
-      else if (kh == 2 && kw == 2)
-        roi_pooling_plane<2, 2, T, A>(plane, hs, he, ws, we, kh, kw, W, P, Q, out + o, a);
-      else
-        roi_pooling_plane<0, 0, T, A>(plane, hs, he, ws, we, kh, kw, W, P, Q, out + o, a);
     }
   }
 }
