@@ -4,6 +4,64 @@
 // Output and argmax are (R, C, P, Q); argmax holds the winning sample iy*Gx+ix or -1.
 #include "roi_common.cuh"
 
+#ifdef MX_ROI_HOST_NATIVE
+// Native host build of the average forward: the thread's channel block channels-last
+// (mx_roi::channels_last_block), each bin's samples taken once for 16 channels at a time
+// (mx_roi::SumLanes: per lane the generic kernel's operations in its order).
+template <typename T, typename A>
+void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_count,
+                                  const int* y_low, const int* y_high, const A* y_wl,
+                                  const A* y_wh, const int* x_count, const int* x_low,
+                                  const int* x_high, const A* x_wl, const A* x_wh,
+                                  const A* divisor, int C, int H, int W, int P, int Q, int Gy,
+                                  int Gx, T* out, long long n) {
+  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
+  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+  if (R <= 0 || nc <= 0) return;
+  const long long HW = (long long)H * W;
+  const int L = mx_roi::LANES, ncp = mx_roi::padded_lanes(nc);
+  const A* cells = mx_roi::channels_last_block<T, A>(data, batch, R, C, H, W);
+  for (long long r = 0; r < R; ++r) {
+    const int b = batch[r];
+    const A* img = b >= 0 ? cells + (size_t)b * HW * ncp : nullptr;
+    for (int p = 0; p < P; ++p) {
+      const int ny = y_count[r * P + p];
+      const long long yb = (r * P + p) * (long long)Gy;
+      for (int q = 0; q < Q; ++q) {
+        T* o = out + (r * C + c0) * plane_out + p * Q + q;  // channel c0 + c: o[c * plane_out]
+        if (b < 0) {
+          for (int c = 0; c < nc; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+          continue;
+        }
+        const int nx = x_count[r * Q + q];
+        const long long xb = (r * Q + q) * (long long)Gx;
+        const A d = divisor[(r * P + p) * Q + q];
+        for (int cc = 0; cc < ncp; cc += L) {
+          mx_roi::SumLanes<A> m;
+          m.zero();
+          for (int iy = 0; iy < ny; ++iy) {
+            for (int ix = 0; ix < nx; ++ix) {
+              const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                            y_wh, x_low, x_high, x_wl, x_wh);
+              const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+              const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+              m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
+                    row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
+                    s.w4);
+            }
+          }
+          m.divide(d);
+          const int lanes = nc - cc < L ? nc - cc : L;
+          for (int c = 0; c < lanes; ++c)
+            o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, typename A>
 __global__ void roi_align_forward_avg(
     const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ y_count,
@@ -12,11 +70,17 @@ __global__ void roi_align_forward_avg(
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     const A* __restrict__ divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
     T* __restrict__ out, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  roi_align_forward_avg_native<T, A>(data, batch, y_count, y_low, y_high, y_wl, y_wh, x_count,
+                                     x_low, x_high, x_wl, x_wh, divisor, C, H, W, P, Q, Gy, Gx,
+                                     out, n);
+#else
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     mx_roi::align_avg_forward_item<T, A>(it, data, batch, (const int*)0, y_count, y_low, y_high,
                                          y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
                                          divisor, C, C, H, W, P, Q, Gy, Gx, out);
   }
+#endif
 }
 
 template <typename T, typename A, typename O>

@@ -328,6 +328,136 @@ __device__ __forceinline__ void sample_backward(O* plane, int W, const Sample<A>
   grad_add(plane + (long long)s.yh * W + s.xh, g * s.w4, scale);
 }
 
+#ifdef MX_ROI_HOST_NATIVE
+// ---- native host build: channel lanes ------------------------------------------------
+// The per-channel kernels (ROIPooling, ROIAlign average) read the same cells for every
+// channel of a roi's bin.  The native build copies the calling thread's channel block
+// channels-last once per launch and then walks each bin once for LANES channels at a time,
+// the channels being independent vector lanes: per lane the same operations in the same
+// order as the generic kernel, so the same bits (-ffp-contract=off, no fast-math).
+}  // namespace mx_roi
+#include <cstring>
+#include <vector>
+namespace mx_roi {
+
+const int LANES = 16;
+inline int padded_lanes(int nc) { return (nc + LANES - 1) / LANES * LANES; }
+
+// The block [mx_roi_c_begin, mx_roi_c_end) of every image a roi reads, channels-last and
+// loaded as A: element (b, k, c) at (b * H*W + k) * padded_lanes(nc) + c - c_begin; the
+// padding lanes are 0 (computed, never stored).  Thread-local storage, reused.
+template <typename T, typename A>
+const A* channels_last_block(const T* data, const int* batch, long long R, int C, int H,
+                             int W) {
+  const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin, ncp = padded_lanes(nc);
+  const long long HW = (long long)H * W;
+  int images = 0;  // images any roi reads (batch indices are validated: < N)
+  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+  static thread_local std::vector<A> cells;
+  cells.resize((size_t)images * HW * ncp);
+  for (int b = 0; b < images; ++b) {
+    A* img = cells.data() + (size_t)b * HW * ncp;
+    for (int c = 0; c < nc; ++c) {
+      const T* plane = data + plane_offset(b, c0 + c, C, H, W);
+      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)Traits<T>::load(plane[k]);
+    }
+    for (int c = nc; c < ncp; ++c)
+      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)0;
+  }
+  return cells.data();
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef int v4i __attribute__((vector_size(16)));
+
+// The running max and argmax of L = 16 channels (lanes) over a bin's cells: strict '>'
+// per lane, the first maximum wins and NaN never does.  float: four 4-lane vectors (GCC /
+// Clang vector extensions; g++ does not vectorise the scalar form with its argmax);
+// other types: scalar lanes.
+template <typename A>
+struct MaxLanes {
+  A best[16];
+  int arg[16];
+  void init() {
+    for (int c = 0; c < 16; ++c) {
+      best[c] = max_init<A>();
+      arg[c] = -1;
+    }
+  }
+  void step(const A* v, int k) {
+    for (int c = 0; c < 16; ++c) max_step(v[c], best[c], k, arg[c]);
+  }
+  A value(int c) const { return best[c]; }
+  int index(int c) const { return arg[c]; }
+};
+
+
+template <>
+struct MaxLanes<float> {
+  v4f best[4];
+  v4i arg[4];
+  void init() {
+    for (int i = 0; i < 4; ++i) {
+      best[i] = v4f{} + max_init<float>();
+      arg[i] = v4i{} - 1;
+    }
+  }
+  void step(const float* v, int k) {
+    const v4i kv = v4i{} + k;
+    for (int i = 0; i < 4; ++i) {
+      v4f x;
+      memcpy(&x, v + 4 * i, sizeof x);
+      const v4i take = x > best[i];  // -1 where strictly greater (NaN: 0)
+      best[i] = take ? x : best[i];
+      arg[i] = take ? kv : arg[i];
+    }
+  }
+  float value(int c) const { return best[c / 4][c % 4]; }
+  int index(int c) const { return arg[c / 4][c % 4]; }
+};
+
+// The running sum of a bin's bilinear samples for LANES channels: per lane
+// (w1*v1 + w2*v2) + w3*v3 + w4*v4 added in sample order, then / divisor (sample_value,
+// align_avg_forward_item).  float: four 4-lane vectors; other types: scalar lanes.
+template <typename A>
+struct SumLanes {
+  A sum[16];
+  void zero() {
+    for (int c = 0; c < 16; ++c) sum[c] = 0;
+  }
+  void add(const A* v1, const A* v2, const A* v3, const A* v4, A w1, A w2, A w3, A w4) {
+    for (int c = 0; c < 16; ++c) sum[c] += (w1 * v1[c] + w2 * v2[c]) + w3 * v3[c] + w4 * v4[c];
+  }
+  void divide(A d) {
+    for (int c = 0; c < 16; ++c) sum[c] = sum[c] / d;
+  }
+  A value(int c) const { return sum[c]; }
+};
+
+template <>
+struct SumLanes<float> {
+  v4f sum[4];
+  void zero() {
+    for (int i = 0; i < 4; ++i) sum[i] = v4f{};
+  }
+  void add(const float* v1, const float* v2, const float* v3, const float* v4, float w1,
+           float w2, float w3, float w4) {
+    for (int i = 0; i < 4; ++i) {
+      v4f a, b, c, d;
+      memcpy(&a, v1 + 4 * i, sizeof a);
+      memcpy(&b, v2 + 4 * i, sizeof b);
+      memcpy(&c, v3 + 4 * i, sizeof c);
+      memcpy(&d, v4 + 4 * i, sizeof d);
+      sum[i] += (w1 * a + w2 * b) + w3 * c + w4 * d;
+    }
+  }
+  void divide(float d) {
+    for (int i = 0; i < 4; ++i) sum[i] = sum[i] / d;
+  }
+  float value(int c) const { return sum[c / 4][c % 4]; }
+};
+#endif
+
 // ---- average over the samples of a bin (ROIAlign avg, PSROIAlign) --------------------
 // out[i] = sum over iy < y_count[r,p], ix < x_count[r,q] of sample_value / divisor[r,p,q]
 template <typename T, typename A>

@@ -6,62 +6,10 @@
 #include "roi_common.cuh"
 
 #ifdef MX_ROI_HOST_NATIVE
-#include <cstring>
-#include <vector>
-// Native host build of the forward: the thread's channel block [mx_roi_c_begin,
-// mx_roi_c_end) is first copied channels-last (cell by cell, the block's channels
-// contiguous, loaded as A), then every bin of a roi is scanned cell by cell in row-major
-// order, updating the running max of all the block's channels in one loop the compiler
-// vectorises (the channels are independent lanes: strict '>' per lane gives the same
-// first maximum and NaN rule as the generic kernel, bit for bit).
-// The running max and argmax of L = 16 channels (lanes) over a bin's cells: strict '>'
-// per lane, the first maximum wins and NaN never does.  float: four 4-lane vectors (GCC /
-// Clang vector extensions; g++ does not vectorise the scalar form with its argmax);
-// other types: scalar lanes.
-template <typename A>
-struct MaxLanes {
-  A best[16];
-  int arg[16];
-  void init() {
-    for (int c = 0; c < 16; ++c) {
-      best[c] = mx_roi::max_init<A>();
-      arg[c] = -1;
-    }
-  }
-  void step(const A* v, int k) {
-    for (int c = 0; c < 16; ++c) mx_roi::max_step(v[c], best[c], k, arg[c]);
-  }
-  A value(int c) const { return best[c]; }
-  int index(int c) const { return arg[c]; }
-};
-
-typedef float mx_roi_v4f __attribute__((vector_size(16)));
-typedef int mx_roi_v4i __attribute__((vector_size(16)));
-
-template <>
-struct MaxLanes<float> {
-  mx_roi_v4f best[4];
-  mx_roi_v4i arg[4];
-  void init() {
-    for (int i = 0; i < 4; ++i) {
-      best[i] = mx_roi_v4f{} + mx_roi::max_init<float>();
-      arg[i] = mx_roi_v4i{} - 1;
-    }
-  }
-  void step(const float* v, int k) {
-    const mx_roi_v4i kv = mx_roi_v4i{} + k;
-    for (int i = 0; i < 4; ++i) {
-      mx_roi_v4f x;
-      memcpy(&x, v + 4 * i, sizeof x);
-      const mx_roi_v4i take = x > best[i];  // -1 where strictly greater (NaN: 0)
-      best[i] = take ? x : best[i];
-      arg[i] = take ? kv : arg[i];
-    }
-  }
-  float value(int c) const { return best[c / 4][c % 4]; }
-  int index(int c) const { return arg[c / 4][c % 4]; }
-};
-
+// Native host build of the forward: the thread's channel block copied channels-last
+// (mx_roi::channels_last_block), then every bin of a roi scanned cell by cell in
+// row-major order, updating the running max of 16 channels at a time (mx_roi::MaxLanes:
+// strict '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit).
 template <typename T, typename A>
 void roi_pooling_forward_native(const T* data, const int* batch, const int* hstart,
                                 const int* hend, const int* wstart, const int* wend, int C,
@@ -72,23 +20,11 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
   const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
   if (R <= 0 || nc <= 0) return;
   const long long HW = (long long)H * W;
-  const int L = 16, ncp = (nc + L - 1) / L * L;  // lanes per pass; padded block width
-  int images = 0;  // images any roi reads (batch indices are validated: < N)
-  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
-  static thread_local std::vector<A> cells;
-  cells.resize((size_t)images * HW * ncp);
-  for (int b = 0; b < images; ++b) {
-    A* img = cells.data() + (size_t)b * HW * ncp;
-    for (int c = 0; c < nc; ++c) {
-      const T* plane = data + mx_roi::plane_offset(b, c0 + c, C, H, W);
-      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)mx_roi::Traits<T>::load(plane[k]);
-    }
-    for (int c = nc; c < ncp; ++c)  // padding lanes: computed, never stored
-      for (long long k = 0; k < HW; ++k) img[k * ncp + c] = (A)0;
-  }
+  const int L = mx_roi::LANES, ncp = mx_roi::padded_lanes(nc);
+  const A* cells = mx_roi::channels_last_block<T, A>(data, batch, R, C, H, W);
   for (long long r = 0; r < R; ++r) {
     const int b = batch[r];
-    const A* img = b >= 0 ? cells.data() + (size_t)b * HW * ncp : nullptr;
+    const A* img = b >= 0 ? cells + (size_t)b * HW * ncp : nullptr;
     for (int p = 0; p < P; ++p) {
       const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
       for (int q = 0; q < Q; ++q) {
@@ -103,7 +39,7 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
           continue;
         }
         for (int cc = 0; cc < ncp; cc += L) {
-          MaxLanes<A> m;
+          mx_roi::MaxLanes<A> m;
           m.init();
           for (int i = 0; i < hl; ++i) {
             for (int j = 0; j < wl; ++j) {

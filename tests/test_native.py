@@ -430,7 +430,8 @@ def test_native_available_with_compiler():
 
 
 def test_create_operator_selects_native_under_auto(monkeypatch, launches):
-    """Unset MX_ROI_BACKEND: ROIPooling runs the native kernels, ROIAlign avg does not."""
+    """Unset MX_ROI_BACKEND: ROIPooling runs the native kernels; ROIAlign avg only for an
+    inference forward (a training call runs NumPy forward and backward)."""
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
     x = nd(np.arange(50, dtype=np.float32).reshape(1, 2, 5, 5))
     r = nd(np.array([[0, 0, 0, 3, 3]], np.float32))
@@ -439,6 +440,13 @@ def test_create_operator_selects_native_under_auto(monkeypatch, launches):
     assert launches == ["roi_pooling_forward<float, float>"]
     launches.clear()
     mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0).wait_to_read()
+    assert launches == ["roi_align_forward_avg<float, float>"]
+    launches.clear()
+    x.attach_grad()
+    with autograd.record():
+        y = mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0)
+    y.backward()
+    x.grad.wait_to_read()
     assert launches == []
     mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0,
                        pool_mode="max").wait_to_read()
@@ -696,3 +704,54 @@ def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
         for out, grad in results[1:]:
             np.testing.assert_array_equal(out, results[0][0])
             np.testing.assert_array_equal(grad, results[0][1])
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sample_ratio", [2, -1])
+def test_roi_align_inference_forward_is_mxnets_to_the_last_bit(aligned, sample_ratio,
+                                                                monkeypatch):
+    """Unset MX_ROI_BACKEND: an inference ROIAlign average runs the native lanes kernel,
+    which performs MXNet's operations in MXNet's order -- bit for bit its output (the
+    training forward's BLAS form is not: ~1e-7 apart)."""
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    rng = np.random.RandomState(3)
+    x = mx.nd.array(rng.randn(2, 37, 23, 31).astype(np.float32))
+    rois = np.zeros((40, 5), np.float32)
+    rois[:, 0] = rng.randint(0, 2, 40)
+    rois[:, 1:3] = rng.uniform(-10, 480, (40, 2))
+    rois[:, 3:5] = rois[:, 1:3] + rng.uniform(0, 250, (40, 2))
+    r = mx.nd.array(rois)
+    kw = dict(pooled_size=(7, 5), spatial_scale=1 / 16, sample_ratio=sample_ratio,
+              aligned=aligned)
+    ours = mx_roi.nd.ROIAlign(x, r, **kw).asnumpy()
+    np.testing.assert_array_equal(ours, mx.nd.contrib.ROIAlign(x, r, **kw).asnumpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
+    """The native ROIAlign average forward (16 channels per pass) is bit for bit the
+    emulated GPU kernel: channel counts around the lane width, NaN / -inf taps, skipped
+    rois, adaptive and fixed sampling, 1 and 3 threads."""
+    rng = np.random.RandomState(6)
+    for trial in range(8):
+        N, H, W = rng.randint(1, 4), rng.randint(1, 20), rng.randint(1, 20)
+        C = (1, 15, 16, 17, 33, 5, 16, 40)[trial]
+        x = rng.randn(N, C, H, W)
+        x[rng.rand(*x.shape) < 0.05] = np.nan
+        x[rng.rand(*x.shape) < 0.03] = -np.inf
+        R = rng.randint(1, 10)
+        rois = np.zeros((R, 5))
+        rois[:, 0] = rng.randint(-1, N, R)
+        rois[:, 1:3] = rng.uniform(-20, W * 16 + 20, (R, 2))
+        rois[:, 3:5] = rois[:, 1:3] + rng.uniform(-10, 300, (R, 2))
+        kw = dict(pooled_size=(rng.randint(1, 6), rng.randint(1, 6)), spatial_scale=0.0625,
+                  sample_ratio=int(rng.choice([-1, 1, 2])), aligned=bool(trial % 2))
+        outs = []
+        for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
+            monkeypatch.setenv("MX_ROI_BACKEND", backend)
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
+            outs.append(mx.nd.Custom(mx.nd.array(x, dtype=dtype),
+                                     mx.nd.array(rois, dtype=dtype), op_type="ROIAlign",
+                                     **kw).asnumpy())
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
