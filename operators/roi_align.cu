@@ -15,50 +15,38 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
                                   const int* x_high, const A* x_wl, const A* x_wh,
                                   const A* divisor, int C, int H, int W, int P, int Q, int Gy,
                                   int Gx, T* out, long long n) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
-  const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
-  if (R <= 0 || nc <= 0) return;
-  const long long HW = (long long)H * W;
-  const int L = mx_roi::LANES, ncp = mx_roi::padded_lanes(nc);
-  const A* cells = mx_roi::channels_last_block<T, A>(data, batch, R, C, H, W);
-  for (long long r = 0; r < R; ++r) {
-    const int b = batch[r];
-    const A* img = b >= 0 ? cells + (size_t)b * HW * ncp : nullptr;
-    for (int p = 0; p < P; ++p) {
-      const int ny = y_count[r * P + p];
-      const long long yb = (r * P + p) * (long long)Gy;
-      for (int q = 0; q < Q; ++q) {
-        T* o = out + (r * C + c0) * plane_out + p * Q + q;  // channel c0 + c: o[c * plane_out]
-        if (b < 0) {
-          for (int c = 0; c < nc; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
-          continue;
-        }
-        const int nx = x_count[r * Q + q];
-        const long long xb = (r * Q + q) * (long long)Gx;
-        const A d = divisor[(r * P + p) * Q + q];
-        for (int cc = 0; cc < ncp; cc += L) {
-          mx_roi::SumLanes<A> m;
-          m.zero();
-          for (int iy = 0; iy < ny; ++iy) {
-            for (int ix = 0; ix < nx; ++ix) {
-              const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                            y_wh, x_low, x_high, x_wl, x_wh);
-              const A* row_l = img + (size_t)s.yl * W * ncp + cc;
-              const A* row_h = img + (size_t)s.yh * W * ncp + cc;
-              m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
-                    row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
-                    s.w4);
-            }
-          }
-          m.divide(d);
-          const int lanes = nc - cc < L ? nc - cc : L;
-          for (int c = 0; c < lanes; ++c)
-            o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+  if (walk.empty()) return;
+  const long long plane_out = walk.plane_out;
+  const int L = mx_roi::LANES, nc = walk.nc, ncp = walk.ncp;
+  walk.each_bin(batch, C, P, Q, out, [&](long long r, int p, int q, const A* img, T* o) {
+    if (!img) {  // skipped roi: 0
+      for (int c = 0; c < nc; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+      return;
+    }
+    const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+    const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+    const A d = divisor[(r * P + p) * Q + q];
+    for (int cc = 0; cc < ncp; cc += L) {
+      mx_roi::SumLanes<A> m;
+      m.zero();
+      for (int iy = 0; iy < ny; ++iy) {
+        for (int ix = 0; ix < nx; ++ix) {
+          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                        y_wh, x_low, x_high, x_wl, x_wh);
+          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+          m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
+                row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
+                s.w4);
         }
       }
+      m.divide(d);
+      const int lanes = nc - cc < L ? nc - cc : L;
+      for (int c = 0; c < lanes; ++c)
+        o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
     }
-  }
+  });
 }
 #endif
 

@@ -367,6 +367,36 @@ const A* channels_last_block(const T* data, const int* batch, long long R, int C
   return cells.data();
 }
 
+// The native walk of a per-channel kernel over its launch: R rois of C channels x (P, Q)
+// outputs, the calling thread's channel block [c0, c0 + nc) channels-last in ``cells``
+// (lanes padded to ncp), ``image(b)`` the cells of image b (null for a skipped roi).
+template <typename T, typename A>
+struct LaneWalk {
+  long long plane_out, R, HW;
+  int c0, nc, ncp;
+  const A* cells;
+  LaneWalk(const T* data, const int* batch, int C, int H, int W, int P, int Q, long long n)
+      : plane_out((long long)P * Q), R(0), HW((long long)H * W), c0(mx_roi_c_begin),
+        nc(mx_roi_c_end - mx_roi_c_begin), ncp(padded_lanes(nc)), cells(nullptr) {
+    const long long per_roi = C * plane_out;
+    R = per_roi > 0 ? n / per_roi : 0;
+    if (R > 0 && nc > 0) cells = channels_last_block<T, A>(data, batch, R, C, H, W);
+  }
+  bool empty() const { return R <= 0 || nc <= 0; }  // (cells is null when no roi reads)
+  const A* image(int b) const { return b >= 0 ? cells + (size_t)b * HW * ncp : nullptr; }
+  // f(r, p, q, img, o) for every bin of every roi, roi by roi: img the cells of the roi's
+  // image (null: a skipped roi, batch < 0), o its output of channel c0 (channel c0 + c at
+  // o[c * plane_out]).
+  template <typename F>
+  void each_bin(const int* batch, int C, int P, int Q, T* out, F&& f) const {
+    for (long long r = 0; r < R; ++r) {
+      const A* img = image(batch[r]);
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) f(r, p, q, img, out + (r * C + c0) * plane_out + p * Q + q);
+    }
+  }
+};
+
 typedef float v4f __attribute__((vector_size(16)));
 typedef int v4i __attribute__((vector_size(16)));
 

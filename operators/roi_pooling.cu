@@ -15,47 +15,37 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
                                 const int* hend, const int* wstart, const int* wend, int C,
                                 int H, int W, int P, int Q, T* out, int* argmax,
                                 int store_argmax, long long n) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
-  const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
-  if (R <= 0 || nc <= 0) return;
-  const long long HW = (long long)H * W;
-  const int L = mx_roi::LANES, ncp = mx_roi::padded_lanes(nc);
-  const A* cells = mx_roi::channels_last_block<T, A>(data, batch, R, C, H, W);
-  for (long long r = 0; r < R; ++r) {
-    const int b = batch[r];
-    const A* img = b >= 0 ? cells + (size_t)b * HW * ncp : nullptr;
-    for (int p = 0; p < P; ++p) {
-      const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
-      for (int q = 0; q < Q; ++q) {
-        const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
-        T* o = out + (r * C + c0) * plane_out + p * Q + q;  // channel c0 + c: o[c * plane_out]
-        int* a = store_argmax ? argmax + (o - out) : nullptr;  // 0: inference, nothing kept
-        if (b < 0 || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
-          for (int c = 0; c < nc; ++c) {
-            o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
-            if (a) a[c * plane_out] = -1;
-          }
-          continue;
-        }
-        for (int cc = 0; cc < ncp; cc += L) {
-          mx_roi::MaxLanes<A> m;
-          m.init();
-          for (int i = 0; i < hl; ++i) {
-            for (int j = 0; j < wl; ++j) {
-              const int k = (h0 + i) * W + w0 + j;
-              m.step(img + (size_t)k * ncp + cc, k);
-            }
-          }
-          const int lanes = nc - cc < L ? nc - cc : L;
-          for (int c = 0; c < lanes; ++c) {
-            o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
-            if (a) a[(cc + c) * plane_out] = m.index(c);
-          }
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+  if (walk.empty()) return;
+  const long long plane_out = walk.plane_out;
+  const int L = mx_roi::LANES, nc = walk.nc, ncp = walk.ncp;
+  walk.each_bin(batch, C, P, Q, out, [&](long long r, int p, int q, const A* img, T* o) {
+    const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
+    const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
+    int* a = store_argmax ? argmax + (o - out) : nullptr;  // 0: inference, nothing kept
+    if (!img || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
+      for (int c = 0; c < nc; ++c) {
+        o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+        if (a) a[c * plane_out] = -1;
+      }
+      return;
+    }
+    for (int cc = 0; cc < ncp; cc += L) {
+      mx_roi::MaxLanes<A> m;
+      m.init();
+      for (int i = 0; i < hl; ++i) {
+        for (int j = 0; j < wl; ++j) {
+          const int k = (h0 + i) * W + w0 + j;
+          m.step(img + (size_t)k * ncp + cc, k);
         }
       }
+      const int lanes = nc - cc < L ? nc - cc : L;
+      for (int c = 0; c < lanes; ++c) {
+        o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+        if (a) a[(cc + c) * plane_out] = m.index(c);
+      }
     }
-  }
+  });
 }
 #endif
 

@@ -670,6 +670,23 @@ def test_native_helpers_are_kept_and_survive_fork(tmp_path):
     assert lines[-1] == "child 0", res.stdout
 
 
+def _lane_case(rng, channels, ties):
+    """(data, rois) for the lanes tests: 1-3 images up to 19x19, NaN and -inf cells (many
+    ties when ``ties``), rois inside, across and off the map, some skipped (batch -1)."""
+    N, H, W = rng.randint(1, 4), rng.randint(1, 20), rng.randint(1, 20)
+    x = rng.randn(N, channels, H, W)
+    if ties:
+        x = np.round(x * 4) / 4
+    x[rng.rand(*x.shape) < (0.1 if ties else 0.05)] = np.nan
+    x[rng.rand(*x.shape) < (0.05 if ties else 0.03)] = -np.inf
+    R = rng.randint(1, 12)
+    rois = np.zeros((R, 5))
+    rois[:, 0] = rng.randint(-1, N, R)
+    rois[:, 1:3] = rng.uniform(-20, W * 16 + 20, (R, 2))
+    rois[:, 3:5] = rois[:, 1:3] + rng.uniform(-10, 300, (R, 2))
+    return x, rois
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
     """The native ROIPooling forward scans channels-last in lanes of 16 channels: bit for
@@ -678,16 +695,8 @@ def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
     bins, several images, 1 and 3 threads."""
     rng = np.random.RandomState(5)
     for trial in range(12):
-        N, H, W = rng.randint(1, 4), rng.randint(1, 20), rng.randint(1, 20)
-        C = (1, 5, 15, 16, 17, 33)[trial % 6]
-        x = np.round(rng.randn(N, C, H, W) * 4) / 4  # many ties
-        x[rng.rand(*x.shape) < 0.1] = np.nan
-        x[rng.rand(*x.shape) < 0.05] = -np.inf
-        R = rng.randint(1, 12)
-        rois = np.zeros((R, 5))
-        rois[:, 0] = rng.randint(-1, N, R)
-        rois[:, 1:3] = rng.uniform(-20, W * 16 + 20, (R, 2))
-        rois[:, 3:5] = rois[:, 1:3] + rng.uniform(-10, 300, (R, 2))
+        x, rois = _lane_case(rng, (1, 5, 15, 16, 17, 33)[trial % 6], ties=True)
+        R, C = rois.shape[0], x.shape[1]
         pooled = (rng.randint(1, 8), rng.randint(1, 8))
         og = rng.randn(R, C, *pooled)
         results = []
@@ -734,16 +743,7 @@ def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
     rois, adaptive and fixed sampling, 1 and 3 threads."""
     rng = np.random.RandomState(6)
     for trial in range(8):
-        N, H, W = rng.randint(1, 4), rng.randint(1, 20), rng.randint(1, 20)
-        C = (1, 15, 16, 17, 33, 5, 16, 40)[trial]
-        x = rng.randn(N, C, H, W)
-        x[rng.rand(*x.shape) < 0.05] = np.nan
-        x[rng.rand(*x.shape) < 0.03] = -np.inf
-        R = rng.randint(1, 10)
-        rois = np.zeros((R, 5))
-        rois[:, 0] = rng.randint(-1, N, R)
-        rois[:, 1:3] = rng.uniform(-20, W * 16 + 20, (R, 2))
-        rois[:, 3:5] = rois[:, 1:3] + rng.uniform(-10, 300, (R, 2))
+        x, rois = _lane_case(rng, (1, 15, 16, 17, 33, 5, 16, 40)[trial], ties=False)
         kw = dict(pooled_size=(rng.randint(1, 6), rng.randint(1, 6)), spatial_scale=0.0625,
                   sample_ratio=int(rng.choice([-1, 1, 2])), aligned=bool(trial % 2))
         outs = []
