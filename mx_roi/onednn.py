@@ -5,8 +5,9 @@ can be handed memory MXNet has already freed.  The guard: every array input and 
 of the node goes through ``clip(x, -B, B)`` (B = :data:`mx_roi.mxpatch.GUARD_BOUND`),
 which always computes into a fresh plain-layout buffer; imperative inputs are instead
 reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
-recorded slice view whose backward writes a fresh plain gradient (:func:`plain_grad_view`).  The measurements, the
-mechanism and the cost are in ``docs/ONEDNN_HAZARD.md``.  :func:`mx_roi.call_custom`
+recorded slice view whose backward writes a fresh plain gradient
+(:func:`plain_grad_view`).  The measurements, the mechanism and the cost are in
+``docs/ONEDNN_HAZARD.md``.  :func:`mx_roi.call_custom`
 (:mod:`mx_roi.mxpatch`) applies the guard; ``import mx_roi`` makes plain
 ``mx.nd.Custom``/``mx.sym.Custom`` calls of our ops use it too.
 """
