@@ -1,6 +1,7 @@
 """The cost of the ``Custom`` call itself: two trivial custom ops with the workloads'
 shapes, one that does nothing and one that only moves the inputs to NumPy and writes
-zeros (the floor of any NumPy-backed custom op).  Importing this module registers them
+zeros (the floor of any NumPy-backed custom op); and the fixed cost of each op on a small
+call, above the no-op.  Importing this module registers the two
 (``mx_roi_bench_noop``, ``mx_roi_bench_numpy_io``)."""
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import numpy as np
 
 import mxnet as mx
 
-from .timing import bench_pair
-from .workloads import DIRECTIONS, Inputs, Workload
-
 import mx_roi
+
+from .timing import bench_pair
+from .workloads import DIRECTIONS, Inputs, Workload, make_rois
 
 __all__ = ["OVERHEAD_OPS", "bench_overhead", "bench_fixed_cost", "FIXED_COST_TARGET_MS"]
 
@@ -96,7 +97,6 @@ def bench_overhead(inputs: Inputs, workloads: List[Workload], repeat: int):
     return rows
 
 
-
 #: the small call of the fixed-cost section: one image, a 64-channel stride-32 map of a
 #: 600x800 image (19x25), 16 proposals -- a call where the op's own work is negligible
 SMALL_CHANNELS, SMALL_HW, SMALL_BOXES, SMALL_REPEAT, SEED_SMALL = 64, (19, 25), 16, 41, 7
@@ -108,7 +108,6 @@ def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT)
     """Per op configuration (the main workloads' families): the small call's median time,
     ours and the no-op Custom op with the same shapes, interleaved; ``extra_ms`` = ours -
     no-op, the op's fixed cost above MXNet's own cost of a Python custom op."""
-    from .workloads import make_rois
     rows, seen = [], set()
     rois_np = make_rois(SMALL_BOXES, batch=1, seed=SEED_SMALL)
     for w in workloads:
@@ -146,4 +145,3 @@ def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT)
                              target_ms=FIXED_COST_TARGET_MS[direction],
                              met=extra <= FIXED_COST_TARGET_MS[direction]))
     return rows
-
