@@ -9,11 +9,11 @@ builds the op's geometry tables once per call and calls the op's kernels
   compiled for the host with ``-O3``, multi-threaded over channels) or ``emulated-cuda``
   (the same sources run serially as a GPU would, through the same launch glue);
 * unset or ``auto``: each op's :attr:`~mx_roi.registry.RoIOp.cpu_backend`, the faster of
-  the two on the benchmark (``python -m mx_roi.bench``): ``native`` for ROIPooling, the
-  position-sensitive ops and max ROIAlign; average ROIAlign: ``numpy`` (BLAS) for a
-  training call, ``native`` for an inference forward (``is_train`` false).  ``native`` needs a C++
-  compiler at first use (the library is cached); without one, or if the build fails, the
-  op falls back to ``numpy`` with a warning, once.
+  the two on the benchmark (``python -m mx_roi.bench``): ``native`` for every op today
+  (ROIAlign's average used NumPy/BLAS for training until its native backward took 16
+  channels per tap).  ``native`` needs a C++ compiler at first use (the library is
+  cached); without one, or if the build fails, the op falls back to ``numpy`` with a
+  warning, once.
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ __all__ = ["select", "get", "NumpyBackend", "native_available"]
 _CPU_CHOICES = ("auto",) + tuple(k.value for k in Kind if k.on_host)
 
 
-def select(ctx, op=None, training: bool = True) -> str:
-    """Backend name for an MXNet context (string like ``'cpu(0)'`` or a Context) and op,
-    for a training call (forward and backward) or an inference forward."""
+def select(ctx, op=None) -> str:
+    """Backend name for an MXNet context (string like ``'cpu(0)'`` or a Context) and op."""
     device = getattr(ctx, "device_type", str(ctx))
     if str(device).startswith("gpu"):
         return "cuda"
@@ -44,7 +43,7 @@ def select(ctx, op=None, training: bool = True) -> str:
                          + ", ".join(repr(c) for c in _CPU_CHOICES))
     if choice != "auto":
         return choice
-    preferred = op.cpu_backend(training) if op is not None else "numpy"
+    preferred = op.cpu_backend() if op is not None else "numpy"
     if preferred == "native" and not native_available(op.cuda_source):
         return "numpy"
     return preferred

@@ -72,10 +72,9 @@ class RoIOp:
         ph, pw = self.param.pooled_size
         return (rois_shape[0], self.out_channels(data_shape[1]), ph, pw)
 
-    def cpu_backend(self, training: bool = True) -> str:
+    def cpu_backend(self) -> str:
         """The CPU backend used when ``MX_ROI_BACKEND`` is unset (``'numpy'`` or
-        ``'native'``): whichever is faster for this op and these parameters -- for a
-        training call (forward + backward), or for an inference forward (``training=False``)."""
+        ``'native'``): whichever is faster for this op and these parameters."""
         return "native"
 
     @classmethod
@@ -161,12 +160,10 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
     """Register ``op_cls`` with MXNet under ``op_cls.name`` (generating both classes)."""
 
     class _Op(mx.operator.CustomOp):
-        def __init__(self, op: RoIOp, backend_name: str, ctx=None):
+        def __init__(self, op: RoIOp, backend_name: str):
             super().__init__()
             self.op = op
             self.backend = backends.get(backend_name)
-            # an inference forward may run on another backend (RoIOp.cpu_backend)
-            self.ctx, self._inference_backend = ctx, None
             self.saved = None
             # whether the last forward raised (MXNet still runs its queued backward)
             self.rejected = False
@@ -178,9 +175,8 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
         def forward(self, is_train, req, in_data, out_data, aux):
             self.saved, self.rejected = None, True
             try:
-                backend = self.backend if is_train else self.inference_backend()
-                self.saved = backend.forward(self.op, req[0], in_data[0], in_data[1],
-                                             out_data[0], keep=is_train)
+                self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
+                                                  out_data[0], keep=is_train)
             except Exception:
                 # NaN output: should MXNet drop this error (it keeps one custom-op error
                 # at a time; seen with failing calls on several threads), the result
@@ -189,12 +185,6 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
                     out_data[0][:] = np.nan
                 raise
             self.rejected = False
-
-        def inference_backend(self):
-            if self._inference_backend is None:
-                name = backends.select(self.ctx, self.op, training=False)
-                self._inference_backend = backends.get(name)
-            return self._inference_backend
 
         @recording
         def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
@@ -256,7 +246,7 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
 
         @recording
         def create_operator(self, ctx, in_shapes, in_dtypes):
-            return _Op(self.op, backends.select(ctx, self.op), ctx)
+            return _Op(self.op, backends.select(ctx, self.op))
 
     _Prop.__name__ = _Prop.__qualname__ = f"{op_cls.__name__}Prop"
     mx.operator.register(op_cls.name)(_Prop)

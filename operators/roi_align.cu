@@ -1,7 +1,10 @@
 // ROIAlign kernels (average and max over the bilinear samples of each bin).
 // Table driven: the SampleGrid of mx_roi.geometry.roi_align_grid (or any legacy grid)
 // gives every bin's sample count, taps and weights; see roi_common.cuh.
-// Output and argmax are (R, C, P, Q); argmax holds the winning sample iy*Gx+ix or -1.
+// Output and argmax are (R, C, P, Q); the max kernels' argmax is bin-relative, the winning
+// sample iy*Gx+ix on the bin's padded Gy x Gx grid, stored as I (the smallest unsigned type
+// holding Gy*Gx indices, mx_roi.cuda.tables.argmax_dtype), "no winner" as I's maximum
+// value (mx_roi::index_store / index_load).
 #include "roi_common.cuh"
 
 #ifdef MX_ROI_HOST_NATIVE
@@ -19,33 +22,29 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
   if (walk.empty()) return;
   const long long plane_out = walk.plane_out;
   const int L = mx_roi::LANES, nc = walk.nc, ncp = walk.ncp;
-  walk.each_bin(batch, C, P, Q, out, [&](long long r, int p, int q, const A* img, T* o) {
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int p, int q, const A* img,
+                                           T* o) {
+    const int lanes = nc - cc < L ? nc - cc : L;
     if (!img) {  // skipped roi: 0
-      for (int c = 0; c < nc; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
       return;
     }
     const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
     const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-    const A d = divisor[(r * P + p) * Q + q];
-    for (int cc = 0; cc < ncp; cc += L) {
-      mx_roi::SumLanes<A> m;
-      m.zero();
-      for (int iy = 0; iy < ny; ++iy) {
-        for (int ix = 0; ix < nx; ++ix) {
-          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                        y_wh, x_low, x_high, x_wl, x_wh);
-          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
-          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
-          m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
-                row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
-                s.w4);
-        }
+    mx_roi::SumLanes<A> m;
+    m.zero();
+    for (int iy = 0; iy < ny; ++iy) {
+      for (int ix = 0; ix < nx; ++ix) {
+        const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                      y_wh, x_low, x_high, x_wl, x_wh);
+        const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+        const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+        m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
+              row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3, s.w4);
       }
-      m.divide(d);
-      const int lanes = nc - cc < L ? nc - cc : L;
-      for (int c = 0; c < lanes; ++c)
-        o[(cc + c) * plane_out] = mx_roi::Traits<T>::store(m.value(c));
     }
+    m.divide(divisor[(r * P + p) * Q + q]);
+    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
   });
 }
 #endif
@@ -71,6 +70,84 @@ __global__ void roi_align_forward_avg(
 #endif
 }
 
+#ifdef MX_ROI_HOST_NATIVE
+// Native host build of the average backward (float accumulation, O = A; the fixed-point
+// O falls through to the generic loop): the calling thread's channel block accumulated
+// channels-last, each sample's four taps added for 16 channels at a time (one vector
+// step per tap instead of 16 scattered adds), then added to the gradient planes.  Per
+// channel the same contributions g*w in the generic loop's order (roi, bin, sample, tap)
+// onto a zero start, so the same bits.
+template <typename T, typename A, typename O>
+struct AvgBackwardLanes {
+  template <typename... Args>
+  static bool run(Args...) { return false; }
+};
+
+template <typename T, typename A>
+struct AvgBackwardLanes<T, A, A> {
+  static bool run(const T* grad, const int* batch, const int* y_count, const int* y_low,
+                  const int* y_high, const A* y_wl, const A* y_wh, const int* x_count,
+                  const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
+                  const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
+                  A* bottom, long long n) {
+    const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+    const int ncp = mx_roi::padded_lanes(nc);
+    const long long plane_out = (long long)P * Q, HW = (long long)H * W;
+    const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
+    if (R <= 0 || nc <= 0) return true;
+    int images = 0;  // images any roi writes (batch indices are validated: < N)
+    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+    static thread_local std::vector<A> cells;
+    cells.assign((size_t)images * HW * ncp, (A)0);
+    A g[16];
+    for (long long r = 0; r < R; ++r) {
+      if (batch[r] < 0) continue;
+      A* img = cells.data() + (size_t)batch[r] * HW * ncp;
+      // a 16-channel pass over all the roi's bins touches the same few cells again and
+      // again (they stay in L1); per channel the order is still bin, sample, tap
+      for (int cc = 0; cc < ncp; cc += L) {
+        const int lanes = nc - cc < L ? nc - cc : L;
+        const T* go = grad + (r * C + c0 + cc) * plane_out;
+        for (int p = 0; p < P; ++p) {
+          for (int q = 0; q < Q; ++q) {
+            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+            const A d = divisor[(r * P + p) * Q + q];
+            const long long o = p * Q + q;
+            for (int c = 0; c < L; ++c)
+              g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
+            for (int c = 0; c < L; ++c) g[c] = g[c] / d;  // (vectorised; 0 stays 0)
+            for (int iy = 0; iy < ny; ++iy) {
+              for (int ix = 0; ix < nx; ++ix) {
+                const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high,
+                                                              y_wl, y_wh, x_low, x_high, x_wl,
+                                                              x_wh);
+                A* row_l = img + (size_t)s.yl * W * ncp + cc;
+                A* row_h = img + (size_t)s.yh * W * ncp + cc;
+                add_lanes(row_l + (size_t)s.xl * ncp, g, s.w1);
+                add_lanes(row_l + (size_t)s.xh * ncp, g, s.w2);
+                add_lanes(row_h + (size_t)s.xl * ncp, g, s.w3);
+                add_lanes(row_h + (size_t)s.xh * ncp, g, s.w4);
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int b = 0; b < images; ++b) {
+      const A* img = cells.data() + (size_t)b * HW * ncp;
+      for (int c = 0; c < nc; ++c) {
+        A* plane = bottom + mx_roi::plane_offset(b, c0 + c, C, H, W);
+        for (long long k = 0; k < HW; ++k) plane[k] += img[k * ncp + c];
+      }
+    }
+    return true;
+  }
+  // dst[c] += g[c] * w for the 16 lanes (no contraction: a product, then a sum)
+  static void add_lanes(A* dst, const A* g, A w) { mx_roi::AddLanes<A>::run(dst, g, w); }
+};
+#endif
+
 template <typename T, typename A, typename O>
 __global__ void roi_align_backward_avg(
     const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ y_count,
@@ -79,6 +156,12 @@ __global__ void roi_align_backward_avg(
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     const A* __restrict__ divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
     O* __restrict__ bottom, double scale, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  if (AvgBackwardLanes<T, A, O>::run(grad, batch, y_count, y_low, y_high, y_wl, y_wh, x_count,
+                                     x_low, x_high, x_wl, x_wh, divisor, C, H, W, P, Q, Gy, Gx,
+                                     bottom, n))
+    return;
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, (const int*)0, y_count, y_low,
                                              y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,
@@ -91,15 +174,15 @@ __global__ void roi_align_backward_avg(
 // first maximum wins; a NaN sample -- a NaN on any of its taps, as in MXNet's bilinear
 // interpolation, even one of weight 0 -- never wins; a point outside the map is 0); a bin
 // without samples (or a roi with a negative batch index) gives 0 and argmax -1, a bin
-// whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1.
-template <typename T, typename A>
+// whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1 (stored: I's maximum).
+template <typename T, typename A, typename I>
 __global__ void roi_align_forward_max(
     const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ y_count,
     const int* __restrict__ y_low, const int* __restrict__ y_high, const A* __restrict__ y_wl,
     const A* __restrict__ y_wh, const int* __restrict__ x_count, const int* __restrict__ x_low,
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     int C, int H, int W, int P, int Q, int Gy, int Gx, T* __restrict__ out,
-    int* __restrict__ argmax, int store_argmax, long long n) {
+    I* __restrict__ argmax, int store_argmax, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     A best = 0;
@@ -121,20 +204,20 @@ __global__ void roi_align_forward_max(
       }
     }
     out[it.i] = mx_roi::Traits<T>::store(best);
-    if (store_argmax) argmax[it.i] = arg;  // 0: inference, nothing kept
+    if (store_argmax) argmax[it.i] = mx_roi::index_store<I>(arg);  // 0: inference
   }
 }
 
 // The whole gradient of a bin goes to the four taps of its winning sample.
-template <typename T, typename A, typename O>
+template <typename T, typename A, typename O, typename I>
 __global__ void roi_align_backward_max(
     const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ y_low,
     const int* __restrict__ y_high, const A* __restrict__ y_wl, const A* __restrict__ y_wh,
     const int* __restrict__ x_low, const int* __restrict__ x_high, const A* __restrict__ x_wl,
-    const A* __restrict__ x_wh, const int* __restrict__ argmax, int C, int H, int W, int P,
+    const A* __restrict__ x_wh, const I* __restrict__ argmax, int C, int H, int W, int P,
     int Q, int Gy, int Gx, O* __restrict__ bottom, double scale, long long n) {
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
-    const int a = argmax[it.i];
+    const int a = mx_roi::index_load(argmax[it.i]);
     const int b = batch[it.r];
     if (a < 0 || b < 0) continue;
     const A g = (A)mx_roi::Traits<T>::load(grad[it.i]);

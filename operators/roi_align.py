@@ -11,12 +11,10 @@ nothing and gives 0 (MXNet aborts the process), a negative batch index gives 0.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIAlignParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import sample_grid_tables
+from mx_roi.cuda.tables import argmax_dtype, sample_grid_tables
 
 
 @register
@@ -51,14 +49,13 @@ class ROIAlign(RoIOp):
     def backward_needs_data(self) -> bool:
         return self.is_max
 
-    def cpu_backend(self, training: bool = True) -> str:
-        # the max is not separable: the native loops win.  The average is: for training,
-        # per roi two small BLAS products shared by all channels (NumPy) and their
-        # transposes in the backward beat the native backward (7x7 / 256 boxes fwd+bwd:
-        # 54 vs 71 ms; 14x14: 121 vs 313 ms); an inference forward is faster natively
-        # (16 channels per pass, mx_roi::SumLanes: 7x7 10.7 vs 28.3 ms, 14x14 aligned
-        # 38 vs 47 ms, 2 threads)
-        return "native" if self.is_max or not training else "numpy"
+    def cpu_backend(self) -> str:
+        # native for every call: 16 channels per pass in the forward (mx_roi::SumLanes)
+        # and in the average's backward (mx_roi::AddLanes), threads over channels.  The
+        # NumPy/BLAS form (per roi two small products shared by all channels) is as fast
+        # on one thread but does not scale with threads (7x7 / 256 boxes fwd+bwd, 2
+        # threads: 39 vs 58 ms; 14x14 aligned: 143 vs 146 ms)
+        return "native"
 
     def geometry(self, rois, height, width, xp):
         p = self.param
@@ -86,11 +83,17 @@ class ROIAlign(RoIOp):
         out = launch.output((R, C, P, Q))
         tables = sample_grid_tables(geo)
         if self.is_max:
+            # the argmax: bin-relative iy*Gx+ix on the padded grid, in the smallest
+            # unsigned dtype holding Gy*Gx indices (its maximum: no winner); the kernel
+            # instantiation follows that dtype
             gy, gx = tables["Gy"], tables["Gx"]
-            if gy * gx >= 2 ** 31:  # the argmax iy*Gx+ix is an int32
+            if gy * gx >= 2 ** 31:  # the kernels' running argmax iy*Gx+ix is an int
                 raise ValueError(f"{self.name}: {gy}x{gx} sample points per bin are "
                                  "too many for pool_mode='max' on the CUDA backend")
-            arg = launch.empty((R, C, P, Q) if launch.keep else (1,), np.int32)
+            if launch.keep:
+                arg = launch.empty((R, C, P, Q), argmax_dtype(gy * gx))
+            else:  # inference: nothing stored
+                arg = launch.empty((1,), argmax_dtype(0))
             launch.forward("roi_align_forward_max", out.size, tables, data=data, C=C, H=H,
                            W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
             return out, (arg if launch.keep else None)

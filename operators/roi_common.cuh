@@ -6,7 +6,9 @@
 //   T  the element type of data/output/out-grad (float, double, __half),
 //   A  the accumulation/table type (float for float and __half, double for double),
 //   O  (backward only) the gradient accumulator: A (atomicAdd in A) or
-//      unsigned long long (deterministic mode: fixed-point atomics, see grad_add).
+//      unsigned long long (deterministic mode: fixed-point atomics, see grad_add),
+//   I  (max kernels only, last) the storage type of the argmax: unsigned char, short or
+//      int, the smallest that fits the call's bins (index_store / index_load below).
 //
 // The same text compiles with NVRTC (CuPy RawModule) and, for the host emulation,
 // with g++ through mx_roi/cuda/host_shim.h (which defines MX_ROI_HOST_SHIM).
@@ -68,6 +70,21 @@ __device__ __forceinline__ void max_step(A v, A& best, int k, int& arg) {
     arg = k;
   }
 #endif
+}
+
+// ---- the stored argmax ---------------------------------------------------------------
+// A max kernel's running argmax is an int: the winner's index among its bin's candidates
+// (bin-relative, so small), or -1.  It is stored as I (unsigned char / short / int, the
+// smallest type holding every index of the call's bins besides its maximum value), -1
+// becoming that maximum (255, 65535, 0xFFFFFFFF: the sentinel "no winner"), and loaded
+// back as the same int.  Indices are < 2^31 (the launch glue checks the geometry).
+template <typename I>
+__device__ __forceinline__ I index_store(int k) {
+  return (I)k;  // unsigned conversion: -1 -> the type's maximum
+}
+template <typename I>
+__device__ __forceinline__ int index_load(I v) {
+  return v == (I)~(I)0 ? -1 : (int)v;
 }
 
 // ---- the items (output elements) of a launch -----------------------------------------
@@ -384,15 +401,19 @@ struct LaneWalk {
   }
   bool empty() const { return R <= 0 || nc <= 0; }  // (cells is null when no roi reads)
   const A* image(int b) const { return b >= 0 ? cells + (size_t)b * HW * ncp : nullptr; }
-  // f(r, p, q, img, o) for every bin of every roi, roi by roi: img the cells of the roi's
-  // image (null: a skipped roi, batch < 0), o its output of channel c0 (channel c0 + c at
-  // o[c * plane_out]).
+  // f(r, cc, p, q, img, o) for every 16-channel pass cc (0, 16, ...) over every bin of
+  // every roi: roi by roi, then pass by pass, so that a pass's cells (a 64-byte line per
+  // cell) stay in L1 from bin to bin instead of being fetched again for every pass; o is
+  // the output of channel c0 + cc (channel c0 + cc + c at o[c * plane_out]).
   template <typename F>
-  void each_bin(const int* batch, int C, int P, int Q, T* out, F&& f) const {
+  void each_pass(const int* batch, int C, int P, int Q, T* out, F&& f) const {
     for (long long r = 0; r < R; ++r) {
       const A* img = image(batch[r]);
-      for (int p = 0; p < P; ++p)
-        for (int q = 0; q < Q; ++q) f(r, p, q, img, out + (r * C + c0) * plane_out + p * Q + q);
+      for (int cc = 0; cc < ncp; cc += LANES) {
+        T* o = out + (r * C + c0 + cc) * plane_out;
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) f(r, cc, p, q, img, o + p * Q + q);
+      }
     }
   }
 };
@@ -403,7 +424,8 @@ typedef int v4i __attribute__((vector_size(16)));
 // The running max and argmax of L = 16 channels (lanes) over a bin's cells: strict '>'
 // per lane, the first maximum wins and NaN never does.  float: four 4-lane vectors (GCC /
 // Clang vector extensions; g++ does not vectorise the scalar form with its argmax);
-// other types: scalar lanes.
+// other types: scalar lanes.  The argmax is an int (the caller's bin-relative index k, or
+// -1): index<I>(c) converts it to the kernel's storage type I (index_store).
 template <typename A>
 struct MaxLanes {
   A best[16];
@@ -418,7 +440,8 @@ struct MaxLanes {
     for (int c = 0; c < 16; ++c) max_step(v[c], best[c], k, arg[c]);
   }
   A value(int c) const { return best[c]; }
-  int index(int c) const { return arg[c]; }
+  template <typename I>
+  I index(int c) const { return index_store<I>(arg[c]); }
 };
 
 
@@ -443,7 +466,8 @@ struct MaxLanes<float> {
     }
   }
   float value(int c) const { return best[c / 4][c % 4]; }
-  int index(int c) const { return arg[c / 4][c % 4]; }
+  template <typename I>
+  I index(int c) const { return index_store<I>(arg[c / 4][c % 4]); }
 };
 
 // The running sum of a bin's bilinear samples for LANES channels: per lane
@@ -485,6 +509,28 @@ struct SumLanes<float> {
     for (int i = 0; i < 4; ++i) sum[i] = sum[i] / d;
   }
   float value(int c) const { return sum[c / 4][c % 4]; }
+};
+
+// dst[c] += g[c] * w for LANES channels (a gradient scattered to one tap: the product,
+// then the sum, as grad_add(dst, g * w)).  float: four 4-lane vectors.
+template <typename A>
+struct AddLanes {
+  static void run(A* dst, const A* g, A w) {
+    for (int c = 0; c < 16; ++c) dst[c] += g[c] * w;
+  }
+};
+
+template <>
+struct AddLanes<float> {
+  static void run(float* dst, const float* g, float w) {
+    for (int i = 0; i < 4; ++i) {
+      v4f a, b;
+      memcpy(&a, dst + 4 * i, sizeof a);
+      memcpy(&b, g + 4 * i, sizeof b);
+      a += b * w;
+      memcpy(dst + 4 * i, &a, sizeof a);
+    }
+  }
 };
 #endif
 

@@ -16,7 +16,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import int_bins_tables
+from mx_roi.cuda.tables import argmax_dtype, int_bins_max_cells, int_bins_tables
 
 
 @register
@@ -122,17 +122,25 @@ class ROIPooling(RoIOp):
 
     # ---- CUDA (operators/roi_pooling.cu; see mx_roi.cuda.backend) ----------------------
     def forward_cuda(self, launch, bins, data):
-        """Max of every integer bin and its argmax ``h * W + w`` (int32, -1 if empty)."""
+        """Max of every integer bin and its bin-relative argmax
+        ``(h - hstart) * (wend - wstart) + (w - wstart)``, in the smallest unsigned dtype
+        that fits the largest bin (:func:`~mx_roi.cuda.tables.argmax_dtype`; its maximum
+        value if the bin has no winner).  The kernel instantiation follows that dtype."""
         _, C, H, W = data.shape
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         out = launch.output((R, C, P, Q))
-        arg = launch.empty((R, C, P, Q) if launch.keep else (1,), np.int32)
+        if launch.keep:
+            arg = launch.empty((R, C, P, Q), argmax_dtype(int_bins_max_cells(bins)))
+        else:  # inference: nothing stored
+            arg = launch.empty((1,), argmax_dtype(0))
         launch.forward("roi_pooling_forward", out.size, int_bins_tables(bins), data=data,
                        C=C, H=H, W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
         return out, (arg if launch.keep else None)
 
     def backward_cuda(self, launch, bins, grad, data_shape, arg):
+        """Each bin's gradient to its argmax cell (decoded with the bin's hstart, wstart,
+        wend; the kernel instantiation follows the saved argmax's dtype)."""
         _, C, H, W = data_shape
         buf = launch.grad_buffer(data_shape, grad)
         launch.backward("roi_pooling_backward", grad.size, int_bins_tables(bins), grad=grad,

@@ -86,15 +86,25 @@ def test_compile(filename, arch):
 
 
 def test_every_type_instantiated():
+    values = {"O": lambda t, a: (a, S.FIXED), "I": lambda t, a: S.INDEX_TYPES}
     for filename in S.sources():
         exprs = S.name_expressions(filename)
         for kernel, (tparams, _) in S.kernel_signatures(filename).items():
+            assert tparams[:2] == ("T", "A"), (kernel, tparams)
             for t, a in S.TYPE_PAIRS:
-                if len(tparams) == 2:
-                    assert S.expression(kernel, (t, a)) in exprs
-                else:
-                    assert S.expression(kernel, (t, a, a)) in exprs
-                    assert S.expression(kernel, (t, a, S.FIXED)) in exprs
+                want = [(t, a)]
+                for p in tparams[2:]:
+                    want = [w + (v,) for w in want for v in values[p](t, a)]
+                for targs in want:
+                    assert S.expression(kernel, targs) in exprs
+    # the max kernels store their argmax in each index type
+    exprs = S.name_expressions("roi_pooling.cu") + S.name_expressions("roi_align.cu")
+    for kernel in ("roi_pooling_forward", "roi_align_forward_max"):
+        for i in ("unsigned char", "unsigned short", "unsigned int"):
+            assert S.expression(kernel, ("float", "float", i)) in exprs
+    for kernel in ("roi_pooling_backward", "roi_align_backward_max"):
+        for i in ("unsigned char", "unsigned short", "unsigned int"):
+            assert S.expression(kernel, ("__half", "float", S.FIXED, i)) in exprs
 
 
 def test_fixed_point_backward_uses_integer_atomics():
@@ -119,8 +129,9 @@ def test_double_atomics_below_sm60_use_compare_and_swap():
     for arch, want, unwanted in ((52, "cas.b64", "add.f64"), (61, "add.f64", "cas.b64")):
         result = compiled("roi_align.cu", arch)
         bodies = {b.split("(", 1)[0]: b for b in re.split(r"\.entry\s+", result.ptx)[1:]}
-        plain_double = [e for e in result.lowered if e.endswith("<double, double, double>")]
-        assert len(plain_double) == 2, plain_double   # backward_avg, backward_max
+        plain_double = [e for e in result.lowered if "<double, double, double" in e]
+        # backward_avg, backward_max x 3 argmax index types
+        assert len(plain_double) == 4, plain_double
         for expr in plain_double:
             body = bodies[result.lowered[expr]]
             ops = set(re.findall(r"\b(?:atom|red)\.global\.(\w+\.\w+)", body))

@@ -195,23 +195,24 @@ def test_through_custom_op(monkeypatch):
     r = mx.nd.array([[0, 0, 0, 3, 3]])
     y = mx.nd.Custom(x, r, op_type="ROIPooling", pooled_size=(2, 2), spatial_scale=1.0)
     np.testing.assert_array_equal(y.asnumpy()[0, 0], [[6, 8], [16, 18]])
-    assert seen == ["roi_pooling_forward<float, float>"]
+    assert seen == ["roi_pooling_forward<float, float, unsigned char>"]  # inference: uint8
 
 
 # ---------------------------------------------------------------- argument checking
 def _pool_args(**over):
-    """Valid arguments of roi_pooling_forward<float, float> for a tiny problem."""
+    """Valid arguments of roi_pooling_forward<float, float, unsigned char> for a tiny
+    problem."""
     a = dict(data=np.zeros((1, 1, 4, 4), np.float32), batch=np.zeros(1, np.int32),
              hstart=np.zeros((1, 2), np.int32), hend=np.full((1, 2), 2, np.int32),
              wstart=np.zeros((1, 2), np.int32), wend=np.full((1, 2), 2, np.int32),
              C=np.int32(1), H=np.int32(4), W=np.int32(4), P=np.int32(2), Q=np.int32(2),
-             out=np.zeros((1, 1, 2, 2), np.float32), argmax=np.zeros((1, 1, 2, 2), np.int32),
+             out=np.zeros((1, 1, 2, 2), np.float32), argmax=np.zeros((1, 1, 2, 2), np.uint8),
              store_argmax=np.int32(1), n=np.int64(4))
     a.update(over)
     return tuple(a.values())
 
 
-def _kernel(expr="roi_pooling_forward<float, float>"):
+def _kernel(expr="roi_pooling_forward<float, float, unsigned char>"):
     return loader.get_module("roi_pooling.cu", Kind.EMULATED).get(expr)
 
 
@@ -220,7 +221,8 @@ def test_valid_launch_runs():
     args[0][...] = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
     _kernel()((1,), (32,), args)
     np.testing.assert_array_equal(args[11], [[[[5, 5], [5, 5]]]])
-    np.testing.assert_array_equal(args[12], [[[[5, 5], [5, 5]]]])
+    # bin-relative: (h - hstart) * (wend - wstart) + (w - wstart) = 1 * 2 + 1
+    np.testing.assert_array_equal(args[12], [[[[3, 3], [3, 3]]]])
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -229,7 +231,8 @@ def test_valid_launch_runs():
     (dict(C=np.int64(1)), r"int C\) must have dtype int32, got int64"),
     (dict(n=np.int32(4)), r"long long n\) must have dtype int64"),
     (dict(data=np.zeros((1, 1, 4, 4), np.float64)), r"const float\* data\) must have dtype"),
-    (dict(argmax=np.zeros((1, 1, 2, 2), np.int64)), r"int\* argmax\) must have dtype int32"),
+    (dict(argmax=np.zeros((1, 1, 2, 2), np.int32)),
+     r"unsigned char\* argmax\) must have dtype uint8, got int32"),
     (dict(batch=np.zeros(4, np.int32)[::2]), "C-contiguous"),
     (dict(out=[0.0] * 4), r"must be a numpy.ndarray"),
     (dict(W=np.float32(4)), r"int W\) must have dtype int32"),
@@ -242,15 +245,16 @@ def test_argument_checker_rejects(bad, match):
 def test_argument_checker_counts_and_scalars_of_double():
     with pytest.raises(loader.KernelArgumentError, match="14 arguments for 15"):
         _kernel()((1,), (32,), _pool_args()[:-1])
-    k = _kernel("roi_pooling_backward<float, float, float>")
+    k = _kernel("roi_pooling_backward<float, float, float, unsigned char>")
     sig = k.signature
     assert [p.name for p in sig.params][-2:] == ["scale", "n"]
-    args = [np.zeros(1, np.float32), np.zeros(1, np.int32), np.full(1, -1, np.int32),
+    args = [np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+            np.zeros(1, np.int32), np.ones(1, np.int32), np.full(1, 255, np.uint8),
             np.int32(1), np.int32(1), np.int32(1), np.int32(1), np.int32(1),
             np.zeros(1, np.float32), 1.0, np.int64(1)]
     with pytest.raises(loader.KernelArgumentError, match=r"double scale\) must be a NumPy"):
         k((1,), (32,), tuple(args))
-    args[9] = np.float64(1.0)
+    args[12] = np.float64(1.0)
     k((1,), (32,), tuple(args))
 
 
@@ -271,15 +275,23 @@ def test_launch_binds_arguments_by_name():
     tables["unused_table"] = np.zeros(3)                 # tables the kernel lacks are skipped
     L.forward("roi_pooling_forward", 4, tables, **dict(reversed(list(kw.items()))))
     np.testing.assert_array_equal(kw["out"], [[[[5, 5], [5, 5]]]])
-    np.testing.assert_array_equal(kw["argmax"], [[[[5, 5], [5, 5]]]])
-    assert L.launches == [("roi_pooling_forward<float, float>", 4)]
+    np.testing.assert_array_equal(kw["argmax"], [[[[3, 3], [3, 3]]]])
+    # the template parameter I is deduced from the argmax array's dtype
+    assert L.launches == [("roi_pooling_forward<float, float, unsigned char>", 4)]
+    kw["argmax"] = np.zeros((1, 1, 2, 2), np.uint16)
+    L.forward("roi_pooling_forward", 4, tables, **kw)
+    np.testing.assert_array_equal(kw["argmax"], [[[[3, 3], [3, 3]]]])
+    assert L.launches[-1] == ("roi_pooling_forward<float, float, unsigned short>", 4)
 
 
 @pytest.mark.parametrize("change,err,match", [
     (dict(extra=np.int32(1)), loader.KernelArgumentError,
-     r"roi_pooling_forward<float, float>: no parameter\(s\) extra; parameters: const float\* data"),
+     r"roi_pooling_forward<float, float, unsigned char>: no parameter\(s\) extra; "
+     r"parameters: const float\* data"),
     (dict(argmax=None), loader.KernelArgumentError,
-     r"missing argument\(s\) for int\* argmax"),
+     r"roi_pooling_forward: missing argument\(s\) for argmax \(the template parameter I"),
+    (dict(argmax=[0, 0, 0, 0]), loader.KernelArgumentError,
+     r"cannot deduce the template parameter I from argmax"),
     (dict(C=2 ** 31), OverflowError, r"2147483648 does not fit the kernel parameter int C"),
     (dict(C=1.5), TypeError, r"int C: 1.5 is not an integer"),
     (dict(out=np.zeros((1, 1, 2, 2), np.float64)), loader.KernelArgumentError,
@@ -357,7 +369,7 @@ def test_concurrent_launches_from_threads():
     """MXNet runs custom ops from several worker threads; ctypes releases the GIL, so the
     emulated launches really overlap (the shim's block/thread indices are thread-local)."""
     import threading
-    k = _kernel()
+    k = _kernel("roi_pooling_forward<float, float, unsigned short>")  # 60x60-cell bins
     R = 300
     rng = np.random.default_rng(0)
     data = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
@@ -367,7 +379,7 @@ def test_concurrent_launches_from_threads():
                           hstart=np.zeros((R, 2), np.int32), hend=np.full((R, 2), 60, np.int32),
                           wstart=np.zeros((R, 2), np.int32), wend=np.full((R, 2), 60, np.int32),
                           out=np.zeros((R, 1, 2, 2), np.float32),
-                          argmax=np.zeros((R, 1, 2, 2), np.int32), n=np.int64(R * 4),
+                          argmax=np.zeros((R, 1, 2, 2), np.uint16), n=np.int64(R * 4),
                           H=np.int32(64), W=np.int32(64))
         k((8,), (64,), args)
         return args[11], args[12]
@@ -576,7 +588,7 @@ def test_grid_stride_covers_every_item(grid, block):
                       wend=np.array([[2, 4]], np.int32))
     _kernel()((grid,), (block,), args)
     np.testing.assert_array_equal(args[11], [[[[1, 3], [13, 15]]]])
-    np.testing.assert_array_equal(args[12], [[[[1, 3], [13, 15]]]])
+    np.testing.assert_array_equal(args[12], [[[[1, 1], [5, 5]]]])  # bin-relative
 
 
 # ------------------------------------ GPU backward memory: direct write, pool policy

@@ -331,8 +331,7 @@ def test_two_parameterisations_of_each_op_in_one_graph(tmp_path):
         data, rois = inputs(op)
         net = Two(op)
         out0, grad0 = forward_backward(net, data, rois)
-        with autograd.record():  # a training forward, as in forward_backward (ROIAlign avg:
-            # an inference forward runs other kernels, equal to the last bits only to MXNet's)
+        with autograd.record():  # a training forward, as in forward_backward
             ref = np.concatenate([
                 getattr(mx_roi.nd, op)(data, rois, **CASES[op][0]).asnumpy().reshape(5, -1),
                 getattr(mx_roi.nd, op)(data, rois, **CASES2[op]).asnumpy().reshape(5, -1)], 1)

@@ -386,7 +386,7 @@ def test_mxnet_path_custom_float16(name, params, monkeypatch, launches):
 # ------------------------------------------------------------ 3. selection
 SELECT = [
     ("ROIPooling", dict(pooled_size=2, spatial_scale=1.0), "native"),
-    ("ROIAlign", dict(pooled_size=2, spatial_scale=1.0), "numpy"),
+    ("ROIAlign", dict(pooled_size=2, spatial_scale=1.0), "native"),
     ("ROIAlign", dict(pooled_size=2, spatial_scale=1.0, pool_mode="max"), "native"),
     ("PSROIPooling", dict(pooled_size=2, output_dim=2, spatial_scale=1.0), "native"),
     ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=1.0), "native"),
@@ -430,14 +430,14 @@ def test_native_available_with_compiler():
 
 
 def test_create_operator_selects_native_under_auto(monkeypatch, launches):
-    """Unset MX_ROI_BACKEND: ROIPooling runs the native kernels; ROIAlign avg only for an
-    inference forward (a training call runs NumPy forward and backward)."""
+    """Unset MX_ROI_BACKEND: every op runs the native kernels, ROIAlign's average for a
+    training call too (forward and backward)."""
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
     x = nd(np.arange(50, dtype=np.float32).reshape(1, 2, 5, 5))
     r = nd(np.array([[0, 0, 0, 3, 3]], np.float32))
     y = mx_roi.nd.ROIPooling(x, r, pooled_size=(2, 2), spatial_scale=1.0).asnumpy()
     np.testing.assert_array_equal(y[0, 0], [[6, 8], [16, 18]])
-    assert launches == ["roi_pooling_forward<float, float>"]
+    assert launches == ["roi_pooling_forward<float, float, unsigned char>"]
     launches.clear()
     mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0).wait_to_read()
     assert launches == ["roi_align_forward_avg<float, float>"]
@@ -447,10 +447,12 @@ def test_create_operator_selects_native_under_auto(monkeypatch, launches):
         y = mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0)
     y.backward()
     x.grad.wait_to_read()
-    assert launches == []
+    assert launches == ["roi_align_forward_avg<float, float>",
+                        "roi_align_backward_avg<float, float, float>"]
+    launches.clear()
     mx_roi.nd.ROIAlign(x, r, pooled_size=(2, 2), spatial_scale=1.0,
                        pool_mode="max").wait_to_read()
-    assert launches == ["roi_align_forward_max<float, float>"]
+    assert launches == ["roi_align_forward_max<float, float, unsigned char>"]
 
 
 # ------------------------------------------------------------ 4. fallback to NumPy
@@ -717,11 +719,12 @@ def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
 
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("sample_ratio", [2, -1])
-def test_roi_align_inference_forward_is_mxnets_to_the_last_bit(aligned, sample_ratio,
-                                                                monkeypatch):
-    """Unset MX_ROI_BACKEND: an inference ROIAlign average runs the native lanes kernel,
-    which performs MXNet's operations in MXNet's order -- bit for bit its output (the
-    training forward's BLAS form is not: ~1e-7 apart)."""
+def test_roi_align_forward_is_mxnets_to_the_last_bit(aligned, sample_ratio, monkeypatch):
+    """Unset MX_ROI_BACKEND: the ROIAlign average runs the native lanes kernel, which
+    performs MXNet's operations in MXNet's order -- bit for bit its output, in an inference
+    and a training forward (the NumPy backend's BLAS form is not: ~1e-7 apart); the
+    gradient agrees to float32 rounding (MXNet divides ``g * w`` by the count, we
+    multiply ``g / count`` by ``w``)."""
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
     rng = np.random.RandomState(3)
     x = mx.nd.array(rng.randn(2, 37, 23, 31).astype(np.float32))
@@ -732,26 +735,48 @@ def test_roi_align_inference_forward_is_mxnets_to_the_last_bit(aligned, sample_r
     r = mx.nd.array(rois)
     kw = dict(pooled_size=(7, 5), spatial_scale=1 / 16, sample_ratio=sample_ratio,
               aligned=aligned)
-    ours = mx_roi.nd.ROIAlign(x, r, **kw).asnumpy()
-    np.testing.assert_array_equal(ours, mx.nd.contrib.ROIAlign(x, r, **kw).asnumpy())
+    want = mx.nd.contrib.ROIAlign(x, r, **kw).asnumpy()
+    np.testing.assert_array_equal(mx_roi.nd.ROIAlign(x, r, **kw).asnumpy(), want)
+    og = mx.nd.array(rng.randn(*want.shape).astype(np.float32))
+    grads = []
+    for fn in (mx_roi.nd.ROIAlign, mx.nd.contrib.ROIAlign):
+        x.attach_grad()
+        with autograd.record():
+            out = fn(x, r, **kw)
+        out.backward(og)
+        grads.append(x.grad.asnumpy())
+        if fn is mx_roi.nd.ROIAlign:
+            np.testing.assert_array_equal(out.asnumpy(), want)
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
-    """The native ROIAlign average forward (16 channels per pass) is bit for bit the
-    emulated GPU kernel: channel counts around the lane width, NaN / -inf taps, skipped
-    rois, adaptive and fixed sampling, 1 and 3 threads."""
+    """The native ROIAlign average forward (16 channels per pass) and backward (16
+    channels per tap, accumulated channels-last) are bit for bit the emulated GPU kernels:
+    channel counts around the lane width, NaN / -inf taps and out-grads, skipped rois,
+    adaptive and fixed sampling, 1 and 3 threads; the gradient buffer starts as garbage
+    (req write) and holds values to keep (req add)."""
     rng = np.random.RandomState(6)
     for trial in range(8):
         x, rois = _lane_case(rng, (1, 15, 16, 17, 33, 5, 16, 40)[trial], ties=False)
         kw = dict(pooled_size=(rng.randint(1, 6), rng.randint(1, 6)), spatial_scale=0.0625,
                   sample_ratio=int(rng.choice([-1, 1, 2])), aligned=bool(trial % 2))
-        outs = []
+        og = rng.randn(rois.shape[0], x.shape[1], *kw["pooled_size"])
+        og[rng.rand(*og.shape) < 0.02] = np.nan
+        req = "add" if trial % 3 == 2 else "write"
+        results = []
         for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
             monkeypatch.setenv("MX_ROI_BACKEND", backend)
             monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
-            outs.append(mx.nd.Custom(mx.nd.array(x, dtype=dtype),
-                                     mx.nd.array(rois, dtype=dtype), op_type="ROIAlign",
-                                     **kw).asnumpy())
-        for o in outs[1:]:
-            np.testing.assert_array_equal(o, outs[0])
+            d = mx.nd.array(x, dtype=dtype)
+            d.attach_grad(grad_req=req)
+            d.grad[:] = 7.0
+            with autograd.record():
+                o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIAlign", **kw)
+            o.backward(mx.nd.array(og, dtype=dtype))
+            results.append((o.asnumpy(), d.grad.asnumpy()))
+        for out, grad in results[1:]:
+            np.testing.assert_array_equal(out, results[0][0])
+            np.testing.assert_array_equal(grad, results[0][1])
+        assert not np.isnan(results[0][1]).all() and (results[0][1] != 7.0).any()

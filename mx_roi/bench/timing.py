@@ -135,7 +135,7 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
             drain()
         res = {**tv_fields, **res}
         res.update(key=w.key, op=w.op, config=w.config, direction=direction,
-                   backend=_backend_of(w, inputs, training=direction != "fwd"),
+                   backend=_backend_of(w, inputs),
                    boxes=w.boxes, channels=w.channels, builtin=w.builtin_name,
                    ours_kwargs={k: (list(v) if isinstance(v, tuple) else v)
                                 for k, v in w.ours_kwargs.items()},
@@ -146,12 +146,11 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
     return rows
 
 
-def _backend_of(w: Workload, inputs, training: bool = True) -> str:
-    """The mx_roi backend our side runs on (``mx_roi.backends.select``; a "fwd" row is an
-    inference forward)."""
+def _backend_of(w: Workload, inputs) -> str:
+    """The mx_roi backend our side runs on (``mx_roi.backends.select``)."""
     from .. import backends
     try:
-        return backends.select(inputs.ctx, w.op_instance(), training)
+        return backends.select(inputs.ctx, w.op_instance())
     except Exception as exc:  # e.g. a bad MX_ROI_BACKEND: the run itself reports it
         return f"? ({type(exc).__name__})"
 

@@ -27,9 +27,14 @@ float16 data into one zeroed float32 buffer of the input's size (float32 atomics
 converted when it is stored.
 
 GPU memory: besides the forward's argmax (max modes, kept for the backward) the op holds
-no GPU memory between calls.  A call's temporaries (geometry tables, the float16 or
-fixed-point accumulator) are dropped when it returns, and after the stream sync CuPy's
-default memory pool frees its unused blocks whenever they exceed
+no GPU memory between calls.  The argmax is (R, C, P, Q), bin-relative (the winner's
+index among its bin's candidates), in the smallest unsigned type that fits every bin of
+the call (:func:`mx_roi.cuda.tables.argmax_dtype`: ``uint8`` for bins of at most 254
+candidates -- a quarter of an int32 argmax --, else ``uint16`` or ``uint32``; the type's
+maximum means "no winner"), the kernels' template parameter ``I``, deduced from the
+array's dtype (:meth:`Launch.expression`).  A call's temporaries (geometry tables, the
+float16 or fixed-point accumulator) are dropped when it returns, and after the stream
+sync CuPy's default memory pool frees its unused blocks whenever they exceed
 :data:`POOL_KEEP_BYTES` (32 MiB), so MXNet's allocator can reuse them; smaller caches are
 kept to spare per-call ``cudaMalloc``.
 
@@ -125,16 +130,49 @@ class Launch:
 
     # ---- launching ----------------------------------------------------------------
     def forward(self, kernel, n, tables=None, **args):
-        """Launch ``kernel<T, A>`` over ``n`` work items (none if ``n == 0``), its
-        arguments bound by parameter name (:meth:`bind`)."""
-        self._bind_and_launch(S.expression(kernel, (self.T, self.A)), n, tables, args)
+        """Launch ``kernel<T, A, ...>`` over ``n`` work items (none if ``n == 0``), its
+        arguments bound by parameter name (:meth:`bind`); further template parameters
+        are deduced from the arguments (:meth:`expression`)."""
+        tables = tables or {}
+        self._bind_and_launch(self.expression(kernel, {"T": self.T, "A": self.A},
+                                              tables, args), n, tables, args)
 
     def backward(self, kernel, n, tables=None, **args):
-        """Launch ``kernel<T, A, O>`` (O from :meth:`grad_buffer`), arguments by name."""
-        self._bind_and_launch(S.expression(kernel, (self.T, self.A, self.O)), n, tables, args)
+        """Launch ``kernel<T, A, O, ...>`` (O from :meth:`grad_buffer`), arguments by
+        name, further template parameters deduced (:meth:`expression`)."""
+        tables = tables or {}
+        self._bind_and_launch(self.expression(kernel, {"T": self.T, "A": self.A,
+                                                       "O": self.O}, tables, args),
+                              n, tables, args)
+
+    def expression(self, kernel, given, tables, args) -> str:
+        """The name expression of ``kernel``: template parameters named in ``given``
+        (``T``, ``A``, and ``O`` for a backward) take those C types; any other is deduced
+        from the dtype of the array argument (or table) declared with it, e.g. ``I`` of
+        ``I* argmax`` from the ``argmax`` array (``uint8`` -> ``unsigned char``), so an op
+        picks an instantiation by the arrays it allocates."""
+        targs = []
+        for name, params in S.deduced_from(self.module.filename, kernel):
+            if name in given:
+                targs.append(given[name])
+                continue
+            values = [v for v in (args.get(p, tables.get(p)) for p in params)
+                      if v is not None]
+            dtypes = {np.dtype(v.dtype) for v in values if hasattr(v, "dtype")}
+            if not values:
+                raise loader.KernelArgumentError(
+                    f"{kernel}: missing argument(s) for {', '.join(params) or '(none)'} "
+                    f"(the template parameter {name} is deduced from its dtype)")
+            if len(dtypes) != 1 or len(values) != sum(hasattr(v, "dtype") for v in values):
+                raise loader.KernelArgumentError(
+                    f"{kernel}: cannot deduce the template parameter {name} from "
+                    f"{', '.join(params)}: " + (f"dtypes {sorted(map(str, dtypes))} differ"
+                                                if len(dtypes) > 1 else "not an array"))
+            targs.append(S.ctype_of(dtypes.pop()))
+        return S.expression(kernel, targs)
 
     def _bind_and_launch(self, expr, n, tables, args):
-        self._launch(expr, n, self.bind(self.module.get(expr).signature, n, tables or {}, args))
+        self._launch(expr, n, self.bind(self.module.get(expr).signature, n, tables, args))
 
     def _launch(self, expr, n, args):
         k = self.module.get(expr)
@@ -464,7 +502,8 @@ def _trim_pool(cupy):
 
 def _check_plane(op, shape):
     """Tensors may exceed 2^31 elements (64-bit indexing), one (H, W) plane may not: the
-    kernels index within a plane (and ROIPooling's argmax ``h*W + w``) in int32."""
+    kernels index within a plane (and hold a running argmax, at most a plane's size) in
+    int32."""
     if len(shape) == 4 and int(shape[2]) * int(shape[3]) >= 2 ** 31:
         raise ValueError(f"{op.name}: a feature map of {shape[2]}x{shape[3]} has 2^31 or more "
                          "elements per channel, more than the CUDA kernels index")

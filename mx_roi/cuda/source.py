@@ -8,9 +8,14 @@ on a GPU, the host (g++) emulation and the NVRTC compile test all call
   op's ``cuda_source``) (shipped in the wheel as package data of
   ``mx_roi.operators``); ``#include "roi_common.cuh"`` is inlined, so the compiled text
   is self-contained and needs no include path of ours.
-* Each ``__global__`` kernel is a template: ``<T, A>`` (forward) or ``<T, A, O>``
-  (backward) with ``(T, A)`` one of :data:`TYPE_PAIRS` and ``O`` either ``A`` (plain
-  atomics) or ``unsigned long long`` (deterministic fixed-point accumulation).
+* Each ``__global__`` kernel is a template whose parameters are named: ``<T, A>``
+  (forward) or ``<T, A, O>`` (backward) with ``(T, A)`` one of :data:`TYPE_PAIRS` and
+  ``O`` either ``A`` (plain atomics) or ``unsigned long long`` (deterministic fixed-point
+  accumulation), optionally followed by ``I``, the storage type of a max kernel's argmax,
+  one of :data:`INDEX_TYPES` (:data:`TEMPLATE_VALUES`: the values of each name).  Every
+  combination is instantiated (:func:`name_expressions`); a launch picks ``T``, ``A``,
+  ``O`` from its dtypes and deduces any other parameter from the dtype of the array
+  argument declared with it (:func:`deduced_from`, ``mx_roi.cuda.backend.Launch``).
 * :func:`kernel_signatures` parses every kernel's parameter list from the source; the
   launch glue checks each launch's arguments against it (:mod:`mx_roi.cuda.loader`).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -25,9 +31,10 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-__all__ = ["HEADER", "TYPE_PAIRS", "CTYPES", "NVRTC_OPTIONS",
+__all__ = ["HEADER", "TYPE_PAIRS", "INDEX_TYPES", "TEMPLATE_VALUES", "CTYPES", "NVRTC_OPTIONS",
            "Param", "Signature", "sources", "read_source", "module_source", "name_expressions",
-           "kernel_signatures", "instantiate", "expression", "ctype_of", "cuda_include_dirs"]
+           "kernel_signatures", "instantiate", "expression", "ctype_of", "deduced_from",
+           "cuda_include_dirs"]
 
 HEADER = "roi_common.cuh"
 
@@ -35,11 +42,19 @@ HEADER = "roi_common.cuh"
 TYPE_PAIRS = (("float", "float"), ("double", "double"), ("__half", "float"))
 #: Accumulator of the deterministic backward (fixed point, see mx_roi.cuda.backend).
 FIXED = "unsigned long long"
+#: Storage types of a max kernel's argmax (template parameter ``I``), smallest first: a
+#: bin-relative index, the type's maximum value meaning "no winner"
+#: (:func:`mx_roi.cuda.tables.argmax_dtype` picks one per call).
+INDEX_TYPES = ("unsigned char", "unsigned short", "unsigned int")
+#: Template parameter name -> its values, given the ``(T, A)`` pair; ``T`` and ``A``
+#: themselves come from :data:`TYPE_PAIRS` and lead every kernel's template list.
+TEMPLATE_VALUES = {"O": lambda t, a: (a, FIXED), "I": lambda t, a: INDEX_TYPES}
 
 #: C type -> NumPy dtype of kernel parameters.
 CTYPES: Dict[str, np.dtype] = {
     "float": np.dtype(np.float32), "double": np.dtype(np.float64),
     "__half": np.dtype(np.float16), "int": np.dtype(np.int32),
+    "unsigned char": np.dtype(np.uint8), "unsigned short": np.dtype(np.uint16),
     "unsigned int": np.dtype(np.uint32), "long long": np.dtype(np.int64),
     "unsigned long long": np.dtype(np.uint64),
 }
@@ -179,18 +194,38 @@ def instantiate(filename: str, expr: str) -> Signature:
 
 @functools.lru_cache(maxsize=None)
 def name_expressions(filename: str) -> Tuple[str, ...]:
-    """Every instantiation compiled for ``filename``: each kernel x :data:`TYPE_PAIRS`
-    (x ``O`` in {A, unsigned long long} for the three-parameter backward kernels)."""
+    """Every instantiation compiled for ``filename``: each kernel x :data:`TYPE_PAIRS` x
+    the values of its further template parameters, by name (:data:`TEMPLATE_VALUES`:
+    ``O`` in {A, unsigned long long}, ``I`` in :data:`INDEX_TYPES`)."""
     exprs: List[str] = []
     for kernel, (tparams, _) in kernel_signatures(filename).items():
+        rest = tparams[2:]
+        if tparams[:2] != ("T", "A") or len(set(tparams)) != len(tparams) \
+                or any(p not in TEMPLATE_VALUES for p in rest):
+            raise ValueError(f"{filename}: {kernel} has template parameters "
+                             f"<{', '.join(tparams)}>; expected T, A, then any of "
+                             f"{', '.join(TEMPLATE_VALUES)}")
         for t, a in TYPE_PAIRS:
-            if len(tparams) == 2:
-                exprs.append(expression(kernel, (t, a)))
-            elif len(tparams) == 3:
-                exprs.extend(expression(kernel, (t, a, o)) for o in (a, FIXED))
-            else:
-                raise ValueError(f"{filename}: {kernel} has {len(tparams)} template params")
+            for combo in itertools.product(*(TEMPLATE_VALUES[p](t, a) for p in rest)):
+                exprs.append(expression(kernel, (t, a) + combo))
     return tuple(exprs)
+
+
+@functools.lru_cache(maxsize=None)
+def deduced_from(filename: str, kernel: str) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """``((template parameter, names of the kernel parameters declared with it), ...)``
+    in template order: where a launch can read a template argument from an argument's
+    dtype (``I`` from ``I* argmax``), as C++ deduces it."""
+    sigs = kernel_signatures(filename)
+    if kernel not in sigs:
+        raise KeyError(f"{filename} has no kernel {kernel!r} (has: {', '.join(sigs)})")
+    tparams, raw = sigs[kernel]
+    uses = {t: [] for t in tparams}
+    for decl in raw:
+        tokens = decl.replace("*", " * ").split()
+        for t in set(tokens[:-1]) & set(uses):
+            uses[t].append(tokens[-1])
+    return tuple((t, tuple(uses[t])) for t in tparams)
 
 
 def _cuda_header_version(include_dir: str):

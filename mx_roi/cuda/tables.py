@@ -7,7 +7,12 @@ is re-derived on the device).  These helpers only name them: ``Launch.forward``/
 """
 from __future__ import annotations
 
-__all__ = ["sample_grid_tables", "int_bins_tables"]
+import numpy as np
+
+__all__ = ["sample_grid_tables", "int_bins_tables", "int_bins_max_cells", "argmax_dtype"]
+
+#: argmax storage dtypes, smallest first (the C types of mx_roi.cuda.source.INDEX_TYPES)
+_INDEX_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 
 
 def sample_grid_tables(geo) -> dict:
@@ -30,3 +35,29 @@ def int_bins_tables(bins) -> dict:
     return {"batch": bins.batch, "hstart": bins.hstart, "hend": bins.hend,
             "wstart": bins.wstart, "wend": bins.wend, "P": bins.hstart.shape[1],
             "Q": bins.wstart.shape[1]}
+
+
+def int_bins_max_cells(bins) -> int:
+    """The most cells of any bin of IntBins ``bins`` (an empty bin has none).  A bin is
+    a y range times an x range, so per roi the longest y range times the longest x
+    range; NumPy or CuPy tables (on a GPU: one small reduction read back)."""
+    if bins.hstart.size == 0 or bins.wstart.size == 0:
+        return 0
+    h = (bins.hend - bins.hstart).max(axis=1).astype(np.int64)              # (R,)
+    w = (bins.wend - bins.wstart).max(axis=1).astype(np.int64)
+    h *= h > 0
+    w *= w > 0
+    return int((h * w).max())
+
+
+def argmax_dtype(max_candidates: int) -> np.dtype:
+    """The dtype of a max kernel's argmax when no bin has more than ``max_candidates``
+    candidates: the smallest unsigned type that holds every bin-relative index
+    ``0 .. max_candidates - 1`` besides its maximum value, the sentinel "no winner" --
+    ``uint8`` up to 254 candidates, ``uint16`` up to 65534, else ``uint32`` (up to
+    2^32 - 2; the kernels' running index is an int, so callers keep it below 2^31)."""
+    m = int(max_candidates)
+    for dtype in _INDEX_DTYPES:
+        if m <= int(np.iinfo(dtype).max) - 1:
+            return dtype
+    raise ValueError(f"{m} candidates per bin: too many for a uint32 argmax")
