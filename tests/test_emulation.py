@@ -249,12 +249,12 @@ def test_argument_checker_counts_and_scalars_of_double():
     sig = k.signature
     assert [p.name for p in sig.params][-2:] == ["scale", "n"]
     args = [np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
-            np.zeros(1, np.int32), np.ones(1, np.int32), np.full(1, 255, np.uint8),
-            np.int32(1), np.int32(1), np.int32(1), np.int32(1), np.int32(1),
-            np.zeros(1, np.float32), 1.0, np.int64(1)]
+            np.ones(1, np.int32), np.zeros(1, np.int32), np.ones(1, np.int32),
+            np.full(1, 255, np.uint8), np.int32(1), np.int32(1), np.int32(1), np.int32(1),
+            np.int32(1), np.zeros(1, np.float32), 1.0, np.int64(1)]
     with pytest.raises(loader.KernelArgumentError, match=r"double scale\) must be a NumPy"):
         k((1,), (32,), tuple(args))
-    args[12] = np.float64(1.0)
+    args[13] = np.float64(1.0)
     k((1,), (32,), tuple(args))
 
 
