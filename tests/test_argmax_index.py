@@ -20,7 +20,7 @@ import mxnet as mx
 
 from mx_roi.backends import NumpyBackend
 from mx_roi.cuda import loader
-from mx_roi.cuda.backend import CudaBackend, Launch
+from mx_roi.cuda.backend import CudaBackend
 from mx_roi.cuda.tables import argmax_dtype, int_bins_max_cells
 from mx_roi.geometry import compute_dtype
 from mx_roi.ndio import Kind
@@ -175,19 +175,6 @@ def _decoded(op, geo, arg, W):
         wl = np.maximum(geo.wend - geo.wstart, 1)[:, None, None, :].astype(np.int64)
         k = (hs + k // wl) * W + ws + k % wl
     return np.where(none, -1, k).transpose(0, 2, 3, 1)
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    seen = []
-    real = Launch._launch
-
-    def spy(self, expr, n, args):
-        seen.append(expr)
-        return real(self, expr, n, args)
-
-    monkeypatch.setattr(Launch, "_launch", spy)
-    return seen
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16],

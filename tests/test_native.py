@@ -141,20 +141,6 @@ def identical(actual, expected, what="", bits=True):
         raise AssertionError(f"{what}: {len(bad)} of {actual.size} elements differ{detail}")
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Records the kernel expression of every launch (any host/GPU seam)."""
-    seen = []
-    real = Launch._launch
-
-    def spy(self, expr, n, args):
-        seen.append(expr)
-        return real(self, expr, n, args)
-
-    monkeypatch.setattr(Launch, "_launch", spy)
-    return seen
-
-
 # ------------------------------------------------------------ 1. threads and NumPy
 @pytest.mark.parametrize("dtype", (np.float32, np.float64), ids=("float32", "float64"))
 @pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
