@@ -19,12 +19,10 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
                                   const A* divisor, int C, int H, int W, int P, int Q, int Gy,
                                   int Gx, T* out, long long n) {
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  if (walk.empty()) return;
   const long long plane_out = walk.plane_out;
-  const int L = mx_roi::LANES, nc = walk.nc, ncp = walk.ncp;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int p, int q, const A* img,
-                                           T* o) {
-    const int lanes = nc - cc < L ? nc - cc : L;
+  const int ncp = walk.ncp;
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                           const A* img, T* o) {
     if (!img) {  // skipped roi: 0
       for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
       return;

@@ -401,18 +401,21 @@ struct LaneWalk {
   }
   bool empty() const { return R <= 0 || nc <= 0; }  // (cells is null when no roi reads)
   const A* image(int b) const { return b >= 0 ? cells + (size_t)b * HW * ncp : nullptr; }
-  // f(r, cc, p, q, img, o) for every 16-channel pass cc (0, 16, ...) over every bin of
-  // every roi: roi by roi, then pass by pass, so that a pass's cells (a 64-byte line per
-  // cell) stay in L1 from bin to bin instead of being fetched again for every pass; o is
-  // the output of channel c0 + cc (channel c0 + cc + c at o[c * plane_out]).
+  // f(r, cc, lanes, p, q, img, o) for every 16-channel pass cc (0, 16, ...; its lanes
+  // real channels) over every bin of every roi: roi by roi, then pass by pass, so that a
+  // pass's cells (a 64-byte line per cell) stay in L1 from bin to bin instead of being
+  // fetched again for every pass; o is the output of channel c0 + cc (channel
+  // c0 + cc + c at o[c * plane_out]).
   template <typename F>
   void each_pass(const int* batch, int C, int P, int Q, T* out, F&& f) const {
+    if (empty()) return;
     for (long long r = 0; r < R; ++r) {
       const A* img = image(batch[r]);
       for (int cc = 0; cc < ncp; cc += LANES) {
+        const int lanes = nc - cc < LANES ? nc - cc : LANES;
         T* o = out + (r * C + c0 + cc) * plane_out;
         for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) f(r, cc, p, q, img, o + p * Q + q);
+          for (int q = 0; q < Q; ++q) f(r, cc, lanes, p, q, img, o + p * Q + q);
       }
     }
   }

@@ -20,14 +20,12 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
                                 int H, int W, int P, int Q, T* out, I* argmax,
                                 int store_argmax, long long n) {
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  if (walk.empty()) return;
   const long long plane_out = walk.plane_out;
-  const int L = mx_roi::LANES, nc = walk.nc, ncp = walk.ncp;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int p, int q, const A* img,
-                                           T* o) {
+  const int ncp = walk.ncp;
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                           const A* img, T* o) {
     const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
     const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
-    const int lanes = nc - cc < L ? nc - cc : L;
     I* a = store_argmax ? argmax + (o - out) : nullptr;  // 0: inference, nothing kept
     if (!img || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
       for (int c = 0; c < lanes; ++c) {
