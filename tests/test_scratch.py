@@ -66,3 +66,24 @@ def test_fit_and_cap(small_pool):
     del arrays, small
     gc.collect()
     assert len(small_pool._IDLE) == small_pool.MAX_KEPT
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_huge_page_advice_keeps_the_data_and_skips_small_arrays():
+    """Large arrays are advised (the call succeeds where THP is available); the values
+    stay as they were; small or strided arrays are left alone."""
+    assert scratch.advise_huge_pages(np.ones(1000, np.float32)) is False
+    big = np.arange(4 * scratch.HUGE_MIN_BYTES // 4, dtype=np.float32)
+    assert scratch.advise_huge_pages(big[::2]) is False               # not contiguous
+    advised = scratch.advise_huge_pages(big)
+    if _thp_mode() in ("always", "madvise"):
+        assert advised is True
+    np.testing.assert_array_equal(big[:5], [0, 1, 2, 3, 4])
+    assert big[-1] == big.size - 1
