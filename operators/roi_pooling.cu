@@ -92,7 +92,9 @@ void roi_pooling_backward_native(const T* grad, const int* batch, const int* hst
                                  double scale, long long n) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
   const long long R = per_roi > 0 ? n / per_roi : 0;
-  const long long kMaxCells = 1 << 22;  // a roi with more bin cells decodes by division
+  // a roi with more bin cells (e.g. one 1x1 bin over a 300x300 map) decodes each
+  // winner by division instead (detector rois have a few thousand at most)
+  const long long kMaxCells = 1 << 16;
   static thread_local std::vector<long long> cell, first;
   first.resize(plane_out);
   for (long long r = 0; r < R; ++r) {

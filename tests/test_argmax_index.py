@@ -84,6 +84,7 @@ CASES = [
      (2, 5, 38, 50), U8),
     ("pool-1x1-uint16", "ROIPooling", dict(pooled_size=(1, 1), spatial_scale=1.0),
      (2, 3, 20, 20), U16),
+    # (also the native backward's division path: more than 2^16 bin cells in one roi)
     ("pool-1x1-uint32", "ROIPooling", dict(pooled_size=(1, 1), spatial_scale=1.0),
      (1, 2, 300, 300), U32),
     ("align-7x7-uint8", "ROIAlign", dict(pooled_size=(7, 7), spatial_scale=1 / 16,
