@@ -14,7 +14,7 @@ from __future__ import annotations
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIAlignParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import argmax_dtype, sample_grid_tables
+from mx_roi.cuda.tables import sample_grid_tables
 
 
 @register
@@ -90,10 +90,7 @@ class ROIAlign(RoIOp):
             if gy * gx >= 2 ** 31:  # the kernels' running argmax iy*Gx+ix is an int
                 raise ValueError(f"{self.name}: {gy}x{gx} sample points per bin are "
                                  "too many for pool_mode='max' on the CUDA backend")
-            if launch.keep:
-                arg = launch.empty((R, C, P, Q), argmax_dtype(gy * gx))
-            else:  # inference: nothing stored
-                arg = launch.empty((1,), argmax_dtype(0))
+            arg = launch.argmax((R, C, P, Q), lambda: gy * gx)
             launch.forward("roi_align_forward_max", out.size, tables, data=data, C=C, H=H,
                            W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
             return out, (arg if launch.keep else None)

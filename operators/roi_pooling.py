@@ -16,7 +16,7 @@ import numpy as np
 from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
-from mx_roi.cuda.tables import argmax_dtype, int_bins_max_cells, int_bins_tables
+from mx_roi.cuda.tables import int_bins_max_cells, int_bins_tables
 
 
 @register
@@ -130,10 +130,7 @@ class ROIPooling(RoIOp):
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         out = launch.output((R, C, P, Q))
-        if launch.keep:
-            arg = launch.empty((R, C, P, Q), argmax_dtype(int_bins_max_cells(bins)))
-        else:  # inference: nothing stored
-            arg = launch.empty((1,), argmax_dtype(0))
+        arg = launch.argmax((R, C, P, Q), lambda: int_bins_max_cells(bins))
         launch.forward("roi_pooling_forward", out.size, int_bins_tables(bins), data=data,
                        C=C, H=H, W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
         return out, (arg if launch.keep else None)

@@ -81,6 +81,7 @@ from ..ndio import Kind
 from ..saved import keep_for_backward, unpack_saved
 from . import loader
 from . import source as S
+from .tables import argmax_dtype
 
 __all__ = ["CudaBackend", "Launch"]
 
@@ -127,6 +128,15 @@ class Launch:
         if t is not None and tuple(t.shape) == tuple(shape) and t.dtype == self.dtype:
             return t
         return self.empty(shape)
+
+    def argmax(self, shape, max_candidates):
+        """A max kernel's argmax buffer: ``shape`` in the smallest index dtype holding
+        ``max_candidates()`` bin-relative indices (:func:`~mx_roi.cuda.tables.argmax_dtype`)
+        when the backward needs it (:attr:`keep`), else a one-element ``uint8`` dummy (the
+        inference forward stores nothing; ``max_candidates`` is then not called)."""
+        if not self.keep:
+            return self.empty((1,), argmax_dtype(0))
+        return self.empty(shape, argmax_dtype(max_candidates()))
 
     # ---- launching ----------------------------------------------------------------
     def forward(self, kernel, n, tables=None, **args):
