@@ -74,19 +74,47 @@ def _clamp(v, lo, hi, xp):
 
 
 def _int_bins(start, size, pooled, limit, xp, cdt, offset_in_float):
-    """Bins ``floor(i*bin)``..``ceil((i+1)*bin)`` of one axis, clipped to ``[0, limit]``."""
-    i = xp.arange(pooled, dtype=cdt)
-    bin_size = size / cdt.type(pooled)
-    if offset_in_float:  # PSROIPooling: floor(i*bin + start)
-        # clipped before the int cast: a huge coordinate (1e30) would overflow int32
-        lo = xp.clip(xp.floor(i[None, :] * bin_size[:, None] + start[:, None]), -1, limit + 1)
-        hi = xp.clip(xp.ceil((i[None, :] + 1) * bin_size[:, None] + start[:, None]), -1,
-                     limit + 1)
-        lo, hi = lo.astype(np.int32), hi.astype(np.int32)
-    else:  # ROIPooling: floor(i*bin) + start, start an int
-        lo = xp.floor(i[None, :] * bin_size[:, None]).astype(np.int32) + start[:, None]
-        hi = xp.ceil((i[None, :] + 1) * bin_size[:, None]).astype(np.int32) + start[:, None]
-    return _clamp(lo, 0, limit, xp), _clamp(hi, 0, limit, xp)
+    """Bins ``floor(i*bin)``..``ceil((i+1)*bin)`` of ``A`` stacked axes, clipped to
+    ``[0, limit]``.
+
+    ``start``, ``size``: (A, R), ``limit``: (A, 1, 1) map lengths.  Returns ``start,
+    end`` as (A, R, P) int32; row ``k`` is axis ``k`` (a contiguous (R, P) table).  The
+    lower and upper edges go through one array, so a call costs the same few array
+    operations for any number of axes (what dominates a small call).
+    """
+    k = xp.arange(pooled + 1, dtype=cdt)
+    edge = k * (size / cdt.type(pooled))[..., None]         # (A, R, P+1): i*bin, (i+1)*bin
+    both = xp.empty((2,) + edge.shape[:-1] + (pooled,), dtype=cdt)
+    if offset_in_float:  # PSROIPooling: floor(i*bin + start), ceil((i+1)*bin + start)
+        edge += start[..., None]
+        xp.floor(edge[..., :-1], out=both[0])
+        xp.ceil(edge[..., 1:], out=both[1])
+        # clipped in floating point, before the int cast: a huge coordinate (1e30)
+        # would overflow int32 (fmax/fmin: a NaN edge, from an infinite size, gives 0)
+        both = xp.fmin(xp.fmax(both, cdt.type(0)), limit.astype(cdt)).astype(np.int32)
+    else:  # ROIPooling: floor(i*bin) + start, ceil((i+1)*bin) + start, start an int
+        xp.floor(edge[..., :-1], out=both[0])
+        xp.ceil(edge[..., 1:], out=both[1])
+        both = both.astype(np.int32) + start[..., None]
+        both = _clamp(both, 0, limit, xp)
+    return both[0], both[1]
+
+
+def _axis_limits(height, width, xp):
+    """(2, 1, 1) int32: the map lengths of the (y, x) axes, broadcasting against (2, R, P)."""
+    return xp.asarray([[[height]], [[width]]], dtype=np.int32)
+
+
+def _stacked_bins(start, size, pooled_size, height, width, xp, cdt, offset_in_float):
+    """``(hstart, hend, wstart, wend)`` from (2, R) ``start``/``size`` rows (y, x)."""
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    limits = _axis_limits(height, width, xp)
+    if P == Q:  # both axes in one pass of array operations
+        lo, hi = _int_bins(start, size, P, limits, xp, cdt, offset_in_float)
+        return lo[0], hi[0], lo[1], hi[1]
+    hs, he = _int_bins(start[:1], size[:1], P, limits[:1], xp, cdt, offset_in_float)
+    ws, we = _int_bins(start[1:], size[1:], Q, limits[1:], xp, cdt, offset_in_float)
+    return hs[0], he[0], ws[0], we[0]
 
 
 def roi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> IntBins:
@@ -97,28 +125,26 @@ def roi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> 
     rois : (R, 5) array, (batch, x1, y1, x2, y2) in image coordinates
     """
     cdt = compute_dtype(rois.dtype)
-    r = rois.astype(cdt)
     s = _scale(spatial_scale, cdt)
-    x1, y1, x2, y2 = (c_round(r[:, k] * s, xp).astype(np.int32) for k in (1, 2, 3, 4))
+    # rows y1, x1, y2, x2 (the same elementwise operations as coordinate by coordinate)
+    c = c_round(rois[:, [2, 1, 4, 3]].astype(cdt).T * s, xp).astype(np.int32)  # (4, R)
+    start = c[:2]
     # Malformed (reversed) rois are forced to 1x1, as in Caffe.
-    roi_h = xp.maximum(y2 - y1 + 1, 1).astype(cdt)
-    roi_w = xp.maximum(x2 - x1 + 1, 1).astype(cdt)
-    hs, he = _int_bins(y1, roi_h, pooled_size[0], height, xp, cdt, False)
-    ws, we = _int_bins(x1, roi_w, pooled_size[1], width, xp, cdt, False)
+    size = xp.maximum(c[2:] - start + 1, 1).astype(cdt)
+    hs, he, ws, we = _stacked_bins(start, size, pooled_size, height, width, xp, cdt, False)
     return IntBins(batch_index(rois, xp), hs, he, ws, we)
 
 
 def psroi_pooling_bins(rois, pooled_size, spatial_scale, height, width, xp=np) -> IntBins:
     """R-FCN bins: raw coordinates C-rounded *then* scaled, end ``round(x2)+1``, size >= 0.1."""
     cdt = compute_dtype(rois.dtype)
-    r = rois.astype(cdt)
     s = _scale(spatial_scale, cdt)
-    x1, y1 = c_round(r[:, 1], xp) * s, c_round(r[:, 2], xp) * s
-    x2, y2 = (c_round(r[:, 3], xp) + 1) * s, (c_round(r[:, 4], xp) + 1) * s
+    c = c_round(rois[:, [2, 1, 4, 3]].astype(cdt).T, xp)       # (4, R): y1, x1, y2, x2
+    start = c[:2] * s
+    end = (c[2:] + 1) * s
     tenth = cdt.type(0.1)  # "Force too small ROIs to be 1x1" -- in fact 0.1 (R-FCN)
-    roi_h, roi_w = xp.maximum(y2 - y1, tenth), xp.maximum(x2 - x1, tenth)
-    hs, he = _int_bins(y1, roi_h, pooled_size[0], height, xp, cdt, True)
-    ws, we = _int_bins(x1, roi_w, pooled_size[1], width, xp, cdt, True)
+    size = xp.maximum(end - start, tenth)
+    hs, he, ws, we = _stacked_bins(start, size, pooled_size, height, width, xp, cdt, True)
     return IntBins(batch_index(rois, xp), hs, he, ws, we)
 
 
@@ -201,16 +227,20 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     """
     cdt = coord.dtype
     lim = limit.astype(cdt) if hasattr(limit, "astype") else cdt.type(limit)
+    zero = cdt.type(0)
     outside = (coord < cdt.type(valid_lo)) | (coord > lim)
-    c = xp.where(coord <= 0, cdt.type(0), coord) if clamp_low else coord
-    low = xp.trunc(xp.where(outside, cdt.type(0), c)).astype(np.int32)
+    c = xp.where(coord <= 0, zero, coord) if clamp_low else coord
+    low = xp.trunc(xp.where(outside, zero, c)).astype(np.int32)
     last = low >= limit - 1
-    low = xp.where(last, limit - 1, low).astype(np.int32)
-    high = xp.where(last, low, low + 1).astype(np.int32)
-    c = xp.where(last, low.astype(cdt), c)
-    frac = (c - low.astype(cdt)).astype(cdt)
-    w_high = xp.where(outside, cdt.type(0), frac).astype(cdt)
-    w_low = xp.where(outside, cdt.type(0), cdt.type(1) - frac).astype(cdt)
+    # (astype(copy=False): no second pass where the type is already right -- on a small
+    # call the number of array operations is the cost)
+    low = xp.where(last, limit - 1, low).astype(np.int32, copy=False)
+    high = xp.where(last, low, low + 1).astype(np.int32, copy=False)
+    low_c = low.astype(cdt)
+    c = xp.where(last, low_c, c)
+    frac = (c - low_c).astype(cdt, copy=False)
+    w_high = xp.where(outside, zero, frac).astype(cdt, copy=False)
+    w_low = xp.where(outside, zero, cdt.type(1) - frac).astype(cdt, copy=False)
     return low, high, w_low, w_high
 
 
@@ -270,7 +300,7 @@ def _align_axes(start, size, pooled, limits, sample_ratio, xp, cdt):
         return [_align_samples(start[0], bin_size[0], grid[0], gmaxes[0], pooled, limits[0],
                                sample_ratio <= 0, xp, cdt)]
     return _align_samples(start, bin_size, grid, gmaxes[0], pooled,
-                          xp.asarray(limits, dtype=np.int64).reshape(A, 1, 1, 1),
+                          xp.asarray(limits, dtype=np.int32).reshape(A, 1, 1, 1),
                           sample_ratio <= 0, xp, cdt)
 
 
@@ -285,14 +315,14 @@ def _align_samples(start, bin_size, grid, gmax, pooled, limit, padded, xp, cdt):
     g = xp.arange(gmax, dtype=cdt) + cdt.type(0.5)
     safe_grid = xp.maximum(grid, 1).astype(cdt)
     coord = (first[..., None] + (g * bin_size[..., None, None])
-             / safe_grid[..., None, None]).astype(cdt)                    # (..., R, P, G)
+             / safe_grid[..., None, None]).astype(cdt, copy=False)        # (..., R, P, G)
     count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
     low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
     if padded:  # padding past a bin's count: no tap, weight 0
         live = xp.arange(gmax, dtype=np.int32) < count[..., None]
         zero = cdt.type(0)
-        low = xp.where(live, low, 0).astype(np.int32)
-        high = xp.where(live, high, 0).astype(np.int32)
+        low = xp.where(live, low, 0).astype(np.int32, copy=False)
+        high = xp.where(live, high, 0).astype(np.int32, copy=False)
         w_low, w_high = xp.where(live, w_low, zero), xp.where(live, w_high, zero)
     # (a fixed sample_ratio gives every bin gmax samples: no padding)
     if start.ndim == 1:
