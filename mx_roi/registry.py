@@ -240,9 +240,16 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
 
         def declare_backward_dependency(self, out_grad, in_data, out_data):
             # Every op declares the same list: MXNet 1.9.1 keeps the dependency list of
-            # the most recently created Custom op process-wide, so ops with different
-            # lists break each other's backward ("unknown storage type: -1").
-            return [out_grad[0], in_data[0], in_data[1]]
+            # the most recently recorded Custom node process-wide and applies it to the
+            # backward of every Custom node, so ops with different lists break each
+            # other's backward ("unknown storage type: -1").  The output is on the list
+            # though no backward reads it: a graph node (sym, hybridized Gluon, the cached
+            # imperative call) is handed only its declared arrays, and a recorded
+            # imperative call leaves the list in a numbering where index 3 is the
+            # output (mxpatch._set_backward_dependency); with the output declared every
+            # index of every numbering is an array the node has.  (It costs nothing: the
+            # output guard and the next layer keep the output until the backward anyway.)
+            return [out_grad[0], in_data[0], in_data[1], out_data[0]]
 
         @recording
         def create_operator(self, ctx, in_shapes, in_dtypes):
