@@ -31,7 +31,9 @@ _IDLE: List[np.ndarray] = []  # raw uint8 buffers, most recently returned last
 def empty(shape, dtype) -> np.ndarray:
     """An uninitialised C-contiguous NumPy array, from a kept buffer when large."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = dtype.itemsize
+    for d in shape:  # (np.prod costs more than a small call's kernel argument binding)
+        nbytes *= int(d)
     if nbytes < MIN_BYTES:
         return np.empty(shape, dtype)
     raw = None

@@ -220,13 +220,16 @@ class Launch:
                                              + ", ".join(missing))
         ordered = []
         xp = self.xp
-        for p, name, const_pointer, pointer, dtype in plan.params:
+        for p, name, kind, dtype in plan.params:
             v = values[name]
-            if const_pointer:
+            if kind is _CONST:
                 v = xp.ascontiguousarray(v, dtype=dtype)
-            elif not pointer and isinstance(v, _NUMBERS) and not isinstance(v, bool) \
-                    and not (isinstance(v, np.generic) and v.dtype == dtype):
-                v = _scalar(v, p)
+            elif kind is _SCALAR:
+                if type(v) is int and dtype is _INT32 and -_I32 <= v < _I32:
+                    v = _np_int32(v)  # the common case (sizes, flags), no checks to run
+                elif isinstance(v, _NUMBERS) and not isinstance(v, bool) \
+                        and not (isinstance(v, np.generic) and v.dtype == dtype):
+                    v = _scalar(v, p)
             ordered.append(v)
         return tuple(ordered)
 
@@ -300,25 +303,40 @@ class Launch:
 _NUMBERS = (int, float, np.integer, np.floating)
 
 
-class _BindPlan:
-    """What :meth:`Launch.bind` needs of a signature, derived once per signature."""
+_CONST, _POINTER, _SCALAR = "const pointer", "pointer", "scalar"
+_INT32 = np.dtype(np.int32)
+_I32 = 2 ** 31
+_np_int32 = np.int32
 
-    __slots__ = ("where", "names", "params")
+
+class _BindPlan:
+    """What :meth:`Launch.bind` needs of a signature, derived once per signature:
+    per parameter ``(param, name, kind, dtype)``, kind one of ``_CONST`` (read-only
+    array), ``_POINTER`` (written array), ``_SCALAR``."""
+
+    __slots__ = ("sig", "where", "names", "params")
 
     def __init__(self, sig):
+        self.sig = sig
         self.where = S.expression(sig.kernel, sig.template)
         self.names = frozenset(p.name for p in sig.params)
-        self.params = tuple((p, p.name, p.pointer and p.decl.startswith("const "),
-                             p.pointer, p.dtype) for p in sig.params)
+        self.params = tuple(
+            (p, p.name,
+             (_CONST if p.decl.startswith("const ") else _POINTER) if p.pointer else _SCALAR,
+             _INT32 if p.dtype == _INT32 else p.dtype)
+            for p in sig.params)
 
 
 _BIND_PLANS = {}
 
 
 def _bind_plan(sig) -> _BindPlan:
-    plan = _BIND_PLANS.get(sig)
-    if plan is None:
-        plan = _BIND_PLANS[sig] = _BindPlan(sig)
+    """The plan of ``sig``, found by identity: signatures are made once per kernel
+    instantiation (:func:`mx_roi.cuda.source.instantiate`), and hashing one (a tuple of
+    parameter records) cost more than the rest of a small launch's binding."""
+    plan = _BIND_PLANS.get(id(sig))
+    if plan is None or plan.sig is not sig:
+        plan = _BIND_PLANS[id(sig)] = _BindPlan(sig)
     return plan
 
 
@@ -381,7 +399,7 @@ class CudaBackend:
     def _write(self, nd, req, value):
         ndio.write(self.kind, nd, req, value)
 
-    def _target(self, nd, req, grad=False):
+    def _target(self, nd, req, grad=False, size=None):
         """The memory the kernels write ``nd``'s result into, else None:
 
         * ``native``: MXNet's memory (NumPy view), req write/inplace;
@@ -390,7 +408,8 @@ class CudaBackend:
         * ``emulated-cuda``: for the input gradient, a host copy standing in for MXNet's
           GPU memory, written back whole (so the emulation adds exactly as a GPU does).
         """
-        if req not in ("write", "inplace", "add") or nd.size == 0:
+        if req not in ("write", "inplace", "add") or \
+                (nd.size if size is None else size) == 0:  # size: nd's, when known
             return None
         if req == "add" and not (grad and self.kind is not Kind.NATIVE):
             return None
@@ -457,7 +476,8 @@ class CudaBackend:
             return None
         geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
         launch = self._launch(op, data.dtype, data_nd)
-        launch.out_target = self._target(out_nd, req)
+        launch.out_target = self._target(out_nd, req, size=_size(op.out_shape(data.shape,
+                                                                          rois.shape)))
         launch.keep = bool(keep)
         out, saved = op.forward_cuda(launch, geo, data)
         if out is not launch.out_target:
@@ -483,7 +503,7 @@ class CudaBackend:
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
         op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
-        if rois.shape[0] == 0 or in_grad_nd.size == 0:
+        if rois.shape[0] == 0 or _size(shape) == 0:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
@@ -495,7 +515,7 @@ class CudaBackend:
         launch.geo = geo
         if saved is None and op.backward_needs_data:
             _, saved = op.forward_cuda(launch, geo, self._read(data_nd))
-        target = self._target(in_grad_nd, req, grad=True)
+        target = self._target(in_grad_nd, req, grad=True, size=_size(shape))
         launch.grad_target, launch.grad_req = target, req
         value = op.backward_cuda(launch, geo, grad, shape, saved)
         self._store_grad(in_grad_nd, req, value, target)
@@ -512,6 +532,13 @@ def _trim_pool(cupy):
     pool = cupy.get_default_memory_pool()
     if pool.total_bytes() - pool.used_bytes() > POOL_KEEP_BYTES:
         pool.free_all_blocks()
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _check_plane(op, shape):
