@@ -173,6 +173,60 @@ __global__ void roi_align_backward_avg(
 // interpolation, even one of weight 0 -- never wins; a point outside the map is 0); a bin
 // without samples (or a roi with a negative batch index) gives 0 and argmax -1, a bin
 // whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1 (stored: I's maximum).
+#ifdef MX_ROI_HOST_NATIVE
+// Native host build of the max forward: the thread's channel block channels-last, each
+// sample's value computed for 16 channels at a time (mx_roi::InterpLanes: per lane
+// sample_value's operations in its order) and scanned by mx_roi::MaxLanes (strict '>',
+// first maximum wins, NaN never) -- per lane the generic kernel's result and argmax.
+template <typename T, typename A, typename I>
+void roi_align_forward_max_native(const T* data, const int* batch, const int* y_count,
+                                  const int* y_low, const int* y_high, const A* y_wl,
+                                  const A* y_wh, const int* x_count, const int* x_low,
+                                  const int* x_high, const A* x_wl, const A* x_wh, int C, int H,
+                                  int W, int P, int Q, int Gy, int Gx, T* out, I* argmax,
+                                  int store_argmax, long long n) {
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+  const long long plane_out = walk.plane_out;
+  const int ncp = walk.ncp;
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                           const A* img, T* o) {
+    I* a = store_argmax ? argmax + (o - out) : nullptr;  // same (R, C, P, Q) layout
+    const int ny = img ? y_count[r * P + p] : 0, nx = img ? x_count[r * Q + q] : 0;
+    if (ny <= 0 || nx <= 0) {  // a skipped roi or a bin without samples: 0, no winner
+      for (int c = 0; c < lanes; ++c) {
+        o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+        if (a) a[c * plane_out] = mx_roi::index_store<I>(-1);
+      }
+      return;
+    }
+    const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+    mx_roi::MaxLanes<A> m;
+    m.init();
+    A v[16];
+    for (int iy = 0; iy < ny; ++iy) {
+      for (int ix = 0; ix < nx; ++ix) {
+        const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                      y_wh, x_low, x_high, x_wl, x_wh);
+        if (s.outside) {  // a point outside the map is 0 (its weight-0 taps are not read)
+          for (int c = 0; c < 16; ++c) v[c] = (A)0;
+        } else {
+          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+          mx_roi::InterpLanes<A>::run(v, row_l + (size_t)s.xl * ncp,
+                                      row_l + (size_t)s.xh * ncp, row_h + (size_t)s.xl * ncp,
+                                      row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3, s.w4);
+        }
+        m.step(v, iy * Gx + ix);
+      }
+    }
+    for (int c = 0; c < lanes; ++c) {
+      o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+      if (a) a[c * plane_out] = m.template index<I>(c);
+    }
+  });
+}
+#endif
+
 template <typename T, typename A, typename I>
 __global__ void roi_align_forward_max(
     const T* __restrict__ data, const int* __restrict__ batch, const int* __restrict__ y_count,
@@ -181,6 +235,12 @@ __global__ void roi_align_forward_max(
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     int C, int H, int W, int P, int Q, int Gy, int Gx, T* __restrict__ out,
     I* __restrict__ argmax, int store_argmax, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  roi_align_forward_max_native<T, A, I>(data, batch, y_count, y_low, y_high, y_wl, y_wh,
+                                        x_count, x_low, x_high, x_wl, x_wh, C, H, W, P, Q, Gy,
+                                        Gx, out, argmax, store_argmax, n);
+  return;
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
     A best = 0;

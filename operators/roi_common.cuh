@@ -514,6 +514,32 @@ struct SumLanes<float> {
   float value(int c) const { return sum[c / 4][c % 4]; }
 };
 
+// v[c] = (w1*v1[c] + w2*v2[c]) + w3*v3[c] + w4*v4[c] for 16 lanes: sample_value per lane,
+// its operations in its order.  float: four 4-lane vectors.
+template <typename A>
+struct InterpLanes {
+  static void run(A* v, const A* v1, const A* v2, const A* v3, const A* v4, A w1, A w2, A w3,
+                  A w4) {
+    for (int c = 0; c < 16; ++c) v[c] = (w1 * v1[c] + w2 * v2[c]) + w3 * v3[c] + w4 * v4[c];
+  }
+};
+
+template <>
+struct InterpLanes<float> {
+  static void run(float* v, const float* v1, const float* v2, const float* v3, const float* v4,
+                  float w1, float w2, float w3, float w4) {
+    for (int i = 0; i < 4; ++i) {
+      v4f a, b, c, d;
+      memcpy(&a, v1 + 4 * i, sizeof a);
+      memcpy(&b, v2 + 4 * i, sizeof b);
+      memcpy(&c, v3 + 4 * i, sizeof c);
+      memcpy(&d, v4 + 4 * i, sizeof d);
+      const v4f r = (w1 * a + w2 * b) + w3 * c + w4 * d;
+      memcpy(v + 4 * i, &r, sizeof r);
+    }
+  }
+};
+
 // dst[c] += g[c] * w for LANES channels (a gradient scattered to one tap: the product,
 // then the sum, as grad_add(dst, g * w)).  float: four 4-lane vectors.
 template <typename A>
