@@ -93,8 +93,9 @@ CASES = [
     ("align-16x16-uint16", "ROIAlign", dict(pooled_size=(2, 3), spatial_scale=1.0,
                                             sample_ratio=16, aligned=True, pool_mode="max"),
      (2, 3, 20, 20), U16),
-    ("align-256x256-uint32", "ROIAlign", dict(pooled_size=(1, 1), spatial_scale=1.0,
-                                              sample_ratio=256, pool_mode="max"),
+    # (also the native backward's division path: more than 2^16 sample points per bin)
+    ("align-257x257-uint32", "ROIAlign", dict(pooled_size=(1, 1), spatial_scale=1.0,
+                                              sample_ratio=257, pool_mode="max"),
      (1, 2, 12, 12), U32),
 ]
 
