@@ -142,6 +142,41 @@ def identical(actual, expected, what="", bits=True):
 
 
 # ------------------------------------------------------------ 1. threads and NumPy
+@pytest.mark.parametrize("channels", (40, 70))
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[3], CASES[5], CASES[6]],
+                         ids=_ids([CASES[0], CASES[3], CASES[5], CASES[6]]))
+def test_sixteen_channel_blocks_any_thread_count(name, params, channels, monkeypatch):
+    """With at least 16 channels per thread a launch splits the channels into whole
+    16-channel units (the lanes kernels' width; the last unit partial): forward and
+    gradient bit-identical for every thread count, and to the serial emulation where
+    the native kernel keeps its summation order (not the position-sensitive backward:
+    there, close to it)."""
+    op = make_op(name, params)
+    rng = np.random.RandomState(channels)
+    if hasattr(op.param, "output_dim"):  # position-sensitive: output_dim * G * G inputs
+        op = make_op(name, dict(params, output_dim=channels))
+        c_in = op.param.in_channels
+    else:
+        c_in = channels
+    data = rng.standard_normal((2, c_in, 9, 10)).astype(np.float32)
+    rois = np.array([[0, 1, 2, 15, 14], [1, 0, 0, 19, 17], [0, 6, 3, 9, 12],
+                     [1, 3.5, 2.2, 11.7, 16.1], [-1, 0, 0, 5, 5]], np.float32)
+    grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+    out_e, g_e = run(EMU, op, data, rois, grad)
+    out_1, g_1 = run(NATIVE, op, data, rois, grad)
+    identical(out_1, out_e, f"{name} C={channels}: forward, native vs emulated")
+    if hasattr(op.param, "output_dim"):
+        close(g_1, g_e, np.float32, f"{name} C={channels}: data grad, native vs emulated")
+    else:
+        identical(g_1, g_e, f"{name} C={channels}: data grad, native vs emulated")
+    for t in (2, 3, 5):
+        monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+        out, g = run(NATIVE, op, data, rois, grad)
+        identical(out, out_1, f"{name} C={channels}: forward, {t} threads vs 1")
+        identical(g, g_1, f"{name} C={channels}: data grad, {t} threads vs 1")
+
+
 @pytest.mark.parametrize("dtype", (np.float32, np.float64), ids=("float32", "float64"))
 @pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
 def test_thread_counts_bit_identical_and_match_numpy(name, params, dtype, monkeypatch):
