@@ -18,8 +18,8 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m example_rcnn.demo
 
-# Full suite on the default CPU kernels (native for ROIPooling, the PS ops and max
-# ROIAlign; NumPy for ROIAlign), then the op suite again on each other CPU backend.
+# Full suite on the default CPU kernels (native for every op), then the op suite again
+# on each other CPU backend.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 	MX_ROI_BACKEND=numpy $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/ops

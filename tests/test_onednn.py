@@ -303,10 +303,16 @@ def real_rois(rng):
     return rois
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ["nd-plain"])
 @pytest.mark.parametrize("op_type", list(REAL))
-def test_roi_ops_between_convs_are_safe(op_type, mode):
+def test_roi_ops_between_convs_are_safe(op_type, mode, monkeypatch):
+    """nd: small outputs, the cached graph with its slice_axis output guard;
+    nd-plain: the same calls forced onto mx.nd.Custom and the slice view (the path of
+    outputs above mxpatch.CACHED_GUARD_MAX_BYTES)."""
     mx_roi = pytest.importorskip("mx_roi")
+    if mode == "nd-plain":
+        monkeypatch.setattr(mx_roi.mxpatch, "CACHED_GUARD_MAX_BYTES", 0)
+        mode = "nd"
     nd_mod = getattr(mx_roi, "nd", None)
     sym_mod = getattr(mx_roi, "sym", None)
     if nd_mod is None or sym_mod is None or not hasattr(nd_mod, op_type):
