@@ -266,6 +266,85 @@ __global__ void roi_align_forward_max(
   }
 }
 
+#ifdef MX_ROI_HOST_NATIVE
+// Native host build of the max backward (float accumulation, O = A): like the average
+// backward, the thread's channel block accumulated channels-last roi by roi, 16 channels
+// per pass (each lane's winner names its own four taps: scalar adds into cells a pass
+// keeps in L1, instead of into 16 gradient planes), then added to the gradient planes.
+// Per channel the generic loop's contributions g*w (all four taps, weight 0 included) in
+// its order (roi, bin) onto a zero start: the same bits.
+template <typename T, typename A, typename O, typename I>
+struct MaxBackwardLanes {
+  template <typename... Args>
+  static bool run(Args...) { return false; }
+};
+
+template <typename T, typename A, typename I>
+struct MaxBackwardLanes<T, A, A, I> {
+  static bool run(const T* grad, const int* batch, const int* y_low, const int* y_high,
+                  const A* y_wl, const A* y_wh, const int* x_low, const int* x_high,
+                  const A* x_wl, const A* x_wh, const I* argmax, int C, int H, int W, int P,
+                  int Q, int Gy, int Gx, A* bottom, long long n) {
+    const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+    const int ncp = mx_roi::padded_lanes(nc);
+    const long long plane_out = (long long)P * Q, HW = (long long)H * W;
+    const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
+    const long long K = (long long)Gy * Gx;
+    if (K > (1 << 16)) return false;  // the generic loop divides instead
+    if (R <= 0 || nc <= 0) return true;
+    int images = 0;  // images any roi writes (batch indices are validated: < N)
+    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+    static thread_local std::vector<A> cells;
+    static thread_local std::vector<int> decode;  // k -> (k / Gx, k % Gx)
+    cells.assign((size_t)images * HW * ncp, (A)0);
+    decode.resize(2 * K);
+    for (long long k = 0; k < K; ++k) {
+      decode[2 * k] = (int)(k / Gx);
+      decode[2 * k + 1] = (int)(k % Gx);
+    }
+    // (plain pointers: a thread_local read in the loop costs a call per access)
+    A* const cells_at = cells.data();
+    const int* const kd = decode.data();
+    for (long long r = 0; r < R; ++r) {
+      if (batch[r] < 0) continue;
+      A* img = cells_at + (size_t)batch[r] * HW * ncp;
+      for (int cc = 0; cc < ncp; cc += L) {
+        const int lanes = nc - cc < L ? nc - cc : L;
+        const long long o0 = (r * C + c0 + cc) * plane_out;
+        for (int p = 0; p < P; ++p) {
+          for (int q = 0; q < Q; ++q) {
+            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+            const long long o = o0 + p * Q + q;
+            for (int c = 0; c < lanes; ++c) {
+              const int a = mx_roi::index_load(argmax[o + c * plane_out]);
+              if (a < 0) continue;
+              const A g = (A)mx_roi::Traits<T>::load(grad[o + c * plane_out]);
+              const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1],
+                                                            y_low, y_high, y_wl, y_wh, x_low,
+                                                            x_high, x_wl, x_wh);
+              A* row_l = img + (size_t)s.yl * W * ncp + cc + c;
+              A* row_h = img + (size_t)s.yh * W * ncp + cc + c;
+              row_l[(size_t)s.xl * ncp] += g * s.w1;
+              row_l[(size_t)s.xh * ncp] += g * s.w2;
+              row_h[(size_t)s.xl * ncp] += g * s.w3;
+              row_h[(size_t)s.xh * ncp] += g * s.w4;
+            }
+          }
+        }
+      }
+    }
+    for (int b = 0; b < images; ++b) {
+      const A* img = cells_at + (size_t)b * HW * ncp;
+      for (int c = 0; c < nc; ++c) {
+        A* plane = bottom + mx_roi::plane_offset(b, c0 + c, C, H, W);
+        for (long long k = 0; k < HW; ++k) plane[k] += img[k * ncp + c];
+      }
+    }
+    return true;
+  }
+};
+#endif
+
 // The whole gradient of a bin goes to the four taps of its winning sample.
 template <typename T, typename A, typename O, typename I>
 __global__ void roi_align_backward_max(
@@ -275,6 +354,9 @@ __global__ void roi_align_backward_max(
     const A* __restrict__ x_wh, const I* __restrict__ argmax, int C, int H, int W, int P,
     int Q, int Gy, int Gx, O* __restrict__ bottom, double scale, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
+  if (MaxBackwardLanes<T, A, O, I>::run(grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high,
+                                        x_wl, x_wh, argmax, C, H, W, P, Q, Gy, Gx, bottom, n))
+    return;
   // the winner's (iy, ix) from a table instead of a division per item (the division
   // was most of a small call's backward); grids of more than 2^16 points divide
   static thread_local std::vector<int> decode;

@@ -801,3 +801,44 @@ def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
             np.testing.assert_array_equal(out, results[0][0])
             np.testing.assert_array_equal(grad, results[0][1])
         assert not np.isnan(results[0][1]).all() and (results[0][1] != 7.0).any()
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_roi_align_max_lanes_match_the_emulation(dtype, monkeypatch):
+    """The native max ROIAlign forward (16 channels per sample) and backward (each lane's
+    winner to its four taps, accumulated channels-last) are bit for bit the emulated GPU
+    kernels: NaN / -inf taps, +-inf and NaN out-grads (a zero-weight tap of a winning
+    sample -- outside the map, snapped at the border -- gets inf * 0 = NaN, as on a GPU),
+    channel counts around the lane width, skipped rois, adaptive and fixed sampling, 1
+    and 3 threads.  req add: native adds its zero-start sums to the buffer, the emulation
+    adds each contribution to it in turn: equal to rounding."""
+    rng = np.random.RandomState(8)
+    for trial in range(8):
+        x, rois = _lane_case(rng, (1, 15, 16, 17, 33, 5, 16, 40)[trial], ties=bool(trial % 2))
+        kw = dict(pooled_size=(rng.randint(1, 6), rng.randint(1, 6)), spatial_scale=0.0625,
+                  sample_ratio=int(rng.choice([-1, 1, 2])), aligned=bool(trial % 3 == 1),
+                  pool_mode="max")
+        og = rng.randn(rois.shape[0], x.shape[1], *kw["pooled_size"])
+        og[rng.rand(*og.shape) < 0.05] = np.inf
+        og[rng.rand(*og.shape) < 0.03] = -np.inf
+        og[rng.rand(*og.shape) < 0.02] = np.nan
+        req = "add" if trial % 3 == 2 else "write"
+        results = []
+        for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
+            monkeypatch.setenv("MX_ROI_BACKEND", backend)
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
+            d = mx.nd.array(x, dtype=dtype)
+            d.attach_grad(grad_req=req)
+            d.grad[:] = 7.0
+            with autograd.record():
+                o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIAlign", **kw)
+            o.backward(mx.nd.array(og, dtype=dtype))
+            results.append((o.asnumpy(), d.grad.asnumpy()))
+        for out, grad in results[1:]:
+            np.testing.assert_array_equal(out, results[0][0])
+            if req == "write":
+                np.testing.assert_array_equal(grad, results[0][1])
+            else:
+                np.testing.assert_allclose(grad, results[0][1], rtol=2e-3 if dtype ==
+                                           "float16" else 1e-6, atol=1e-6)
+        np.testing.assert_array_equal(results[2][1], results[1][1])  # 3 threads vs 1
+        assert (results[0][1] != 7.0).any()
