@@ -473,47 +473,6 @@ struct MaxLanes<float> {
   I index(int c) const { return index_store<I>(arg[c / 4][c % 4]); }
 };
 
-// The running sum of a bin's bilinear samples for LANES channels: per lane
-// (w1*v1 + w2*v2) + w3*v3 + w4*v4 added in sample order, then / divisor (sample_value,
-// align_avg_forward_item).  float: four 4-lane vectors; other types: scalar lanes.
-template <typename A>
-struct SumLanes {
-  A sum[16];
-  void zero() {
-    for (int c = 0; c < 16; ++c) sum[c] = 0;
-  }
-  void add(const A* v1, const A* v2, const A* v3, const A* v4, A w1, A w2, A w3, A w4) {
-    for (int c = 0; c < 16; ++c) sum[c] += (w1 * v1[c] + w2 * v2[c]) + w3 * v3[c] + w4 * v4[c];
-  }
-  void divide(A d) {
-    for (int c = 0; c < 16; ++c) sum[c] = sum[c] / d;
-  }
-  A value(int c) const { return sum[c]; }
-};
-
-template <>
-struct SumLanes<float> {
-  v4f sum[4];
-  void zero() {
-    for (int i = 0; i < 4; ++i) sum[i] = v4f{};
-  }
-  void add(const float* v1, const float* v2, const float* v3, const float* v4, float w1,
-           float w2, float w3, float w4) {
-    for (int i = 0; i < 4; ++i) {
-      v4f a, b, c, d;
-      memcpy(&a, v1 + 4 * i, sizeof a);
-      memcpy(&b, v2 + 4 * i, sizeof b);
-      memcpy(&c, v3 + 4 * i, sizeof c);
-      memcpy(&d, v4 + 4 * i, sizeof d);
-      sum[i] += (w1 * a + w2 * b) + w3 * c + w4 * d;
-    }
-  }
-  void divide(float d) {
-    for (int i = 0; i < 4; ++i) sum[i] = sum[i] / d;
-  }
-  float value(int c) const { return sum[c / 4][c % 4]; }
-};
-
 // v[c] = (w1*v1[c] + w2*v2[c]) + w3*v3[c] + w4*v4[c] for 16 lanes: sample_value per lane,
 // its operations in its order.  float: four 4-lane vectors.
 template <typename A>
@@ -538,6 +497,48 @@ struct InterpLanes<float> {
       memcpy(v + 4 * i, &r, sizeof r);
     }
   }
+};
+
+// The running sum of a bin's bilinear samples for LANES channels: per lane
+// (w1*v1 + w2*v2) + w3*v3 + w4*v4 added in sample order, then / divisor (sample_value,
+// align_avg_forward_item).  float: four 4-lane vectors; other types: scalar lanes.
+template <typename A>
+struct SumLanes {
+  A sum[16];
+  void zero() {
+    for (int c = 0; c < 16; ++c) sum[c] = 0;
+  }
+  void add(const A* v1, const A* v2, const A* v3, const A* v4, A w1, A w2, A w3, A w4) {
+    A v[16];
+    InterpLanes<A>::run(v, v1, v2, v3, v4, w1, w2, w3, w4);
+    for (int c = 0; c < 16; ++c) sum[c] += v[c];
+  }
+  void divide(A d) {
+    for (int c = 0; c < 16; ++c) sum[c] = sum[c] / d;
+  }
+  A value(int c) const { return sum[c]; }
+};
+
+template <>
+struct SumLanes<float> {
+  v4f sum[4];
+  void zero() {
+    for (int i = 0; i < 4; ++i) sum[i] = v4f{};
+  }
+  void add(const float* v1, const float* v2, const float* v3, const float* v4, float w1,
+           float w2, float w3, float w4) {
+    float v[16];
+    InterpLanes<float>::run(v, v1, v2, v3, v4, w1, w2, w3, w4);
+    for (int i = 0; i < 4; ++i) {
+      v4f x;
+      memcpy(&x, v + 4 * i, sizeof x);
+      sum[i] += x;
+    }
+  }
+  void divide(float d) {
+    for (int i = 0; i < 4; ++i) sum[i] = sum[i] / d;
+  }
+  float value(int c) const { return sum[c / 4][c % 4]; }
 };
 
 // dst[c] += g[c] * w for LANES channels (a gradient scattered to one tap: the product,

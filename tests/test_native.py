@@ -771,6 +771,24 @@ def test_roi_align_forward_is_mxnets_to_the_last_bit(aligned, sample_ratio, monk
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5)
 
 
+def _lanes_vs_emulation(x, rois, kw, og, req, dtype, monkeypatch):
+    """(output, data gradient) of a recorded ROIAlign call on the emulation (1 thread)
+    and native (1 and 3 threads); the gradient buffer starts at 7 (req write: garbage;
+    add: values to keep)."""
+    results = []
+    for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
+        monkeypatch.setenv("MX_ROI_BACKEND", backend)
+        monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
+        d = mx.nd.array(x, dtype=dtype)
+        d.attach_grad(grad_req=req)
+        d.grad[:] = 7.0
+        with autograd.record():
+            o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIAlign", **kw)
+        o.backward(mx.nd.array(og, dtype=dtype))
+        results.append((o.asnumpy(), d.grad.asnumpy()))
+    return results
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
     """The native ROIAlign average forward (16 channels per pass) and backward (16
@@ -786,17 +804,7 @@ def test_roi_align_average_lanes_match_the_emulation(dtype, monkeypatch):
         og = rng.randn(rois.shape[0], x.shape[1], *kw["pooled_size"])
         og[rng.rand(*og.shape) < 0.02] = np.nan
         req = "add" if trial % 3 == 2 else "write"
-        results = []
-        for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
-            monkeypatch.setenv("MX_ROI_BACKEND", backend)
-            monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
-            d = mx.nd.array(x, dtype=dtype)
-            d.attach_grad(grad_req=req)
-            d.grad[:] = 7.0
-            with autograd.record():
-                o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIAlign", **kw)
-            o.backward(mx.nd.array(og, dtype=dtype))
-            results.append((o.asnumpy(), d.grad.asnumpy()))
+        results = _lanes_vs_emulation(x, rois, kw, og, req, dtype, monkeypatch)
         for out, grad in results[1:]:
             np.testing.assert_array_equal(out, results[0][0])
             np.testing.assert_array_equal(grad, results[0][1])
@@ -822,17 +830,7 @@ def test_roi_align_max_lanes_match_the_emulation(dtype, monkeypatch):
         og[rng.rand(*og.shape) < 0.03] = -np.inf
         og[rng.rand(*og.shape) < 0.02] = np.nan
         req = "add" if trial % 3 == 2 else "write"
-        results = []
-        for backend, threads in (("emulated-cuda", "1"), ("native", "1"), ("native", "3")):
-            monkeypatch.setenv("MX_ROI_BACKEND", backend)
-            monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
-            d = mx.nd.array(x, dtype=dtype)
-            d.attach_grad(grad_req=req)
-            d.grad[:] = 7.0
-            with autograd.record():
-                o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIAlign", **kw)
-            o.backward(mx.nd.array(og, dtype=dtype))
-            results.append((o.asnumpy(), d.grad.asnumpy()))
+        results = _lanes_vs_emulation(x, rois, kw, og, req, dtype, monkeypatch)
         for out, grad in results[1:]:
             np.testing.assert_array_equal(out, results[0][0])
             if req == "write":
