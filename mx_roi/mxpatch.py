@@ -41,10 +41,10 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     """``F.Custom(*inputs, op_type=op_type, **kwargs)`` protected against the oneDNN
     hazard (inputs and outputs guarded, :mod:`mx_roi.onednn`).  ``F`` is ``mx.nd`` or
     ``mx.sym`` (inside ``hybrid_forward`` the ``F`` you are given); ``kwargs`` may include
-    ``name``.  With oneDNN off this is exactly ``F.Custom(...)``.
+    ``name``.  With oneDNN off no guard is added.
 
     An imperative call of one of our ops usually runs as a cached graph
-    (:func:`_cached_call`), which is the same node at a lower per-call cost."""
+    (:func:`_cached_call`): the same ``Custom`` node at a lower per-call cost."""
     from .onednn import guard_inputs, guard_output
     name = kwargs.get("name")
     guarded = guard_inputs(F, *inputs, name=name)
@@ -78,7 +78,7 @@ def _cached_call(op_type, inputs, kwargs):
     (parameter parsing, argument lists, shape and type inference, each a callback), and
     the imperative output guard then runs more Python after the op's callback has
     started, competing with it for the GIL; a ``CachedOp`` builds the graph once and
-    runs a call from C++ (measured on a small call, fwd+bwd: about 0.6 ms less).
+    runs a call from C++ (measured on a small call, fwd+bwd: about 0.3-0.6 ms less).
     MXNet 1.9.1 keeps the backward dependency list of the last recorded ``Custom`` node
     process-wide (``mxnet.operator._registry.result_deps``); a recorded imperative call
     sets it, so this path sets it to our op's list too."""
@@ -140,7 +140,7 @@ _DEPS = {}
 def _set_backward_dependency(op_cls) -> None:
     """Set MXNet's process-wide backward dependency set (which the backward callback of
     *any* ``Custom`` node reads) to the op's declared list, in the numbering of the
-    backward callback's arrays: output gradients, inputs, outputs (ours: {0, 1, 2}).
+    backward callback's arrays: output gradients, inputs, outputs (ours: {0, 1, 2, 3}).
     A recorded ``mx.nd.Custom`` call sets it when it records its node; a cached graph
     declared it only when it was built, and another op may have replaced it since."""
     deps = _DEPS.get(op_cls.name)
