@@ -19,6 +19,7 @@ the Gluon blocks, and users calling ``Custom`` by hand).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Any, Sequence
 
@@ -97,10 +98,7 @@ def _cached_call(op_type, inputs, kwargs):
             shape = op.out_shape(inputs[0].shape, inputs[1].shape)
         except Exception:  # noqa: BLE001 - the plain path reports it
             return None
-        size = 1
-        for d in shape:
-            size *= int(d)
-        if size * np.dtype(inputs[0].dtype).itemsize > CACHED_GUARD_MAX_BYTES:
+        if math.prod(shape) * np.dtype(inputs[0].dtype).itemsize > CACHED_GUARD_MAX_BYTES:
             return None
     cop = _cached_op(op_cls, params, guard)
     if cop is None:

@@ -11,6 +11,7 @@ garbage collected (nobody can still see it then).  CuPy arrays have CuPy's pool.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import weakref
 from typing import List
@@ -31,9 +32,8 @@ _IDLE: List[np.ndarray] = []  # raw uint8 buffers, most recently returned last
 def empty(shape, dtype) -> np.ndarray:
     """An uninitialised C-contiguous NumPy array, from a kept buffer when large."""
     dtype = np.dtype(dtype)
-    nbytes = dtype.itemsize
-    for d in shape:  # (np.prod costs more than a small call's kernel argument binding)
-        nbytes *= int(d)
+    # (math.prod: np.prod costs more than a small call's kernel argument binding)
+    nbytes = dtype.itemsize * math.prod(int(d) for d in shape)
     if nbytes < MIN_BYTES:
         return np.empty(shape, dtype)
     raw = None

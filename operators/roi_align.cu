@@ -357,19 +357,7 @@ __global__ void roi_align_backward_max(
   if (MaxBackwardLanes<T, A, O, I>::run(grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high,
                                         x_wl, x_wh, argmax, C, H, W, P, Q, Gy, Gx, bottom, n))
     return;
-  // the winner's (iy, ix) from a table instead of a division per item (the division
-  // was most of a small call's backward); grids of more than 2^16 points divide
-  static thread_local std::vector<int> decode;
-  const long long K = (long long)Gy * Gx;
-  const int* kd = nullptr;
-  if (K <= (1 << 16)) {
-    decode.resize(2 * K);
-    for (long long k = 0; k < K; ++k) {
-      decode[2 * k] = (int)(k / Gx);
-      decode[2 * k + 1] = (int)(k % Gx);
-    }
-    kd = decode.data();  // (a plain pointer: a thread_local read per item costs a call)
-  }
+  // (the lanes walk declines bins of more than 2^16 points: the loop below divides)
 #endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int a = mx_roi::index_load(argmax[it.i]);
@@ -378,14 +366,9 @@ __global__ void roi_align_backward_max(
     const A g = (A)mx_roi::Traits<T>::load(grad[it.i]);
     const long long yb = (it.r * P + it.p) * (long long)Gy;
     const long long xb = (it.r * Q + it.q) * (long long)Gx;
-#ifdef MX_ROI_HOST_NATIVE
-    const int iy = kd ? kd[2 * a] : a / Gx, ix = kd ? kd[2 * a + 1] : a % Gx;
-#else
-    const int iy = a / Gx, ix = a % Gx;
-#endif
     mx_roi::sample_backward(bottom + mx_roi::plane_offset(b, it.c, C, H, W), W,
-                            mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh,
-                                              x_low, x_high, x_wl, x_wh),
+                            mx_roi::sample_at(yb, xb, a / Gx, a % Gx, y_low, y_high, y_wl,
+                                              y_wh, x_low, x_high, x_wl, x_wh),
                             g, scale);
   }
 }

@@ -476,7 +476,7 @@ class CudaBackend:
             return None
         geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
         launch = self._launch(op, data.dtype, data_nd)
-        launch.out_target = self._target(out_nd, req, size=_size(op.out_shape(data.shape,
+        launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
                                                                           rois.shape)))
         launch.keep = bool(keep)
         out, saved = op.forward_cuda(launch, geo, data)
@@ -503,7 +503,7 @@ class CudaBackend:
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
         op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
-        if rois.shape[0] == 0 or _size(shape) == 0:
+        if rois.shape[0] == 0 or math.prod(shape) == 0:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
@@ -515,7 +515,7 @@ class CudaBackend:
         launch.geo = geo
         if saved is None and op.backward_needs_data:
             _, saved = op.forward_cuda(launch, geo, self._read(data_nd))
-        target = self._target(in_grad_nd, req, grad=True, size=_size(shape))
+        target = self._target(in_grad_nd, req, grad=True, size=math.prod(shape))
         launch.grad_target, launch.grad_req = target, req
         value = op.backward_cuda(launch, geo, grad, shape, saved)
         self._store_grad(in_grad_nd, req, value, target)
@@ -532,13 +532,6 @@ def _trim_pool(cupy):
     pool = cupy.get_default_memory_pool()
     if pool.total_bytes() - pool.used_bytes() > POOL_KEEP_BYTES:
         pool.free_all_blocks()
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _check_plane(op, shape):
