@@ -693,6 +693,73 @@ def test_native_helpers_are_kept_and_survive_fork(tmp_path):
     assert lines[-1] == "child 0", res.stdout
 
 
+AFFINITY_CHILD = r"""
+import os, time, numpy as np
+from mx_roi import registry
+from mx_roi.cuda import loader
+from mx_roi.cuda.backend import Launch
+from mx_roi.ndio import Kind
+loader.NATIVE_MIN_ITEMS_PER_THREAD = 1
+os.environ["MX_ROI_NUM_THREADS"] = "2"
+cls = registry.get_op("ROIAlign")
+op = cls(cls.param_cls.from_kwargs(pooled_size="(3, 3)", spatial_scale="1", sample_ratio="2"))
+rng = np.random.default_rng(0)
+data = rng.standard_normal((2, 40, 12, 13)).astype(np.float32)
+rois = np.array([[0, 0, 0, 11, 10], [1, 2, 3, 9, 12], [0, 5, 1, 6, 2]], np.float32)
+geo = op.geometry(rois, 12, 13, np)
+mod = loader.get_module("roi_align.cu", Kind.NATIVE)
+
+def forward():
+    L = Launch(mod, np, np.float32)
+    return op.forward_cuda(L, geo, data)[0].copy()
+
+def helpers():
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "mx_roi helper":
+                found.append(int(tid))
+    return found
+
+cpus = sorted(os.sched_getaffinity(0))
+want = forward()  # starts the helper, with this thread's CPUs
+(helper,) = helpers()
+print("cpus", len(cpus))
+for cpu in cpus[:3]:
+    os.sched_setaffinity(0, {cpu})  # this thread only (Linux: 0 = the calling thread)
+    expect = set(cpus) - {cpu} if len(cpus) > 1 else set(cpus)
+    deadline = time.time() + 10
+    while True:  # the helper may pick a launch up after the caller finished it
+        assert np.array_equal(forward(), want)
+        got = os.sched_getaffinity(helper)
+        if got == expect or time.time() > deadline:
+            break
+        time.sleep(0.01)
+    print("caller on", cpu, "helper kept off", sorted(set(cpus) - got))
+"""
+
+
+def test_native_helper_keeps_off_the_callers_cpu(tmp_path):
+    """A native launch's helper ("mx_roi helper" in /proc) moves off the CPU its caller
+    runs on, within the CPUs it started with: with no idle core Linux would otherwise
+    wake it on the caller's CPU, and the two would share one core (a launch as slow as
+    on one thread).  The caller pinned to each CPU in turn: the helper's affinity is all
+    the others (on a single allowed CPU it stays as it was), results unchanged."""
+    import subprocess
+    import sys
+    env = dict(os.environ, MX_ROI_CACHE=os.environ.get("MX_ROI_CACHE", str(tmp_path)))
+    res = subprocess.run([sys.executable, "-c", AFFINITY_CHILD], capture_output=True,
+                         text=True, timeout=300, env=env,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    n = int(lines[0].split()[1])
+    cpus = sorted(os.sched_getaffinity(0))
+    assert n == len(cpus)
+    expect = [f"caller on {c} helper kept off {[c] if n > 1 else []}" for c in cpus[:3]]
+    assert lines[1:] == expect, res.stdout
+
+
 def _lane_case(rng, channels, ties):
     """(data, rois) for the lanes tests: 1-3 images up to 19x19, NaN and -inf cells (many
     ties when ``ties``), rois inside, across and off the map, some skipped (batch -1)."""
