@@ -640,28 +640,47 @@ def test_inference_forward_stores_no_argmax(backend, name, params, monkeypatch):
 
 
 # ------------------------------------------------ the native launch's helper threads
-POOL_CHILD = r"""
-import os, sys, numpy as np
+def _launch_child(threads, op_name, params, channels, source):
+    """The start of a child process's script: ``forward()`` runs one native forward of
+    ``op_name`` (parameters ``params``, a Python argument list) on a fixed 3-roi problem
+    with ``channels`` channels on ``threads`` threads."""
+    return f"""
+import os, time, numpy as np
 from mx_roi import registry
 from mx_roi.cuda import loader
 from mx_roi.cuda.backend import Launch
 from mx_roi.ndio import Kind
 loader.NATIVE_MIN_ITEMS_PER_THREAD = 1
-os.environ["MX_ROI_NUM_THREADS"] = "3"
-cls = registry.get_op("ROIPooling")
-op = cls(cls.param_cls.from_kwargs(pooled_size="(3, 3)", spatial_scale="1"))
+os.environ["MX_ROI_NUM_THREADS"] = "{threads}"
+cls = registry.get_op("{op_name}")
+op = cls(cls.param_cls.from_kwargs({params}))
 rng = np.random.default_rng(0)
-data = rng.standard_normal((2, 24, 12, 13)).astype(np.float32)
+data = rng.standard_normal((2, {channels}, 12, 13)).astype(np.float32)
 rois = np.array([[0, 0, 0, 11, 10], [1, 2, 3, 9, 12], [0, 5, 1, 6, 2]], np.float32)
 geo = op.geometry(rois, 12, 13, np)
-mod = loader.get_module("roi_pooling.cu", Kind.NATIVE)
-
-def threads():
-    return len(os.listdir("/proc/self/task"))
+mod = loader.get_module("{source}", Kind.NATIVE)
 
 def forward():
     L = Launch(mod, np, np.float32)
     return op.forward_cuda(L, geo, data)[0].copy()
+"""
+
+
+def _run_child(script, tmp_path):
+    """Run ``script`` in a fresh interpreter (the kernel cache shared); its stdout lines."""
+    import subprocess
+    import sys
+    env = dict(os.environ, MX_ROI_CACHE=os.environ.get("MX_ROI_CACHE", str(tmp_path)))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.strip().splitlines()
+
+
+POOL_CHILD = _launch_child(3, "ROIPooling", 'pooled_size="(3, 3)", spatial_scale="1"', 24,
+                           "roi_pooling.cu") + r"""
+def threads():
+    return len(os.listdir("/proc/self/task"))
 
 before = threads()
 want = forward()
@@ -682,37 +701,12 @@ def test_native_helpers_are_kept_and_survive_fork(tmp_path):
     """A multi-threaded native launch starts its helper threads once (later launches
     reuse them: 50 launches, no new thread), and a forked child -- which has none of
     them -- still computes the same result instead of waiting forever."""
-    import subprocess
-    import sys
-    env = dict(os.environ, MX_ROI_CACHE=os.environ.get("MX_ROI_CACHE", str(tmp_path)))
-    res = subprocess.run([sys.executable, "-c", POOL_CHILD], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.strip().splitlines()
-    assert lines[-2] == "helpers 2 0", res.stdout
-    assert lines[-1] == "child 0", res.stdout
+    lines = _run_child(POOL_CHILD, tmp_path)
+    assert lines[-2:] == ["helpers 2 0", "child 0"], lines
 
 
-AFFINITY_CHILD = r"""
-import os, time, numpy as np
-from mx_roi import registry
-from mx_roi.cuda import loader
-from mx_roi.cuda.backend import Launch
-from mx_roi.ndio import Kind
-loader.NATIVE_MIN_ITEMS_PER_THREAD = 1
-os.environ["MX_ROI_NUM_THREADS"] = "2"
-cls = registry.get_op("ROIAlign")
-op = cls(cls.param_cls.from_kwargs(pooled_size="(3, 3)", spatial_scale="1", sample_ratio="2"))
-rng = np.random.default_rng(0)
-data = rng.standard_normal((2, 40, 12, 13)).astype(np.float32)
-rois = np.array([[0, 0, 0, 11, 10], [1, 2, 3, 9, 12], [0, 5, 1, 6, 2]], np.float32)
-geo = op.geometry(rois, 12, 13, np)
-mod = loader.get_module("roi_align.cu", Kind.NATIVE)
-
-def forward():
-    L = Launch(mod, np, np.float32)
-    return op.forward_cuda(L, geo, data)[0].copy()
-
+AFFINITY_CHILD = _launch_child(2, "ROIAlign", 'pooled_size="(3, 3)", spatial_scale="1", '
+                               'sample_ratio="2"', 40, "roi_align.cu") + r"""
 def helpers():
     found = []
     for tid in os.listdir("/proc/self/task"):
@@ -745,19 +739,12 @@ def test_native_helper_keeps_off_the_callers_cpu(tmp_path):
     wake it on the caller's CPU, and the two would share one core (a launch as slow as
     on one thread).  The caller pinned to each CPU in turn: the helper's affinity is all
     the others (on a single allowed CPU it stays as it was), results unchanged."""
-    import subprocess
-    import sys
-    env = dict(os.environ, MX_ROI_CACHE=os.environ.get("MX_ROI_CACHE", str(tmp_path)))
-    res = subprocess.run([sys.executable, "-c", AFFINITY_CHILD], capture_output=True,
-                         text=True, timeout=300, env=env,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.strip().splitlines()
+    lines = _run_child(AFFINITY_CHILD, tmp_path)
     n = int(lines[0].split()[1])
     cpus = sorted(os.sched_getaffinity(0))
     assert n == len(cpus)
     expect = [f"caller on {c} helper kept off {[c] if n > 1 else []}" for c in cpus[:3]]
-    assert lines[1:] == expect, res.stdout
+    assert lines[1:] == expect, lines
 
 
 def _lane_case(rng, channels, ties):
