@@ -90,17 +90,14 @@ struct AvgBackwardLanes<T, A, A> {
                   A* bottom, long long n) {
     const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
     const int ncp = mx_roi::padded_lanes(nc);
-    const long long plane_out = (long long)P * Q, HW = (long long)H * W;
+    const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     if (R <= 0 || nc <= 0) return true;
-    int images = 0;  // images any roi writes (batch indices are validated: < N)
-    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
-    static thread_local std::vector<A> cells;
-    cells.assign((size_t)images * HW * ncp, (A)0);
+    const mx_roi::GradBlock<A> block(batch, R, H, W);
     A g[16];
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
-      A* img = cells.data() + (size_t)batch[r] * HW * ncp;
+      A* img = block.image(batch[r]);
       // a 16-channel pass over all the roi's bins touches the same few cells again and
       // again (they stay in L1); per channel the order is still bin, sample, tap
       for (int cc = 0; cc < ncp; cc += L) {
@@ -132,13 +129,7 @@ struct AvgBackwardLanes<T, A, A> {
         }
       }
     }
-    for (int b = 0; b < images; ++b) {
-      const A* img = cells.data() + (size_t)b * HW * ncp;
-      for (int c = 0; c < nc; ++c) {
-        A* plane = bottom + mx_roi::plane_offset(b, c0 + c, C, H, W);
-        for (long long k = 0; k < HW; ++k) plane[k] += img[k * ncp + c];
-      }
-    }
+    block.add_to(bottom, C, H, W, 1.0);
     return true;
   }
   // dst[c] += g[c] * w for the 16 lanes (no contraction: a product, then a sum)
@@ -173,11 +164,63 @@ __global__ void roi_align_backward_avg(
 // interpolation, even one of weight 0 -- never wins; a point outside the map is 0); a bin
 // without samples (or a roi with a negative batch index) gives 0 and argmax -1, a bin
 // whose samples none beat -FLT_MAX gives -FLT_MAX and argmax -1 (stored: I's maximum).
+// The max scan of the samples of bin (r, p, q) (ny * nx > 0) of a plane: the best value
+// in best (max_init() if nothing beat it) and the winner iy * Gx + ix, or -1.
+template <typename T, typename A>
+__device__ __forceinline__ int align_max_scan(const T* plane, int W, int ny, int nx,
+                                              long long yb, long long xb, int Gx,
+                                              const int* y_low, const int* y_high,
+                                              const A* y_wl, const A* y_wh, const int* x_low,
+                                              const int* x_high, const A* x_wl, const A* x_wh,
+                                              A& best) {
+  best = mx_roi::max_init<A>();
+  int arg = -1;
+  for (int iy = 0; iy < ny; ++iy) {
+    for (int ix = 0; ix < nx; ++ix) {
+      const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh,
+                                                    x_low, x_high, x_wl, x_wh);
+      // a point outside the map is 0 whatever the (weight-0) taps it names hold
+      mx_roi::max_step(s.outside ? (A)0 : mx_roi::sample_value(plane, W, s), best,
+                       iy * Gx + ix, arg);
+    }
+  }
+  return arg;
+}
+
 #ifdef MX_ROI_HOST_NATIVE
-// Native host build of the max forward: the thread's channel block channels-last, each
-// sample's value computed for 16 channels at a time (mx_roi::InterpLanes: per lane
-// sample_value's operations in its order) and scanned by mx_roi::MaxLanes (strict '>',
-// first maximum wins, NaN never) -- per lane the generic kernel's result and argmax.
+// Native: align_max_scan for 16 channels -- lane pass cc of a channels-last image, ncp
+// lanes per cell -- each sample's value for the 16 lanes at once (mx_roi::InterpLanes:
+// per lane sample_value's operations in its order) scanned by m (mx_roi::MaxLanes: strict
+// '>', first maximum wins, NaN never): per lane the generic scan's result and winner.
+template <typename A>
+inline void scan_samples_lanes(mx_roi::MaxLanes<A>& m, const A* img, int cc, int ncp, int W,
+                               int ny, int nx, long long yb, long long xb, int Gx,
+                               const int* y_low, const int* y_high, const A* y_wl,
+                               const A* y_wh, const int* x_low, const int* x_high,
+                               const A* x_wl, const A* x_wh) {
+  m.init();
+  A v[16];
+  for (int iy = 0; iy < ny; ++iy) {
+    for (int ix = 0; ix < nx; ++ix) {
+      const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh,
+                                                    x_low, x_high, x_wl, x_wh);
+      if (s.outside) {  // a point outside the map is 0 (its weight-0 taps are not read)
+        for (int c = 0; c < 16; ++c) v[c] = (A)0;
+      } else {
+        const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+        const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+        mx_roi::InterpLanes<A>::run(v, row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
+                                    row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp,
+                                    s.w1, s.w2, s.w3, s.w4);
+      }
+      m.step(v, iy * Gx + ix);
+    }
+  }
+}
+
+// Native host build of the max forward: the thread's channel block channels-last, every
+// bin scanned for 16 channels at a time (scan_samples_lanes) -- per lane the generic
+// kernel's result and argmax.
 template <typename T, typename A, typename I>
 void roi_align_forward_max_native(const T* data, const int* batch, const int* y_count,
                                   const int* y_low, const int* y_high, const A* y_wl,
@@ -199,26 +242,10 @@ void roi_align_forward_max_native(const T* data, const int* batch, const int* y_
       }
       return;
     }
-    const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
     mx_roi::MaxLanes<A> m;
-    m.init();
-    A v[16];
-    for (int iy = 0; iy < ny; ++iy) {
-      for (int ix = 0; ix < nx; ++ix) {
-        const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                      y_wh, x_low, x_high, x_wl, x_wh);
-        if (s.outside) {  // a point outside the map is 0 (its weight-0 taps are not read)
-          for (int c = 0; c < 16; ++c) v[c] = (A)0;
-        } else {
-          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
-          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
-          mx_roi::InterpLanes<A>::run(v, row_l + (size_t)s.xl * ncp,
-                                      row_l + (size_t)s.xh * ncp, row_h + (size_t)s.xl * ncp,
-                                      row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3, s.w4);
-        }
-        m.step(v, iy * Gx + ix);
-      }
-    }
+    scan_samples_lanes(m, img, cc, ncp, W, ny, nx, (r * P + p) * (long long)Gy,
+                       (r * Q + q) * (long long)Gx, Gx, y_low, y_high, y_wl, y_wh, x_low,
+                       x_high, x_wl, x_wh);
     for (int c = 0; c < lanes; ++c) {
       o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
       if (a) a[c * plane_out] = m.template index<I>(c);
@@ -245,69 +272,58 @@ __global__ void roi_align_forward_max(
     const int b = batch[it.r];
     A best = 0;
     int arg = -1;
-    if (b >= 0) {
-      const T* plane = data + mx_roi::plane_offset(b, it.c, C, H, W);
-      const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
-      const long long yb = (it.r * P + it.p) * (long long)Gy;
-      const long long xb = (it.r * Q + it.q) * (long long)Gx;
-      if (ny > 0 && nx > 0) best = mx_roi::max_init<A>();
-      for (int iy = 0; iy < ny; ++iy) {
-        for (int ix = 0; ix < nx; ++ix) {
-          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                        y_wh, x_low, x_high, x_wl, x_wh);
-          // a point outside the map is 0 whatever the (weight-0) taps it names hold
-          mx_roi::max_step(s.outside ? (A)0 : mx_roi::sample_value(plane, W, s), best,
-                           iy * Gx + ix, arg);
-        }
-      }
-    }
+    const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
+    if (b >= 0 && ny > 0 && nx > 0)
+      arg = align_max_scan(data + mx_roi::plane_offset(b, it.c, C, H, W), W, ny, nx,
+                           (it.r * P + it.p) * (long long)Gy, (it.r * Q + it.q) * (long long)Gx,
+                           Gx, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh, best);
     out[it.i] = mx_roi::Traits<T>::store(best);
     if (store_argmax) argmax[it.i] = mx_roi::index_store<I>(arg);  // 0: inference
   }
 }
 
 #ifdef MX_ROI_HOST_NATIVE
-// Native host build of the max backward (float accumulation, O = A): like the average
+// Native host build of the max backwards (float accumulation, O = A): like the average
 // backward, the thread's channel block accumulated channels-last roi by roi, 16 channels
 // per pass (each lane's winner names its own four taps: scalar adds into cells a pass
 // keeps in L1, instead of into 16 gradient planes), then added to the gradient planes.
 // Per channel the generic loop's contributions g*w (all four taps, weight 0 included) in
-// its order (roi, bin) onto a zero start: the same bits.
-template <typename T, typename A, typename O, typename I>
+// its order (roi, bin) onto a zero start: the same bits.  The winners of a pass's bin come
+// from ``winners(r, cc, lanes, p, q, win)`` (win[c]: iy * Gx + ix, or -1): the kept argmax,
+// or the rescan of the data.
+template <typename T, typename A, typename O>
 struct MaxBackwardLanes {
   template <typename... Args>
   static bool run(Args...) { return false; }
 };
 
-template <typename T, typename A, typename I>
-struct MaxBackwardLanes<T, A, A, I> {
+template <typename T, typename A>
+struct MaxBackwardLanes<T, A, A> {
+  template <typename Winners>
   static bool run(const T* grad, const int* batch, const int* y_low, const int* y_high,
                   const A* y_wl, const A* y_wh, const int* x_low, const int* x_high,
-                  const A* x_wl, const A* x_wh, const I* argmax, int C, int H, int W, int P,
-                  int Q, int Gy, int Gx, A* bottom, long long n) {
+                  const A* x_wl, const A* x_wh, int C, int H, int W, int P, int Q, int Gy,
+                  int Gx, A* bottom, long long n, Winners&& winners) {
     const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
     const int ncp = mx_roi::padded_lanes(nc);
-    const long long plane_out = (long long)P * Q, HW = (long long)H * W;
+    const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     const long long K = (long long)Gy * Gx;
     if (K > (1 << 16)) return false;  // the generic loop divides instead
     if (R <= 0 || nc <= 0) return true;
-    int images = 0;  // images any roi writes (batch indices are validated: < N)
-    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
-    static thread_local std::vector<A> cells;
+    const mx_roi::GradBlock<A> block(batch, R, H, W);
     static thread_local std::vector<int> decode;  // k -> (k / Gx, k % Gx)
-    cells.assign((size_t)images * HW * ncp, (A)0);
     decode.resize(2 * K);
     for (long long k = 0; k < K; ++k) {
       decode[2 * k] = (int)(k / Gx);
       decode[2 * k + 1] = (int)(k % Gx);
     }
-    // (plain pointers: a thread_local read in the loop costs a call per access)
-    A* const cells_at = cells.data();
+    // (a plain pointer: a thread_local read in the loop costs a call per access)
     const int* const kd = decode.data();
+    int win[16];
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
-      A* img = cells_at + (size_t)batch[r] * HW * ncp;
+      A* img = block.image(batch[r]);
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
         const long long o0 = (r * C + c0 + cc) * plane_out;
@@ -315,8 +331,9 @@ struct MaxBackwardLanes<T, A, A, I> {
           for (int q = 0; q < Q; ++q) {
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
             const long long o = o0 + p * Q + q;
+            winners(r, cc, lanes, p, q, win);
             for (int c = 0; c < lanes; ++c) {
-              const int a = mx_roi::index_load(argmax[o + c * plane_out]);
+              const int a = win[c];
               if (a < 0) continue;
               const A g = (A)mx_roi::Traits<T>::load(grad[o + c * plane_out]);
               const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1],
@@ -333,13 +350,7 @@ struct MaxBackwardLanes<T, A, A, I> {
         }
       }
     }
-    for (int b = 0; b < images; ++b) {
-      const A* img = cells_at + (size_t)b * HW * ncp;
-      for (int c = 0; c < nc; ++c) {
-        A* plane = bottom + mx_roi::plane_offset(b, c0 + c, C, H, W);
-        for (long long k = 0; k < HW; ++k) plane[k] += img[k * ncp + c];
-      }
-    }
+    block.add_to(bottom, C, H, W, 1.0);
     return true;
   }
 };
@@ -354,8 +365,13 @@ __global__ void roi_align_backward_max(
     const A* __restrict__ x_wh, const I* __restrict__ argmax, int C, int H, int W, int P,
     int Q, int Gy, int Gx, O* __restrict__ bottom, double scale, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
-  if (MaxBackwardLanes<T, A, O, I>::run(grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high,
-                                        x_wl, x_wh, argmax, C, H, W, P, Q, Gy, Gx, bottom, n))
+  const long long plane_out = (long long)P * Q;
+  if (MaxBackwardLanes<T, A, O>::run(
+          grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh, C, H, W, P, Q, Gy,
+          Gx, bottom, n, [&](long long r, int cc, int lanes, int p, int q, int* win) {
+            const I* a = argmax + (r * C + mx_roi_c_begin + cc) * plane_out + p * Q + q;
+            for (int c = 0; c < lanes; ++c) win[c] = mx_roi::index_load(a[c * plane_out]);
+          }))
     return;
   // (the lanes walk declines bins of more than 2^16 points: the loop below divides)
 #endif
@@ -370,5 +386,55 @@ __global__ void roi_align_backward_max(
                             mx_roi::sample_at(yb, xb, a / Gx, a % Gx, y_low, y_high, y_wl,
                                               y_wh, x_low, x_high, x_wl, x_wh),
                             g, scale);
+  }
+}
+
+// The backward of a training forward that kept no argmax: each bin's winning sample found
+// again by the forward's scan of the data (same first maximum, same NaN rule), the bin's
+// gradient added to its four taps as by roi_align_backward_max.
+template <typename T, typename A, typename O>
+__global__ void roi_align_backward_max_rescan(
+    const T* __restrict__ data, const T* __restrict__ grad, const int* __restrict__ batch,
+    const int* __restrict__ y_count, const int* __restrict__ y_low,
+    const int* __restrict__ y_high, const A* __restrict__ y_wl, const A* __restrict__ y_wh,
+    const int* __restrict__ x_count, const int* __restrict__ x_low,
+    const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
+    int C, int H, int W, int P, int Q, int Gy, int Gx, O* __restrict__ bottom, double scale,
+    long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  // the forward's walk (the thread's channel block of the data channels-last) rescans a
+  // pass's bin for 16 channels at once
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+  if (MaxBackwardLanes<T, A, O>::run(
+          grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh, C, H, W, P, Q, Gy,
+          Gx, bottom, n, [&](long long r, int cc, int lanes, int p, int q, int* win) {
+            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+            mx_roi::MaxLanes<A> m;
+            if (ny > 0 && nx > 0) {
+              scan_samples_lanes(m, walk.image(batch[r]), cc, walk.ncp, W, ny, nx,
+                                 (r * P + p) * (long long)Gy, (r * Q + q) * (long long)Gx, Gx,
+                                 y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh);
+              for (int c = 0; c < lanes; ++c) win[c] = m.template index<int>(c);
+            } else {
+              for (int c = 0; c < lanes; ++c) win[c] = -1;
+            }
+          }))
+    return;
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const int b = batch[it.r];
+    const int ny = y_count[it.r * P + it.p], nx = x_count[it.r * Q + it.q];
+    if (b < 0 || ny <= 0 || nx <= 0) continue;
+    const long long yb = (it.r * P + it.p) * (long long)Gy;
+    const long long xb = (it.r * Q + it.q) * (long long)Gx;
+    const long long plane = mx_roi::plane_offset(b, it.c, C, H, W);
+    A best;
+    const int a = align_max_scan(data + plane, W, ny, nx, yb, xb, Gx, y_low, y_high, y_wl, y_wh,
+                                 x_low, x_high, x_wl, x_wh, best);
+    if (a < 0) continue;
+    mx_roi::sample_backward(bottom + plane, W,
+                            mx_roi::sample_at(yb, xb, a / Gx, a % Gx, y_low, y_high, y_wl,
+                                              y_wh, x_low, x_high, x_wl, x_wh),
+                            (A)mx_roi::Traits<T>::load(grad[it.i]), scale);
   }
 }

@@ -90,20 +90,25 @@ class ROIAlign(RoIOp):
             if gy * gx >= 2 ** 31:  # the kernels' running argmax iy*Gx+ix is an int
                 raise ValueError(f"{self.name}: {gy}x{gx} sample points per bin are "
                                  "too many for pool_mode='max' on the CUDA backend")
-            arg = launch.argmax((R, C, P, Q), lambda: gy * gx)
+            arg, store = launch.argmax((R, C, P, Q), lambda: gy * gx)
             launch.forward("roi_align_forward_max", out.size, tables, data=data, C=C, H=H,
-                           W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
-            return out, (arg if launch.keep else None)
+                           W=W, out=out, argmax=arg, store_argmax=int(store))
+            return out, (arg if store else None)
         launch.forward("roi_align_forward_avg", out.size, tables, data=data, C=C, H=H, W=W,
                        out=out)
         return out, None
 
     def backward_cuda(self, launch, geo, grad, data_shape, saved):
-        """Input gradient (compute dtype): bins' gradients to their samples' taps."""
+        """Input gradient (compute dtype): bins' gradients to their samples' taps (max:
+        the winning sample's, from the kept argmax or found again in ``launch.data``)."""
         _, C, H, W = data_shape
         buf = launch.grad_buffer(data_shape, grad)
-        kernel, extra = (("roi_align_backward_max", {"argmax": saved}) if self.is_max else
-                         ("roi_align_backward_avg", {}))
+        if not self.is_max:
+            kernel, extra = "roi_align_backward_avg", {}
+        elif saved is None:
+            kernel, extra = "roi_align_backward_max_rescan", {"data": launch.data}
+        else:
+            kernel, extra = "roi_align_backward_max", {"argmax": saved}
         launch.backward(kernel, grad.size, sample_grid_tables(geo), grad=grad, C=C, H=H, W=W,
                         bottom=buf, **extra)
         return launch.grad_value(buf)

@@ -384,6 +384,40 @@ const A* channels_last_block(const T* data, const int* batch, long long R, int C
   return cells.data();
 }
 
+// The calling thread's channel block [c0, c0 + nc) of the input gradient of every image
+// a roi writes, channels-last (channels_last_block's layout: cell k of image b at
+// (b * H*W + k) * ncp), zeroed.  A native backward adds a 16-channel pass's
+// contributions into cells it keeps in L1 (a cell's lanes share one 64-byte line),
+// instead of into 16 gradient planes, and add_to() then adds the block to the planes.
+// Per channel: the same contributions in the same order onto a zero start, and the
+// planes start at zero (the native backward always accumulates into a zeroed buffer), so
+// the same bits as adding to the planes directly.  Thread-local storage, reused.
+template <typename A>
+struct GradBlock {
+  long long HW;
+  int c0, nc, ncp, images;
+  A* cells;
+  GradBlock(const int* batch, long long R, int H, int W)
+      : HW((long long)H * W), c0(mx_roi_c_begin), nc(mx_roi_c_end - mx_roi_c_begin),
+        ncp(padded_lanes(nc)), images(0) {
+    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+    static thread_local std::vector<A> block;
+    block.assign((size_t)images * HW * ncp, (A)0);
+    cells = block.data();
+  }
+  A* image(int b) const { return cells + (size_t)b * HW * ncp; }
+  template <typename O>
+  void add_to(O* bottom, int C, int H, int W, double scale) const {
+    for (int b = 0; b < images; ++b) {
+      const A* img = image(b);
+      for (int c = 0; c < nc; ++c) {
+        O* plane = bottom + plane_offset(b, c0 + c, C, H, W);
+        for (long long k = 0; k < HW; ++k) grad_add(plane + k, img[k * ncp + c], scale);
+      }
+    }
+  }
+};
+
 // The native walk of a per-channel kernel over its launch: R rois of C channels x (P, Q)
 // outputs, the calling thread's channel block [c0, c0 + nc) channels-last in ``cells``
 // (lanes padded to ncp), ``image(b)`` the cells of image b (null for a skipped roi).
@@ -404,16 +438,17 @@ struct LaneWalk {
   // f(r, cc, lanes, p, q, img, o) for every 16-channel pass cc (0, 16, ...; its lanes
   // real channels) over every bin of every roi: roi by roi, then pass by pass, so that a
   // pass's cells (a 64-byte line per cell) stay in L1 from bin to bin instead of being
-  // fetched again for every pass; o is the output of channel c0 + cc (channel
-  // c0 + cc + c at o[c * plane_out]).
-  template <typename F>
-  void each_pass(const int* batch, int C, int P, int Q, T* out, F&& f) const {
+  // fetched again for every pass; o points into the (R, C, P, Q) array ``out`` (the
+  // output, or a backward's out-grad) at channel c0 + cc of the bin (channel c0 + cc + c
+  // at o[c * plane_out]).
+  template <typename U, typename F>
+  void each_pass(const int* batch, int C, int P, int Q, U* out, F&& f) const {
     if (empty()) return;
     for (long long r = 0; r < R; ++r) {
       const A* img = image(batch[r]);
       for (int cc = 0; cc < ncp; cc += LANES) {
         const int lanes = nc - cc < LANES ? nc - cc : LANES;
-        T* o = out + (r * C + c0 + cc) * plane_out;
+        U* o = out + (r * C + c0 + cc) * plane_out;
         for (int p = 0; p < P; ++p)
           for (int q = 0; q < Q; ++q) f(r, cc, lanes, p, q, img, o + p * Q + q);
       }

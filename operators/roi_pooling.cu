@@ -6,8 +6,47 @@
 // (h - hstart) * (wend - wstart) + (w - wstart) among the bin's cells, stored as I (the
 // smallest unsigned type fitting the call's largest bin, mx_roi.cuda.tables.argmax_dtype),
 // "no argmax" as I's maximum value (mx_roi::index_store); the backward decodes h and w
-// with the same bin's hstart, wstart and wend.
+// with the same bin's hstart, wstart and wend.  A training forward that keeps no argmax
+// (a large call, mx_roi.cuda.backend.ARGMAX_KEEP_MAX_ELEMENTS) leaves the winners to
+// roi_pooling_backward_rescan, which finds them again in the data by the same scan.
 #include "roi_common.cuh"
+
+namespace mx_roi {
+// The first maximum of the non-empty integer bin [hs, he) x [ws, we) of a plane: its
+// value in best (max_init() if nothing beat it) and its bin-relative index
+// (h - hs) * (we - ws) + (w - ws), or -1.
+template <typename T, typename A>
+__device__ __forceinline__ int int_bin_argmax(const T* plane, int W, int hs, int he, int ws,
+                                              int we, A& best) {
+  best = max_init<A>();
+  int arg = -1, k = 0;
+  for (int h = hs; h < he; ++h)
+    for (int w = ws; w < we; ++w, ++k) max_step(Traits<T>::load(plane[h * W + w]), best, k, arg);
+  return arg;
+}
+
+// The cell (h * W + w in the plane) of bin-relative index k of a bin starting at (hs, ws)
+// with wl columns.
+__device__ __forceinline__ long long int_bin_cell(int k, int hs, int ws, int wl, int W) {
+  return (long long)(hs + k / wl) * W + ws + k % wl;
+}
+
+#ifdef MX_ROI_HOST_NATIVE
+// Native: the cells of bin [h0, h0 + hl) x [w0, w0 + wl) scanned row-major for 16 channels
+// (lane pass cc of a channels-last image, ncp lanes per cell) by m; cell (i, j) is
+// candidate k0 + i * kstride + j (bin-relative: k0 = 0, kstride = wl; the plane offset:
+// k0 = h0 * W + w0, kstride = W).
+template <typename A>
+inline void scan_int_bin_lanes(MaxLanes<A>& m, const A* img, int cc, int ncp, int W, int h0,
+                               int hl, int w0, int wl, int k0, int kstride) {
+  m.init();
+  for (int i = 0; i < hl; ++i) {
+    const A* row = img + ((size_t)(h0 + i) * W + w0) * ncp + cc;
+    for (int j = 0; j < wl; ++j) m.step(row + (size_t)j * ncp, k0 + i * kstride + j);
+  }
+}
+#endif
+}  // namespace mx_roi
 
 #ifdef MX_ROI_HOST_NATIVE
 // Native host build of the forward: the thread's channel block copied channels-last
@@ -35,11 +74,7 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
       return;
     }
     mx_roi::MaxLanes<A> m;
-    m.init();
-    for (int i = 0; i < hl; ++i) {
-      const A* row = img + ((size_t)(h0 + i) * W + w0) * ncp + cc;
-      for (int j = 0; j < wl; ++j) m.step(row + (size_t)j * ncp, i * wl + j);
-    }
+    mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
     for (int c = 0; c < lanes; ++c) {
       o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
       if (a) a[c * plane_out] = m.template index<I>(c);
@@ -64,16 +99,9 @@ __global__ void roi_pooling_forward(
     const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
     A best = 0;
     int arg = -1;
-    if (b >= 0 && he > hs && we > ws) {
-      const T* plane = data + mx_roi::plane_offset(b, it.c, C, H, W);
-      best = mx_roi::max_init<A>();
-      int k = 0;  // bin-relative: (h - hs) * (we - ws) + (w - ws)
-      for (int h = hs; h < he; ++h) {
-        for (int w = ws; w < we; ++w, ++k) {
-          mx_roi::max_step(mx_roi::Traits<T>::load(plane[h * W + w]), best, k, arg);
-        }
-      }
-    }
+    if (b >= 0 && he > hs && we > ws)
+      arg = mx_roi::int_bin_argmax(data + mx_roi::plane_offset(b, it.c, C, H, W), W, hs, he,
+                                   ws, we, best);
     out[it.i] = mx_roi::Traits<T>::store(best);
     if (store_argmax) argmax[it.i] = mx_roi::index_store<I>(arg);  // 0: inference
   }
@@ -141,8 +169,7 @@ void roi_pooling_backward_native(const T* grad, const int* batch, const int* hst
         for (int q = 0; q < Q; ++q, ++i) {
           const int k = mx_roi::index_load(a[i]);
           if (k < 0) continue;
-          const int wl = we[q] - ws[q];
-          mx_roi::grad_add(plane + (long long)(hs[p] + k / wl) * W + ws[q] + k % wl,
+          mx_roi::grad_add(plane + mx_roi::int_bin_cell(k, hs[p], ws[q], we[q] - ws[q], W),
                            (A)mx_roi::Traits<T>::load(g[i]), scale);
         }
       }
@@ -167,9 +194,70 @@ __global__ void roi_pooling_backward(
     if (k < 0 || b < 0) continue;
     const int hs = hstart[it.r * P + it.p];
     const int ws = wstart[it.r * Q + it.q], wl = wend[it.r * Q + it.q] - ws;
-    mx_roi::grad_add(bottom + mx_roi::plane_offset(b, it.c, C, H, W) + (hs + k / wl) * W + ws +
-                         k % wl,
+    mx_roi::grad_add(bottom + mx_roi::plane_offset(b, it.c, C, H, W) +
+                         mx_roi::int_bin_cell(k, hs, ws, wl, W),
                      (A)mx_roi::Traits<T>::load(grad[it.i]), scale);
+  }
+#endif
+}
+
+#ifdef MX_ROI_HOST_NATIVE
+// Native host build of the rescanning backward: the forward's walk (the thread's channel
+// block channels-last, 16 channels per pass, roi by roi) finds each bin's winners again
+// -- candidates numbered by their plane offset, so no decoding -- and adds the bin's
+// gradient to them in a channels-last gradient block (mx_roi::GradBlock), then to the
+// planes; per channel in the order (roi, bin) of the other backwards, so the same sums.
+template <typename T, typename A, typename O>
+void roi_pooling_backward_rescan_native(const T* data, const T* grad, const int* batch,
+                                        const int* hstart, const int* hend, const int* wstart,
+                                        const int* wend, int C, int H, int W, int P, int Q,
+                                        O* bottom, double scale, long long n) {
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+  if (walk.empty()) return;
+  const mx_roi::GradBlock<A> block(batch, walk.R, H, W);
+  const long long plane_out = walk.plane_out;
+  const int ncp = walk.ncp;
+  walk.each_pass(batch, C, P, Q, grad, [&](long long r, int cc, int lanes, int p, int q,
+                                            const A* img, const T* g) {
+    const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
+    const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
+    if (!img || hl <= 0 || wl <= 0) return;
+    mx_roi::MaxLanes<A> m;
+    mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, h0 * W + w0, W);
+    A* sums = block.image(batch[r]) + cc;
+    for (int c = 0; c < lanes; ++c) {
+      const int cell = m.template index<int>(c);
+      if (cell >= 0) sums[(size_t)cell * ncp + c] += (A)mx_roi::Traits<T>::load(g[c * plane_out]);
+    }
+  });
+  block.add_to(bottom, C, H, W, scale);
+}
+#endif
+
+// The backward of a training forward that kept no argmax: each bin's winner found again
+// by the forward's scan of the data (same first maximum, same NaN rule), its gradient
+// added there as by roi_pooling_backward.
+template <typename T, typename A, typename O>
+__global__ void roi_pooling_backward_rescan(
+    const T* __restrict__ data, const T* __restrict__ grad, const int* __restrict__ batch,
+    const int* __restrict__ hstart, const int* __restrict__ hend,
+    const int* __restrict__ wstart, const int* __restrict__ wend, int C, int H, int W, int P,
+    int Q, O* __restrict__ bottom, double scale, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  roi_pooling_backward_rescan_native<T, A, O>(data, grad, batch, hstart, hend, wstart, wend, C,
+                                              H, W, P, Q, bottom, scale, n);
+#else
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const int b = batch[it.r];
+    const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
+    const int ws = wstart[it.r * Q + it.q], we = wend[it.r * Q + it.q];
+    if (b < 0 || he <= hs || we <= ws) continue;
+    const long long plane = mx_roi::plane_offset(b, it.c, C, H, W);
+    A best;
+    const int k = mx_roi::int_bin_argmax(data + plane, W, hs, he, ws, we, best);
+    if (k >= 0)
+      mx_roi::grad_add(bottom + plane + mx_roi::int_bin_cell(k, hs, ws, we - ws, W),
+                       (A)mx_roi::Traits<T>::load(grad[it.i]), scale);
   }
 #endif
 }

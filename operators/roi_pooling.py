@@ -130,18 +130,23 @@ class ROIPooling(RoIOp):
         R, P = bins.hstart.shape
         Q = bins.wstart.shape[1]
         out = launch.output((R, C, P, Q))
-        arg = launch.argmax((R, C, P, Q), lambda: int_bins_max_cells(bins))
+        arg, store = launch.argmax((R, C, P, Q), lambda: int_bins_max_cells(bins))
         launch.forward("roi_pooling_forward", out.size, int_bins_tables(bins), data=data,
-                       C=C, H=H, W=W, out=out, argmax=arg, store_argmax=int(launch.keep))
-        return out, (arg if launch.keep else None)
+                       C=C, H=H, W=W, out=out, argmax=arg, store_argmax=int(store))
+        return out, (arg if store else None)
 
     def backward_cuda(self, launch, bins, grad, data_shape, arg):
         """Each bin's gradient to its argmax cell (decoded with the bin's hstart, wstart,
-        wend; the kernel instantiation follows the saved argmax's dtype)."""
+        wend; the kernel instantiation follows the saved argmax's dtype), or, when the
+        forward kept no argmax, to the winner found again in ``launch.data``."""
         _, C, H, W = data_shape
         buf = launch.grad_buffer(data_shape, grad)
-        launch.backward("roi_pooling_backward", grad.size, int_bins_tables(bins), grad=grad,
-                        argmax=arg, C=C, H=H, W=W, bottom=buf)
+        if arg is None:
+            launch.backward("roi_pooling_backward_rescan", grad.size, int_bins_tables(bins),
+                            data=launch.data, grad=grad, C=C, H=H, W=W, bottom=buf)
+        else:
+            launch.backward("roi_pooling_backward", grad.size, int_bins_tables(bins),
+                            grad=grad, argmax=arg, C=C, H=H, W=W, bottom=buf)
         return launch.grad_value(buf)
 
 
