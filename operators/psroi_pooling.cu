@@ -8,6 +8,24 @@ __global__ void psroi_pooling_forward(
     const int* __restrict__ channel_map, const int* __restrict__ hstart,
     const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
     int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  // bin by bin, roi by roi, all channels (mx_roi::ps_forward_native); per item the loop
+  // below's sum in its order
+  mx_roi::ps_forward_native<T, A>(
+      data, batch, channel_map, C, Cin, H, W, P, Q, out, n, [&](long long r, int p, int q,
+                                                                 long long) {
+        const int hs = hstart[r * P + p], he = hend[r * P + p];
+        const int ws = wstart[r * Q + q], we = wend[r * Q + q];
+        return [hs, he, ws, we, W](const T* plane) {
+          A sum = 0;
+          if (he <= hs || we <= ws) return sum;  // an empty bin: 0
+          for (int h = hs; h < he; ++h)
+            for (int w = ws; w < we; ++w) sum += mx_roi::Traits<T>::load(plane[h * W + w]);
+          return sum / (A)((he - hs) * (we - ws));
+        };
+      });
+  return;
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     const int b = batch[it.r];
     const int hs = hstart[it.r * P + it.p], he = hend[it.r * P + it.p];
