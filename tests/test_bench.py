@@ -41,9 +41,12 @@ def quick_run(tmp_path_factory):
     # a ``torch`` that fails to import, whether or not the real one is installed here
     (tmp / "torch").mkdir()
     (tmp / "torch" / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
-    proc = _run(["--quick", "--json", str(out_json)], pythonpath=tmp)
+    proc = _run(["--quick", "--json", str(out_json), "--markdown", str(tmp / "table.md")],
+                pythonpath=tmp)
     with open(out_json) as f:
-        return proc, json.load(f)
+        payload = json.load(f)
+    payload["markdown"] = (tmp / "table.md").read_text()
+    return proc, payload
 
 
 def _positive(v):
@@ -339,3 +342,55 @@ def test_torchvision_column_with_stand_in(tmp_path):
                 (f"{r['tv_ms']:.2f}", f"{r['tv_ratio']:.2f}"))
         assert cells[(r["op"], r["config"], r["direction"])] == want, (r["key"], cells)
     assert "ours/tv = ours / torchvision.ops median time at the same thread count" in proc.stdout
+
+
+def test_markdown_table_from_runs():
+    """``--markdown``: the README's table from the runs of each thread setting -- the
+    first setting's milliseconds, every setting's ratio, '-' where there is no built-in,
+    torchvision's ratios where measured, and the geometric means."""
+    from mx_roi.bench.report import format_markdown
+
+    def run(mx_threads, ours_threads, scale, tv=None):
+        rows = [dict(key="ROIPooling/7x7", op="ROIPooling", config="7x7, 256 boxes",
+                     direction=d, backend="native", ours_ms=2.0 * scale,
+                     builtin_ms=8.0, ratio=0.25 * scale, tv_ratio=tv)
+                for d in DIRECTIONS]
+        rows.append(dict(key="ROIAlign-max/7x7", op="ROIAlign", config="7x7, max",
+                         direction="fwd", backend="native", ours_ms=3.0, builtin_ms=None,
+                         ratio=None, tv_ratio=None))
+        return dict(machine=dict(threads=dict(mxnet=mx_threads, ours=ours_threads)),
+                    results=rows)
+
+    text = format_markdown({"default": run(1, 2, 1.0, tv=0.5), "1": run(1, 1, 2.0),
+                            "all": run(2, 2, 1.5, tv=0.25), "4": None})
+    lines = text.splitlines()
+    assert lines[0] == ("| op | workload | dir | kernels | defaults (MXNet 1 / mx_roi 2 "
+                        "threads): ours ms / built-in ms / ratio | both 1 thread: ratio | "
+                        "both 2 threads: ratio | ours / torchvision: defaults / both 1 thread"
+                        " / both 2 threads |")
+    assert lines[1] == "|---|---|---|---|---|---|---|---|"
+    assert lines[2] == ("| ROIPooling | 7x7, 256 boxes | fwd | native | 2.00 / 8.00 / 0.25 "
+                        "| 0.50 | 0.38 | 0.50 / - / 0.25 |")
+    assert "| ROIAlign | 7x7, max | fwd | native | 3.00 / - / - | - | - | - / - / - |" in lines
+    assert lines[-2] == ("Geometric mean of the fwd+bwd ratios ours / built-in: 0.25 defaults "
+                         "(worst 0.25), 0.50 both 1 thread (worst 0.50), 0.38 both 2 threads "
+                         "(worst 0.38).")
+    assert format_markdown({"1": None}) == "(no bench run to tabulate)"
+
+
+def test_markdown_of_a_single_run(quick_run):
+    _, payload = quick_run
+    lines = payload["markdown"].splitlines()
+    t = payload["machine"]["threads"]
+    assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
+                               f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
+    rows = [ln for ln in lines if ln.startswith("| ROI") or ln.startswith("| PSROI")]
+    assert len(rows) == len(payload["results"])
+    r = payload["results"][0]
+    assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "
+                              f"{r['backend']} | {r['ours_ms']:.2f} / ")
+
+
+def test_markdown_is_not_passed_to_the_children():
+    from mx_roi.bench import threads
+    assert threads._child_argv(["--threads", "1", "--markdown", "t.md", "--quick"]) == ["--quick"]

@@ -46,6 +46,9 @@ def _parse_args(argv=None):
                    help="comma-separated workload keys (ROIAlign/7x7) or families (ROIAlign, "
                         "ROIAlign-max, PSROIAlign, ...) to run")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
+    p.add_argument("--markdown", default=None,
+                   help="write the README's speed table (Markdown; with --threads, every "
+                        "setting's ratios side by side) to this file")
     p.add_argument("--plot", default=None,
                    help="PNG: median time vs number of boxes (64..2048) for ours and built-in")
     p.add_argument("--plot-boxes", default=None,
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
         print("ERROR: ours and the built-in disagree on: " + ", ".join(failures),
               file=sys.stderr)
 
-    if args.json:
+    if args.json or args.markdown:
         payload = dict(machine=machine,
                        config=dict(argv=sys.argv[1:] if argv is None else list(argv),
                                    quick=args.quick, repeat=args.repeat,
@@ -217,6 +220,10 @@ def main(argv=None) -> int:
                        overhead=overhead, fixed_cost=fixed, memory=memory, sweep=sweep_result,
                        failures=failures,
                        total_seconds=elapsed)
+    if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.format_markdown({"default": payload}) + "\n")
     return 2 if failures else 0

@@ -11,6 +11,7 @@ from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_
 
 __all__ = ["format_header", "format_table", "format_hardware", "format_legend",
            "format_tv_summary", "format_busy", "format_overhead", "format_memory", "format_thread_summary",
+           "format_markdown",
            "geomean", "plot"]
 
 
@@ -184,6 +185,66 @@ def format_thread_summary(runs) -> str:
             cells.append(f"{max(vals):.2f}/{geomean(vals):.2f}" if vals else "-")
         lines.append(f"{'worst/geomean':<27} {direction:<8}" + "".join(
             f" {c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _setting_label(setting, run) -> str:
+    """'defaults (MXNet 1 / mx_roi 2 threads)' or 'both 2 threads' for a run's header."""
+    t = ((run or {}).get("machine") or {}).get("threads") or {}
+    mx_t, ours = t.get("mxnet", "?"), t.get("ours", "?")
+    if setting == "default":
+        return f"defaults (MXNet {mx_t} / mx_roi {ours} threads)"
+    if mx_t == ours:
+        return f"both {ours} thread{'' if ours == 1 else 's'}"
+    return f"{setting} (MXNet {mx_t} / mx_roi {ours} threads)"
+
+
+def format_markdown(runs) -> str:
+    """The README's speed table, in Markdown, from bench runs (``--markdown``).
+
+    ``runs`` maps a thread setting ('default', '1', 'all', ...) to a run's ``--json``
+    payload (None for a run that failed).  The first setting gives the milliseconds, every
+    setting its ratio ours / built-in; where torchvision was timed, a last column gives
+    ours / torchvision per setting.  Below the table: the geometric means per setting.
+    """
+    settings = [s for s in runs if runs[s]]
+    if not settings:
+        return "(no bench run to tabulate)"
+    by_key = {}
+    for s in settings:
+        for r in runs[s].get("results", []):
+            by_key.setdefault((r["key"], r["direction"]), {})[s] = r
+    has_tv = any(r.get("tv_ratio") is not None for rs in by_key.values() for r in rs.values())
+    first = settings[0]
+    ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    head = ["op", "workload", "dir", "kernels",
+            f"{_setting_label(first, runs[first])}: ours ms / built-in ms / ratio"]
+    head += [f"{_setting_label(s, runs[s])}: ratio" for s in settings[1:]]
+    if has_tv:
+        head.append("ours / torchvision: " + " / ".join(
+            _setting_label(s, runs[s]).split(" (")[0] for s in settings))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (key, direction), rs in by_key.items():
+        r0 = rs.get(first) or next(iter(rs.values()))
+        builtin = r0.get("builtin_ms")
+        cells = [r0["op"], r0["config"], direction, r0.get("backend") or "-",
+                 f"{r0['ours_ms']:.2f} / " + ("-" if builtin is None else f"{builtin:.2f}")
+                 + f" / {ratio(r0.get('ratio') if first in rs else None)}"]
+        cells += [ratio((rs.get(s) or {}).get("ratio")) for s in settings[1:]]
+        if has_tv:
+            cells.append(" / ".join(ratio((rs.get(s) or {}).get("tv_ratio")) for s in settings))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for direction in ("fwd+bwd", "fwd"):
+        parts = []
+        for s in settings:
+            vals = [r["ratio"] for r in runs[s].get("results", [])
+                    if r["direction"] == direction and r.get("ratio")]
+            if vals:
+                parts.append(f"{geomean(vals):.2f} {_setting_label(s, runs[s]).split(' (')[0]}"
+                             f" (worst {max(vals):.2f})")
+        lines.append(f"Geometric mean of the {direction} ratios ours / built-in: "
+                     + ", ".join(parts) + ".")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import sys
 from typing import List
 
 from .machine import usable_cores
-from .report import format_thread_summary
+from .report import format_markdown, format_thread_summary
 
 __all__ = ["thread_env", "run_thread_settings"]
 
@@ -30,14 +30,14 @@ def thread_env(setting: str, env=None) -> dict:
 
 
 def _child_argv(argv) -> List[str]:
-    """``argv`` without --threads / --json / --plot (and their values)."""
+    """``argv`` without --threads / --json / --plot / --markdown (and their values)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in ("--threads", "--json", "--plot"):
+        if name in ("--threads", "--json", "--plot", "--markdown"):
             skip = "=" not in a
             continue
         out.append(a)
@@ -74,6 +74,9 @@ def run_thread_settings(args, argv) -> int:
                 status = max(status, 2)
     print()
     print(format_thread_summary(runs))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(runs) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads_runs=runs, settings=settings), f, indent=1)
