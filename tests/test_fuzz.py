@@ -13,8 +13,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _child(args, timeout):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _child(args, timeout, **extra_env):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **extra_env)
     env.pop("MX_ROI_BACKEND", None)
     proc = subprocess.run([sys.executable, "-m", "tests.fuzz_child", *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -26,8 +27,8 @@ def _child(args, timeout):
     return res
 
 
-def _fuzz(seed, cases):
-    res = _child(["fuzz", seed, cases], timeout=600)
+def _fuzz(seed, cases, **env):
+    res = _child(["fuzz", seed, cases], timeout=600, **env)
     assert res["cases"] == cases and res["raised"] > 0 and res["valid"] > 0
     for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad"):
         assert res[k] == 0, res
@@ -38,14 +39,20 @@ def test_fuzz(seed):
     _fuzz(seed, int(os.environ.get("MX_ROI_FUZZ_CASES", "150")))
 
 
+def test_fuzz_rescanning_backward():
+    """The same fuzz with every max-op training call keeping no argmax (the backward of
+    a large call rescans the data: mx_roi.cuda.backend.ARGMAX_KEEP_MAX_ELEMENTS)."""
+    _fuzz(13, int(os.environ.get("MX_ROI_FUZZ_CASES", "100")), MX_ROI_FUZZ_RESCAN="1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(100, 106))
 def test_fuzz_long(seed):
     _fuzz(seed, int(os.environ.get("MX_ROI_FUZZ_CASES", "400")))
 
 
-def _soak(steps):
-    res = _child(["soak", steps], timeout=900)
+def _soak(steps, **env):
+    res = _child(["soak", steps], timeout=900, **env)
     assert res["steps"] == 4 * steps and res["raised"] == 2 * steps, res
     for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad"):
         assert res[k] == 0, res
@@ -55,6 +62,10 @@ def _soak(steps):
 
 def test_soak_short():
     _soak(200)
+
+
+def test_soak_rescanning_backward():
+    _soak(100, MX_ROI_FUZZ_RESCAN="1")
 
 
 @pytest.mark.slow
