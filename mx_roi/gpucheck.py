@@ -178,8 +178,11 @@ CASES_DTYPES = (np.float16, np.float32, np.float64)
 
 
 def _all_cases():
-    from .selftest import CASES
-    return [(name, params, dtype) for name, params in CASES for dtype in CASES_DTYPES]
+    """``(name, params, dtype, rescan)`` of every check: each op x dtype, the max modes
+    also with the rescanning backward (:func:`mx_roi.selftest.rescan_variants`)."""
+    from .selftest import CASES, rescan_variants
+    return [(name, params, dtype, rescan) for name, params in CASES for dtype in CASES_DTYPES
+            for rescan in rescan_variants(name, params)]
 
 
 def _bits(a):
@@ -194,16 +197,18 @@ def _against_emulation(gpu_id: int, what: str) -> str:
     from .backends import get
     from .selftest import _op, _problem, _run
     n = 0
-    for name, params, dtype in _all_cases():
+    for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
         data, rois, grad = _problem(op, dtype)
-        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id))
-        o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id), rescan)
+        o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
         a, b = (o1, o2) if what == "forward" else (g1, g2)
         if not np.array_equal(_bits(a), _bits(b)):
             bad = int(np.count_nonzero(_bits(a) != _bits(b)))
-            raise AssertionError(f"{name} {params} {np.dtype(dtype).name}: {what} differs "
-                                 f"from emulated-cuda in {bad} of {a.size} elements")
+            raise AssertionError(f"{name} {params} {np.dtype(dtype).name}"
+                                 + (" (rescan)" if rescan else "")
+                                 + f": {what} differs from emulated-cuda in {bad} of "
+                                 f"{a.size} elements")
         n += 1
     return f"{n} op x dtype cases bit-equal to emulated-cuda ({what})"
 
@@ -215,11 +220,11 @@ def _emulated_references() -> str:
     from .backends import get
     from .selftest import _op, _problem, _run
     n = 0
-    for name, params, dtype in _all_cases():
+    for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
         data, rois, grad = _problem(op, dtype)
-        first = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
-        again = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+        first = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
+        again = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
         for x, y in zip(first, again):
             assert np.array_equal(_bits(x), _bits(y)), f"{name} {dtype}: not reproducible"
         n += 1
@@ -315,10 +320,10 @@ def gpu_kernels_main() -> int:
     import mxnet as mx
     from .backends import get
     from .selftest import _op, _problem, _run
-    for name, params, dtype in _all_cases():
+    for name, params, dtype, rescan in _all_cases():
         for det in (False, True):
             op = _op(name, dict(params, deterministic=det))
-            _run(get("cuda"), op, *_problem(op, dtype), mx.gpu(0))
+            _run(get("cuda"), op, *_problem(op, dtype), mx.gpu(0), rescan)
     return 0
 
 

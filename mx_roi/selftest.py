@@ -10,7 +10,8 @@ GPU is reported, not a failure):
                      the PS ops and max ROIAlign), every op against the NumPy backend, and
                      ROIPooling and ROIAlign against MXNet's built-ins;
 * ``emulated-cuda``  needs a C++ compiler (g++): the CUDA kernels compiled for the host,
-                     every op (and max mode) against the NumPy backend, forward + backward;
+                     every op (and max mode) against the NumPy backend, forward + backward
+                     (the max modes' backward also with no argmax kept: the rescan);
 * ``nvrtc-compile``  needs libnvrtc (``nvidia-cuda-nvrtc-cu11``): every kernel source and
                      instantiation compiled to PTX (default compute_70; ``--archs``);
 * ``cuda``           needs CuPy, an MXNet GPU build and a GPU: the kernels on ``mx.gpu(0)``
@@ -75,15 +76,30 @@ def _problem(op, dtype, seed=0, N=2, H=9, W=11):
     return data, rois, grad
 
 
-def _run(backend, op, data, rois, grad, ctx):
+def rescan_variants(name, params):
+    """How the backward of op ``name`` is checked: ``(False,)``, or for a max mode
+    ``(False, True)`` -- with the forward's argmax and with none kept, the backward
+    rescanning the data as a large training call's does
+    (:data:`mx_roi.cuda.backend.ARGMAX_KEEP_MAX_ELEMENTS`)."""
+    return (False, True) if _op(name, params).backward_needs_data else (False,)
+
+
+def _run(backend, op, data, rois, grad, ctx, rescan=False):
     import mxnet as mx
+    from .cuda import backend as cuda_backend
     x = mx.nd.array(data, ctx=ctx, dtype=data.dtype)
     r = mx.nd.array(rois, ctx=ctx, dtype=rois.dtype)
     out = mx.nd.zeros(op.out_shape(data.shape, rois.shape), ctx=ctx, dtype=data.dtype)
     dg = mx.nd.zeros(data.shape, ctx=ctx, dtype=data.dtype)
-    saved = backend.forward(op, "write", x, r, out, keep=True)
-    backend.backward(op, "write", mx.nd.array(grad, ctx=ctx, dtype=grad.dtype), x, r, dg,
-                     saved)
+    keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
+    if rescan:  # (the checks run on one thread)
+        cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
+    try:
+        saved = backend.forward(op, "write", x, r, out, keep=True)
+        backend.backward(op, "write", mx.nd.array(grad, ctx=ctx, dtype=grad.dtype), x, r,
+                         dg, saved)
+    finally:
+        cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
     return out.asnumpy(), dg.asnumpy()
 
 
@@ -151,13 +167,14 @@ def check_emulated(quick=False, backend="emulated-cuda"):
         for name, params in CASES:
             op = _op(name, params)
             data, rois, grad = _problem(op, dtype)
-            o1, g1 = _run(emu, op, data, rois, grad, mx.cpu())
             o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
-            what = f"{name} {params} {np.dtype(dtype).name}"
-            _close(o1, o2, dtype, f"{what} forward")
-            _close(g1, g2, dtype, f"{what} data grad")
-            n += 1
-    return f"{n} op x dtype cases vs numpy (forward + grad)"
+            for rescan in rescan_variants(name, params):
+                o1, g1 = _run(emu, op, data, rois, grad, mx.cpu(), rescan)
+                what = f"{name} {params} {np.dtype(dtype).name}" + (" rescan" if rescan else "")
+                _close(o1, o2, dtype, f"{what} forward")
+                _close(g1, g2, dtype, f"{what} data grad")
+                n += 1
+    return f"{n} op x dtype cases vs numpy (forward + grad; max modes also rescanning)"
 
 
 def check_nvrtc(quick=False, archs=(70,)):
@@ -190,12 +207,14 @@ def check_cuda(quick=False):
             for det in (False, True):
                 op = _op(name, dict(params, deterministic=det))
                 data, rois, grad = _problem(op, dtype)
-                o1, g1 = _run(cuda, op, data, rois, grad, mx.gpu(0))
                 o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
-                what = f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
-                _close(o1, o2, dtype, f"{what} forward")
-                _close(g1, g2, dtype, f"{what} data grad")
-                n += 1
+                for rescan in rescan_variants(name, params):
+                    o1, g1 = _run(cuda, op, data, rois, grad, mx.gpu(0), rescan)
+                    what = (f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
+                            + (" rescan" if rescan else ""))
+                    _close(o1, o2, dtype, f"{what} forward")
+                    _close(g1, g2, dtype, f"{what} data grad")
+                    n += 1
     n += _builtin_checks(cuda, mx.gpu(0))
     return f"{n} checks vs the CPU path and the GPU built-ins"
 
