@@ -13,13 +13,22 @@ struct PsTap {
   A w1, w2, w3, w4;
 };
 
+// A bin's samples are held for its channels only up to MX_ROI_PS_MAX_TAPS of them (a huge
+// adaptive grid -- sample_ratio <= 0 on a box far larger than the map -- would need
+// gigabytes): past that the generic loop below computes them item by item (false).
+// -DMX_ROI_PS_MAX_TAPS=... lowers it so that a test runs that path on small problems.
+#ifndef MX_ROI_PS_MAX_TAPS
+#define MX_ROI_PS_MAX_TAPS (1 << 16)
+#endif
+
 template <typename T, typename A>
-void psroi_align_forward_native(const T* data, const int* batch, const int* channel_map,
+bool psroi_align_forward_native(const T* data, const int* batch, const int* channel_map,
                                 const int* y_count, const int* y_low, const int* y_high,
                                 const A* y_wl, const A* y_wh, const int* x_count,
                                 const int* x_low, const int* x_high, const A* x_wl,
                                 const A* x_wh, const A* divisor, int C, int Cin, int H, int W,
                                 int P, int Q, int Gy, int Gx, T* out, long long n) {
+  if ((long long)Gy * Gx > MX_ROI_PS_MAX_TAPS) return false;
   static thread_local std::vector<PsTap<A>> taps;
   if ((long long)taps.size() < (long long)Gy * Gx) taps.resize((size_t)Gy * Gx);
   PsTap<A>* const tp = taps.data();  // (a thread_local read in the loop costs a call)
@@ -52,6 +61,7 @@ void psroi_align_forward_native(const T* data, const int* batch, const int* chan
           return sum / d;
         };
       });
+  return true;
 }
 #endif
 
@@ -65,10 +75,10 @@ __global__ void psroi_align_forward(
     const A* __restrict__ divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx,
     T* __restrict__ out, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
-  psroi_align_forward_native<T, A>(data, batch, channel_map, y_count, y_low, y_high, y_wl, y_wh,
-                                   x_count, x_low, x_high, x_wl, x_wh, divisor, C, Cin, H, W, P,
-                                   Q, Gy, Gx, out, n);
-  return;
+  if (psroi_align_forward_native<T, A>(data, batch, channel_map, y_count, y_low, y_high, y_wl,
+                                       y_wh, x_count, x_low, x_high, x_wl, x_wh, divisor, C, Cin,
+                                       H, W, P, Q, Gy, Gx, out, n))
+    return;
 #endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     mx_roi::align_avg_forward_item<T, A>(it, data, batch, channel_map, y_count, y_low, y_high,

@@ -894,3 +894,26 @@ def test_roi_align_max_lanes_match_the_emulation(dtype, monkeypatch):
                                            "float16" else 1e-6, atol=1e-6)
         np.testing.assert_array_equal(results[2][1], results[1][1])  # 3 threads vs 1
         assert (results[0][1] != 7.0).any()
+
+
+def test_ps_align_forward_past_the_tap_limit_takes_the_item_loop(tmp_path, monkeypatch):
+    """PSROIAlign's native forward holds a bin's samples for all its channels only up to
+    MX_ROI_PS_MAX_TAPS (2^16) of them; past that (a huge adaptive grid) it computes them
+    item by item.  A build with the limit lowered to 4 runs both paths on small problems
+    (3 x 3 samples per bin: the item loop; 2 x 2: the bin walk): the same bits as the
+    emulation, on 1 and 3 threads."""
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((2, 12, 9, 11)).astype(np.float32)
+    rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3]], np.float32)
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_PS_MAX_TAPS=4")
+    monkeypatch.setattr(loader, "_MODULES", {})
+    for ratio in (3, 2):
+        op = make_op("PSROIAlign", dict(pooled_size=2, output_dim=3, spatial_scale=1.0,
+                                        sample_ratio=ratio))
+        grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
+        want, _ = run(EMU, op, data, rois, grad)
+        for t in (1, 3):
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+            got, _ = run(NATIVE, op, data, rois, grad)
+            identical(got, want, f"sample_ratio={ratio}, {t} threads")
