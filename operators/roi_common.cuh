@@ -233,15 +233,38 @@ __device__ __forceinline__ long long plane_offset(int b, int ch, int C, int H, i
 }
 
 // ---- native host build: prefetching the next plane ------------------------------------
-// In the native build a position-sensitive kernel walks all rois of one bin (c, p, q) --
-// one input plane -- before the next bin (ItemLoop), so the first loads of the next plane
-// would each wait for memory.  Every item hints two cache lines of the plane the next
-// bin's items of its batch will read (``write``: the gradient plane they will update),
-// spreading that plane over the current bin's rois (measured on the 2-core test machine:
-// PS forward 1.5-2x, backward 1.3x faster; the native PS forwards now walk bins
-// themselves, ps_forward_native, with the same hints).  The per-channel ops reuse one plane for all
-// R*P*Q items of a channel and gained nothing.  Nothing on a GPU or in the emulation, nor
-// with -DMX_ROI_NO_PREFETCH (to measure it).
+// In the native build a position-sensitive kernel walks all rois of one bin -- one input
+// plane per channel -- before the next bin, so the first loads of the next bin's plane
+// would each wait for memory.  Every roi r of a bin hints two cache lines of that plane
+// (PlaneHint: lines 2r and 2r + 1, wrapped), spreading the plane over the current bin's
+// rois (measured on the 2-core test machine: PS forward 1.5-2x, backward 1.3x faster).
+// The per-channel ops reuse one plane for all R*P*Q items of a channel and gained
+// nothing.  Nothing on a GPU or in the emulation, nor with -DMX_ROI_NO_PREFETCH (to
+// measure it).
+template <typename T>
+struct PlaneHint {
+  long long off, off2;  // the two lines' element offsets in a plane
+  __device__ PlaneHint(long long r, int H, int W) {
+    const long long hw = (long long)H * W, line = 64 / (long long)sizeof(T);
+    off = (2 * r * line) % hw;
+    off2 = (off + line) % hw;
+  }
+  // ``write``: the plane is a gradient plane the next bin's items will update
+  __device__ __forceinline__ void operator()(const T* plane, bool write) const {
+#if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
+    if (write) {
+      __builtin_prefetch(plane + off, 1);
+      __builtin_prefetch(plane + off2, 1);
+    } else {
+      __builtin_prefetch(plane + off, 0);
+      __builtin_prefetch(plane + off2, 0);
+    }
+#endif
+  }
+};
+
+// The hint of an item of the generic loop (ItemLoop's order: channel, bin, then all
+// rois): the plane of the next bin in (c, p, q) order, the item's batch.
 template <typename T>
 __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* channel_map,
                                                     const Item& it, int C, int Cin, int H,
@@ -257,16 +280,8 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
     }
   }
   if (nx.c >= C) nx = it;
-  const long long hw = (long long)H * W, line = 64 / (long long)sizeof(T);
-  const T* next = base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W);
-  const long long off = (2 * it.r * line) % hw;
-  if (write) {
-    __builtin_prefetch(next + off, 1);
-    __builtin_prefetch(next + (off + line) % hw, 1);
-  } else {
-    __builtin_prefetch(next + off, 0);
-    __builtin_prefetch(next + (off + line) % hw, 0);
-  }
+  PlaneHint<T>(it.r, H, W)(base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W),
+                           write);
 #endif
 }
 
@@ -424,11 +439,11 @@ struct GradBlock {
 // channel of the bin.  ``bin(r, p, q, k)`` (k = p * Q + q) prepares roi r's bin once --
 // e.g. its samples' taps and weights -- and returns ``value(plane)``, the output read
 // from one plane (A), which is then called for every channel; while a bin's rois are
-// read, each roi hints two lines of the planes of the next bin (its image's), which would
-// otherwise come from memory item by item.  A forward writes each output once, so the
-// threads need not split channels: the launch's share [c0, c1) of the C channels stands
-// for the same share of the P*Q bins, all channels each (blocks of one or two of the 21
-// channels of an R-FCN head would prepare every bin once per block).  (Measured, 2-vCPU
+// read, each roi hints two lines of the planes of the next bin (its image's: PlaneHint),
+// which would otherwise come from memory item by item.  A forward writes each output
+// once, so the threads need not split channels: the launch's share [c0, c1) of the C
+// channels stands for the same share of the P*Q bins, all channels each (blocks of one
+// or two of the 21 channels of an R-FCN head would prepare every bin once per block).  (Measured, 2-vCPU
 // VM, R-FCN 7x7 / 256 rois, one thread: PSROIAlign 6.1 -> 4.1 ms, PSROIPooling 4.2 ->
 // 2.6 ms; walking a bin's rois channel by channel instead, with every roi prepared
 // first, was no faster for PSROIAlign and 20% slower for PSROIPooling.)  A negative batch
@@ -440,7 +455,6 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
   const long long R = per_roi > 0 ? n / per_roi : 0;
   if (R <= 0) return;
   const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
-  const long long line = 64 / (long long)sizeof(T), hw = (long long)H * W;
   for (long long k = k0; k < k1; ++k) {
     const int p = (int)(k / Q), q = (int)(k % Q);
     const long long kn = k + 1 < plane_out ? k + 1 : k;  // the next bin
@@ -452,12 +466,10 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
         continue;
       }
       const auto value = bin(r, p, q, k);
-      const long long off = (2 * r * line) % hw, off2 = (off + line) % hw;
+      const PlaneHint<T> hint(r, H, W);
       for (int c = 0; c < C; ++c) {
         const int* cm = channel_map + (long long)c * plane_out;
-        const T* next = data + plane_offset(b, cm[kn], Cin, H, W);
-        __builtin_prefetch(next + off, 0);
-        __builtin_prefetch(next + off2, 0);
+        hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
         o[c * plane_out] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
       }
     }
