@@ -291,6 +291,9 @@ __global__ void roi_align_forward_max(
 // its order (roi, bin) onto a zero start: the same bits.  The winners of a pass's bin come
 // from ``winners(r, cc, lanes, p, q, win)`` (win[c]: iy * Gx + ix, or -1): the kept argmax,
 // or the rescan of the data.
+// (bins of more samples are left to the generic loop, which divides instead of decoding)
+const long long MAX_LANES_SAMPLES = 1 << 16;
+
 template <typename T, typename A, typename O>
 struct MaxBackwardLanes {
   template <typename... Args>
@@ -309,7 +312,7 @@ struct MaxBackwardLanes<T, A, A> {
     const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     const long long K = (long long)Gy * Gx;
-    if (K > (1 << 16)) return false;  // the generic loop divides instead
+    if (K > MAX_LANES_SAMPLES) return false;
     if (R <= 0 || nc <= 0) return true;
     const mx_roi::GradBlock<A> block(batch, R, H, W);
     static thread_local std::vector<int> decode;  // k -> (k / Gx, k % Gx)
@@ -403,23 +406,25 @@ __global__ void roi_align_backward_max_rescan(
     long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   // the forward's walk (the thread's channel block of the data channels-last) rescans a
-  // pass's bin for 16 channels at once
-  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  if (MaxBackwardLanes<T, A, O>::run(
-          grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh, C, H, W, P, Q, Gy,
-          Gx, bottom, n, [&](long long r, int cc, int lanes, int p, int q, int* win) {
-            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-            mx_roi::MaxLanes<A> m;
-            if (ny > 0 && nx > 0) {
-              scan_samples_lanes(m, walk.image(batch[r]), cc, walk.ncp, W, ny, nx,
-                                 (r * P + p) * (long long)Gy, (r * Q + q) * (long long)Gx, Gx,
-                                 y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh);
-              for (int c = 0; c < lanes; ++c) win[c] = m.template index<int>(c);
-            } else {
-              for (int c = 0; c < lanes; ++c) win[c] = -1;
-            }
-          }))
-    return;
+  // pass's bin for 16 channels at once; bins the lanes walk declines skip the copy
+  if ((long long)Gy * Gx <= MAX_LANES_SAMPLES) {
+    const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
+    if (MaxBackwardLanes<T, A, O>::run(
+            grad, batch, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh, C, H, W, P, Q,
+            Gy, Gx, bottom, n, [&](long long r, int cc, int lanes, int p, int q, int* win) {
+              const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+              mx_roi::MaxLanes<A> m;
+              if (ny > 0 && nx > 0) {
+                scan_samples_lanes(m, walk.image(batch[r]), cc, walk.ncp, W, ny, nx,
+                                   (r * P + p) * (long long)Gy, (r * Q + q) * (long long)Gx,
+                                   Gx, y_low, y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh);
+                for (int c = 0; c < lanes; ++c) win[c] = m.template index<int>(c);
+              } else {
+                for (int c = 0; c < lanes; ++c) win[c] = -1;
+              }
+            }))
+      return;
+  }
 #endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const int b = batch[it.r];
