@@ -6,15 +6,18 @@ names every missing piece with the command that fixes it:
 =========  ==========================================================================
 driver     ``libcuda.so.1`` loads, ``cuInit`` succeeds, CUDA 11.2+ driver, >= 1 GPU
 mxnet      the MXNet build has CUDA (``mxnet-cu112``) and sees the GPUs
-cupy       CuPy imports, in the supported range (``cupy-cuda11x>=12,<14``)
+cupy       CuPy imports, 12.x-14.x (setup.py installs ``cupy-cuda11x>=12,<14``)
 nvrtc      the ``libnvrtc`` CuPy opens by name loads (a CUDA toolkit on the loader path,
            ``LD_LIBRARY_PATH``, or the ``nvidia-cuda-nvrtc-cu11`` wheel that mx_roi
-           preloads)
+           preloads); CuPy 14 finds its own, so it is asked
 headers    a ``cuda_fp16.h`` for that NVRTC (CuPy bundles it for CUDA 11.x and 12.0/12.1)
 =========  ==========================================================================
 
 The checklist runs on the host what can run there (the emulated references, the
 grid-stride wrap on the emulation) and reports each GPU-only step as SKIP with its reason.
+The kernel steps need the driver, CuPy, NVRTC and the headers (:data:`KERNEL_PIECES`), not
+MXNet's CUDA build: without it they run on CuPy arrays standing in for GPU NDArrays
+(:func:`gpu_context`, :mod:`mx_roi.cuda.cupy_arrays`).
 Every machine query goes through :class:`Probe`, so tests can simulate a missing piece.
 """
 from __future__ import annotations
@@ -31,11 +34,14 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["Probe", "Piece", "diagnose", "Step", "checklist", "GRID_WRAP_ITEMS",
-           "gpu_kernels_main"]
+           "gpu_kernels_main", "gpu_context", "is_standin", "mxnet_gpu_count",
+           "cupy_gpu_count"]
 
-#: the CuPy releases the GPU path supports (setup.py's ``CUPY`` says the same)
+#: what setup.py's ``gpu`` extra installs (``CUPY``): CuPy for CUDA 11, as mxnet-cu112
 CUPY_REQUIREMENT = "cupy-cuda11x>=12,<14"
-CUPY_RANGE = ((12, 0), (14, 0))
+#: the CuPy releases the GPU path runs on: 12 and 13 (CUDA 11/12), and 14 (CUDA 12/13,
+#: whose compile function takes no cache folder: :meth:`mx_roi.cuda.loader.CupyToolchain.compile`)
+CUPY_RANGE = ((12, 0), (15, 0))
 MIN_DRIVER = 11020  # CUDA 11.2, what mxnet-cu112 and cupy-cuda11x need
 #: one past what a single pass of the largest grid covers: the kernels' grid-stride loops
 #: must wrap (``MAX_GRID * BLOCK`` of mx_roi.cuda.loader)
@@ -106,11 +112,15 @@ class Probe:
                           f"{str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''})"
         version = tuple(int(x) for x in cupy.__version__.split(".")[:2])
         if not CUPY_RANGE[0] <= version < CUPY_RANGE[1]:
-            return False, f"CuPy {cupy.__version__} is outside the supported {CUPY_REQUIREMENT}"
+            return False, (f"CuPy {cupy.__version__} is outside the supported "
+                           f"{CUPY_RANGE[0][0]}.x-{CUPY_RANGE[1][0] - 1}.x")
         return True, f"CuPy {cupy.__version__}"
 
     def nvrtc(self) -> Tuple[bool, str]:
         from .cuda import nvrtc
+        version = self._cupy14_nvrtc()
+        if version:  # CuPy 14 finds its NVRTC itself (cuda-pathfinder): ask it
+            return True, f"NVRTC {version[0]}.{version[1]}, found by CuPy itself"
         major = nvrtc.cupy_cuda_major() or 11
         soname = nvrtc.CUPY_NVRTC_SONAMES[major]
         if self.loadable_by_name(soname):
@@ -128,8 +138,22 @@ class Probe:
         code = f"import ctypes; ctypes.CDLL({soname!r})"
         return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
+    def _cupy14_nvrtc(self) -> Optional[Tuple[int, int]]:
+        """NVRTC's version as CuPy 14+ loads it, else None (older CuPy, or none found)."""
+        try:
+            import cupy
+            if int(cupy.__version__.split(".")[0]) < 14:
+                return None
+            from cupy.cuda import nvrtc as cupy_nvrtc
+            return tuple(int(v) for v in cupy_nvrtc.getVersion())[:2]
+        except Exception:  # noqa: BLE001 - no CuPy, or its NVRTC does not load
+            return None
+
     def nvrtc_version(self) -> Optional[Tuple[int, int]]:
         from .cuda import nvrtc
+        version = self._cupy14_nvrtc()
+        if version:
+            return version
         major = nvrtc.cupy_cuda_major() or 11
         try:
             lib = ctypes.CDLL(nvrtc.CUPY_NVRTC_SONAMES[major])
@@ -176,6 +200,46 @@ class Step:
 
 CASES_DTYPES = (np.float16, np.float32, np.float64)
 
+#: how a report names the CuPy stand-in for MXNet's GPU arrays
+STANDIN_NOTE = "MXNet is a CPU build"
+
+
+def mxnet_gpu_count() -> int:
+    """GPUs MXNet sees (0 for a CPU build)."""
+    try:
+        import mxnet as mx
+        return mx.context.num_gpus() if mx.runtime.Features().is_enabled("CUDA") else 0
+    except Exception:  # noqa: BLE001 - a CPU build, or no driver
+        return 0
+
+
+def cupy_gpu_count() -> int:
+    """GPUs CuPy sees (0 without CuPy, a driver or a device)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return 0
+
+
+def gpu_context(gpu_id: int = 0):
+    """Where the GPU steps run: ``mx.gpu(gpu_id)`` if MXNet has CUDA and sees that GPU,
+    else CuPy arrays on that GPU standing in for MXNet's
+    (:class:`mx_roi.cuda.cupy_arrays.Device`: the same kernels, geometry and DLPack I/O).
+    Raises RuntimeError if neither sees it."""
+    if mxnet_gpu_count() > gpu_id:
+        import mxnet as mx
+        return mx.gpu(gpu_id)
+    if cupy_gpu_count() > gpu_id:
+        from .cuda.cupy_arrays import Device
+        return Device(gpu_id)
+    raise RuntimeError(f"no GPU {gpu_id} visible to MXNet or CuPy")
+
+
+def is_standin(ctx) -> bool:
+    """Whether ``ctx`` is the CuPy stand-in (:func:`gpu_context`), not an MXNet context."""
+    return hasattr(ctx, "array")
+
 
 def _all_cases():
     """``(name, params, dtype, rescan)`` of every check: each op x dtype, the max modes
@@ -196,11 +260,12 @@ def _against_emulation(gpu_id: int, what: str) -> str:
     import mxnet as mx
     from .backends import get
     from .selftest import _op, _problem, _run
+    gpu = gpu_context(gpu_id)
     n = 0
     for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
         data, rois, grad = _problem(op, dtype)
-        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id), rescan)
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu, rescan)
         o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
         a, b = (o1, o2) if what == "forward" else (g1, g2)
         if not np.array_equal(_bits(a), _bits(b)):
@@ -210,7 +275,11 @@ def _against_emulation(gpu_id: int, what: str) -> str:
                                  + f": {what} differs from emulated-cuda in {bad} of "
                                  f"{a.size} elements")
         n += 1
-    return f"{n} op x dtype cases bit-equal to emulated-cuda ({what})"
+    return f"{n} op x dtype cases bit-equal to emulated-cuda ({what}){_on(gpu)}"
+
+
+def _on(ctx) -> str:
+    return f" on CuPy arrays ({STANDIN_NOTE})" if is_standin(ctx) else ""
 
 
 def _emulated_references() -> str:
@@ -245,30 +314,35 @@ def _grid_wrap(backend: str, ctx) -> str:
     if not (np.array_equal(out, data) and np.array_equal(dg, grad)):
         first = int(np.argmax((out != data).ravel() | (dg != grad).ravel()))
         raise AssertionError(f"{backend}: item {first} of {C} wrong (grid-stride wrap)")
-    return f"{backend}: {C} items (> 65535 blocks x 256 threads), forward + grad exact"
+    return (f"{backend}: {C} items (> 65535 blocks x 256 threads), forward + grad exact"
+            + _on(ctx))
 
 
 def _device(gpu_id: int) -> str:
     import mxnet as mx
     from .backends import get
     from .selftest import CASES, _close, _op, _problem, _run
+    gpu = gpu_context(gpu_id)
     for name, params in CASES:
         op = _op(name, params)
         data, rois, grad = _problem(op, np.float32)
-        o1, g1 = _run(get("cuda"), op, data, rois, grad, mx.gpu(gpu_id))
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu)
         o2, g2 = _run(get("numpy"), op, data, rois, grad, mx.cpu())
         _close(o1, o2, np.float32, f"{name} forward on gpu({gpu_id})")
         _close(g1, g2, np.float32, f"{name} grad on gpu({gpu_id})")
-    return f"{len(CASES)} ops on mx.gpu({gpu_id}) vs numpy"
+    return f"{len(CASES)} ops on gpu({gpu_id}) vs numpy{_on(gpu)}"
 
 
 def _memory(steps: int = 200) -> str:
     """A training loop (record -> backward -> read, no wait in between); CuPy's pool must
-    not grow after warm-up, and what it holds is reported."""
+    not grow after warm-up, and what it holds is reported.  Where MXNet is a CPU build,
+    the same calls go straight to the backend on CuPy arrays (:func:`_memory_standin`)."""
     import cupy
     import mxnet as mx
     from mxnet import autograd
     from . import nd as mx_roi_nd
+    if is_standin(gpu_context(0)):
+        return _memory_standin(steps)
     pool = cupy.get_default_memory_pool()
     ctx = mx.gpu(0)
     x = mx.nd.random.normal(shape=(2, 256, 64, 64), ctx=ctx)
@@ -290,6 +364,37 @@ def _memory(steps: int = 200) -> str:
     return (f"{steps} steps: CuPy pool holds {held[1] / 2**20:.1f} MiB (used "
             f"{pool.used_bytes() / 2**20:.1f} MiB); GPU free {free / 2**30:.2f} of "
             f"{total / 2**30:.2f} GiB")
+
+
+def _memory_standin(steps: int) -> str:
+    """:func:`_memory`'s loop on CuPy arrays: the backend's ROIAlign forward (keeping its
+    saved state) and backward, 200 times; CuPy's pool must not grow after warm-up."""
+    import cupy
+    from .backends import get
+    from .selftest import _op
+    pool = cupy.get_default_memory_pool()
+    gpu = gpu_context(0)
+    op = _op("ROIAlign", dict(pooled_size=(7, 7), spatial_scale=0.25, sample_ratio=2))
+    rng = np.random.default_rng(0)
+    x = gpu.array(rng.standard_normal((2, 256, 64, 64)).astype(np.float32))
+    rois = gpu.array(np.array([[0, 4, 4, 200, 180], [1, 0, 0, 120, 250]] * 64, np.float32))
+    out = gpu.zeros(op.out_shape(x.shape, rois.shape))
+    dy = gpu.array(np.ones(out.shape, np.float32))
+    dx = gpu.zeros(x.shape)
+    cuda, held = get("cuda"), []
+    for i in range(steps):
+        saved = cuda.forward(op, "write", x, rois, out, keep=True)
+        cuda.backward(op, "write", dy, x, rois, dx, saved)
+        float(dx.data[0, 0, 0, 0])
+        if i in (10, steps - 1):
+            held.append(pool.total_bytes())
+    if held[1] > held[0]:
+        raise AssertionError(f"CuPy's pool grew from {held[0]} to {held[1]} bytes between "
+                             f"step 10 and step {steps}")
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return (f"{steps} forward + backward calls on CuPy arrays ({STANDIN_NOTE}): CuPy pool "
+            f"holds {held[1] / 2**20:.1f} MiB (used {pool.used_bytes() / 2**20:.1f} MiB); "
+            f"GPU free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
 
 
 def _sanitizer_tool() -> str:
@@ -315,23 +420,29 @@ def _sanitize(tool: str) -> str:
 
 
 def gpu_kernels_main() -> int:
-    """``--gpu-kernels``: every op x dtype x mode forward + backward once on ``mx.gpu(0)``
-    (what compute-sanitizer watches)."""
-    import mxnet as mx
+    """``--gpu-kernels``: every op x dtype x mode forward + backward once on GPU 0 (an
+    MXNet GPU context, or CuPy arrays standing in for it): what compute-sanitizer
+    watches."""
     from .backends import get
     from .selftest import _op, _problem, _run
+    gpu = gpu_context(0)
     for name, params, dtype, rescan in _all_cases():
         for det in (False, True):
             op = _op(name, dict(params, deterministic=det))
-            _run(get("cuda"), op, *_problem(op, dtype), mx.gpu(0), rescan)
+            _run(get("cuda"), op, *_problem(op, dtype), gpu, rescan)
     return 0
 
 
+#: what the kernels need; MXNet's CUDA build is needed only for its own GPU work (the
+#: built-ins, its engine and autograd): without it the kernel steps run on CuPy arrays
+KERNEL_PIECES = ("driver", "cupy", "nvrtc", "headers")
+
+
 def _gpu_count(pieces: List[Piece]) -> int:
-    if not all(p.ok for p in pieces):
+    ok = {p.name for p in pieces if p.ok}
+    if not ok.issuperset(KERNEL_PIECES):
         return 0
-    import mxnet as mx
-    return mx.context.num_gpus()
+    return mxnet_gpu_count() if "mxnet" in ok else cupy_gpu_count()
 
 
 def checklist(pieces: Optional[List[Piece]] = None,
@@ -339,7 +450,7 @@ def checklist(pieces: Optional[List[Piece]] = None,
     """The first-GPU-run checklist (README, "First GPU run"): host parts run here, GPU
     parts when :func:`diagnose` found everything and a GPU is visible."""
     pieces = diagnose() if pieces is None else pieces
-    missing = [p.name for p in pieces if not p.ok]
+    missing = [p.name for p in pieces if not p.ok and p.name in KERNEL_PIECES]
     gpus = _gpu_count(pieces) if gpus is None else gpus
     no_gpu = (f"GPU setup incomplete ({', '.join(missing)} missing; see the diagnosis)"
               if missing else "no GPU visible")
@@ -357,7 +468,7 @@ def checklist(pieces: Optional[List[Piece]] = None,
         ("forward bits = emulation", "gpu", lambda: _against_emulation(0, "forward"),
          "" if gpus else no_gpu),
         ("grid-stride wrap", "host", lambda: _grid_wrap("emulated-cuda", mx.cpu()), ""),
-        ("grid-stride wrap", "gpu", lambda: _grid_wrap("cuda", mx.gpu(0)),
+        ("grid-stride wrap", "gpu", lambda: _grid_wrap("cuda", gpu_context(0)),
          "" if gpus else no_gpu),
         ("device 1", "gpu", lambda: _device(1),
          "" if gpus >= 2 else f"needs two GPUs ({gpus} visible)"),

@@ -127,8 +127,11 @@ class RoIOp:
                             "(float16, float32, float64)")
         if rois.shape[0] == 0:
             return
-        # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it
-        finite = xp.isfinite(rois) & (xp.abs(rois) < GUARD_BOUND)
+        # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it (float16
+        # holds no such value: there, comparing would only cast the bound to inf)
+        finite = xp.isfinite(rois)
+        if GUARD_BOUND <= float(np.finfo(rois.dtype).max):
+            finite &= xp.abs(rois) < GUARD_BOUND
         if not bool(finite.all()):
             r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
             raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "

@@ -14,8 +14,10 @@ GPU is reported, not a failure):
                      (the max modes' backward also with no argmax kept: the rescan);
 * ``nvrtc-compile``  needs libnvrtc (``nvidia-cuda-nvrtc-cu11``): every kernel source and
                      instantiation compiled to PTX (default compute_70; ``--archs``);
-* ``cuda``           needs CuPy, an MXNet GPU build and a GPU: the kernels on ``mx.gpu(0)``
-                     against the NumPy backend on the CPU, and the built-ins on the GPU.
+* ``cuda``           needs CuPy and a GPU: the kernels on ``mx.gpu(0)`` against the NumPy
+                     backend on the CPU, and the built-ins on the GPU; where MXNet is a
+                     CPU build, the kernels on CuPy arrays standing in for GPU NDArrays
+                     (:mod:`mx_roi.cuda.cupy_arrays`) and no built-ins.
 
 Below the table, the GPU setup: driver, MXNet GPU build, CuPy, the NVRTC library CuPy
 loads, ``cuda_fp16.h`` -- each OK or MISSING with the command that fixes it
@@ -84,20 +86,27 @@ def rescan_variants(name, params):
     return (False, True) if _op(name, params).backward_needs_data else (False,)
 
 
-def _run(backend, op, data, rois, grad, ctx, rescan=False):
+def _nd(a, ctx):
+    """``a`` as an array on ``ctx``: an MXNet context, or a GPU that CuPy arrays stand in
+    for (:class:`mx_roi.cuda.cupy_arrays.Device`, where MXNet is a CPU build)."""
+    a = np.asarray(a)
+    if hasattr(ctx, "array"):
+        return ctx.array(a)
     import mxnet as mx
+    return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
+
+
+def _run(backend, op, data, rois, grad, ctx, rescan=False):
     from .cuda import backend as cuda_backend
-    x = mx.nd.array(data, ctx=ctx, dtype=data.dtype)
-    r = mx.nd.array(rois, ctx=ctx, dtype=rois.dtype)
-    out = mx.nd.zeros(op.out_shape(data.shape, rois.shape), ctx=ctx, dtype=data.dtype)
-    dg = mx.nd.zeros(data.shape, ctx=ctx, dtype=data.dtype)
+    x, r = _nd(data, ctx), _nd(rois, ctx)
+    out = _nd(np.zeros(op.out_shape(data.shape, rois.shape), data.dtype), ctx)
+    dg = _nd(np.zeros(data.shape, data.dtype), ctx)
     keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
     if rescan:  # (the checks run on one thread)
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
     try:
         saved = backend.forward(op, "write", x, r, out, keep=True)
-        backend.backward(op, "write", mx.nd.array(grad, ctx=ctx, dtype=grad.dtype), x, r,
-                         dg, saved)
+        backend.backward(op, "write", _nd(grad, ctx), x, r, dg, saved)
     finally:
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
     return out.asnumpy(), dg.asnumpy()
@@ -193,12 +202,15 @@ def check_nvrtc(quick=False, archs=(70,)):
 
 def check_cuda(quick=False):
     import mxnet as mx
+    from . import gpucheck
     try:
         import cupy  # noqa: F401
     except Exception as e:  # ImportError, or CUDA libraries missing
         raise Skip(f"CuPy not importable ({type(e).__name__}: {e})".splitlines()[0][:120])
-    if mx.context.num_gpus() == 0:
-        raise Skip("no GPU visible to MXNet (CPU build or no device)")
+    try:
+        gpu = gpucheck.gpu_context(0)
+    except RuntimeError as e:
+        raise Skip(str(e))
     from .backends import get
     cuda, ref = get("cuda"), get("numpy")
     n = 0
@@ -209,13 +221,16 @@ def check_cuda(quick=False):
                 data, rois, grad = _problem(op, dtype)
                 o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
                 for rescan in rescan_variants(name, params):
-                    o1, g1 = _run(cuda, op, data, rois, grad, mx.gpu(0), rescan)
+                    o1, g1 = _run(cuda, op, data, rois, grad, gpu, rescan)
                     what = (f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
                             + (" rescan" if rescan else ""))
                     _close(o1, o2, dtype, f"{what} forward")
                     _close(g1, g2, dtype, f"{what} data grad")
                     n += 1
-    n += _builtin_checks(cuda, mx.gpu(0))
+    if gpucheck.is_standin(gpu):
+        return (f"{n} checks vs the CPU path on CuPy arrays ({gpucheck.STANDIN_NOTE}); "
+                "the GPU built-ins need MXNet's CUDA build")
+    n += _builtin_checks(cuda, gpu)
     return f"{n} checks vs the CPU path and the GPU built-ins"
 
 

@@ -75,7 +75,8 @@ def test_supported_cupy_range_is_the_one_setup_py_installs():
         text = f.read()
     assert f'CUPY = "{gpucheck.CUPY_REQUIREMENT}"' in text
     assert gpucheck.CUPY_REQUIREMENT.endswith(">=12,<14")
-    assert gpucheck.CUPY_RANGE == ((12, 0), (14, 0))
+    # the range the GPU path runs on: 12 and 13, and 14 (CUDA 12/13)
+    assert gpucheck.CUPY_RANGE == ((12, 0), (15, 0))
 
 
 def test_crashing_probe_is_reported_not_raised():
@@ -127,7 +128,8 @@ def test_checklist_runs_host_parts_and_skips_gpu_parts(host_steps):
             assert s.status == "PASS", s
         else:
             assert s.status == "SKIP", s
-    reason = "GPU setup incomplete (driver, mxnet missing; see the diagnosis)"
+    # MXNet's CUDA build is not one of the kernels' needs (CuPy arrays stand in for its)
+    reason = "GPU setup incomplete (driver missing; see the diagnosis)"
     assert by[("sanitizer", "gpu")].detail == reason
     assert by[("memory after training", "gpu")].detail == reason
     assert by[("device 1", "gpu")].detail == "needs two GPUs (0 visible)"
@@ -193,3 +195,39 @@ def test_selftest_exit_codes(monkeypatch, capsys, host_steps):
     rc, out = _main(monkeypatch, capsys, [], host_steps, backend="FAIL")
     assert rc == 1 and "FAILED: numpy" in out
     assert "First GPU run" not in out  # the checklist only with --gpu
+
+
+def test_kernel_steps_run_without_mxnets_cuda_build(monkeypatch):
+    """MXNet's CUDA build is not a kernel need: with it missing and a GPU that CuPy sees,
+    the GPU steps run (on CuPy arrays), and only the setup line names mxnet."""
+    monkeypatch.setattr(gpucheck, "_emulated_references", lambda: "stubbed")
+    monkeypatch.setattr(gpucheck, "_grid_wrap", lambda *a: "ran")
+    for name in ("_against_emulation", "_memory", "_sanitize"):
+        monkeypatch.setattr(gpucheck, name, lambda *a: "ran")
+    monkeypatch.setattr(gpucheck, "mxnet_gpu_count", lambda: 0)
+    monkeypatch.setattr(gpucheck, "cupy_gpu_count", lambda: 1)
+    pieces = gpucheck.diagnose(FakeProbe(missing={"mxnet"}))
+    steps = gpucheck.checklist(pieces, sanitizer="/usr/local/cuda/bin/compute-sanitizer")
+    status = {(s.name, s.where): s.status for s in steps}
+    assert status.pop(("device 1", "gpu")) == "SKIP"
+    assert set(status.values()) == {"PASS"}, steps
+    # and no GPU step runs when a kernel piece is missing
+    for piece in gpucheck.KERNEL_PIECES:
+        steps = gpucheck.checklist(gpucheck.diagnose(FakeProbe(missing={piece, "mxnet"})),
+                                   sanitizer="x")
+        skips = {s.detail for s in steps if s.where == "gpu" and s.name != "device 1"}
+        assert skips == {f"GPU setup incomplete ({piece} missing; see the diagnosis)"}
+
+
+def test_gpu_context_prefers_mxnet_then_cupy_arrays(monkeypatch):
+    import mxnet as mx
+    monkeypatch.setattr(gpucheck, "mxnet_gpu_count", lambda: 1)
+    monkeypatch.setattr(gpucheck, "cupy_gpu_count", lambda: 1)
+    ctx = gpucheck.gpu_context(0)
+    assert ctx == mx.gpu(0) and not gpucheck.is_standin(ctx)
+    monkeypatch.setattr(gpucheck, "mxnet_gpu_count", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"^no GPU 1 visible to MXNet or CuPy$"):
+        gpucheck.gpu_context(1)
+    pytest.importorskip("cupy")
+    ctx = gpucheck.gpu_context(0)
+    assert gpucheck.is_standin(ctx) and ctx.device_id == 0 and repr(ctx) == "cupy-gpu(0)"

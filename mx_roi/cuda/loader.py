@@ -752,6 +752,8 @@ class CupyToolchain:
     def compile(self, code, options, exprs, arch, device_id, scratch):
         """``(loaded module, binary or None, {expression: mangled name})``."""
         from cupy._core import core
+        if int(self.version.split(".")[0]) >= 14:
+            return self._compile_cupy14(code, options, exprs, arch, device_id)
         with self.cupy.cuda.Device(device_id):
             mod = core.compile_with_cache(code, tuple(options), arch, scratch, False,
                                           name_expressions=list(exprs))
@@ -763,6 +765,41 @@ class CupyToolchain:
             # CuPy's format: 40 hex digits of the binary's SHA-1, then the binary
             if hashlib.sha1(data[40:]).hexdigest().encode() == data[:40]:
                 binary = data[40:]
+        return mod, binary, dict(mod.mapping)
+
+    def _compile_cupy14(self, code, options, exprs, arch, device_id):
+        """CuPy 14: ``compile_with_cache`` takes no cache folder (one process-wide cache
+        backend stores binaries).  It is called as ``RawModule`` calls it, while a backend
+        stands in that reports every entry missing (so this source is compiled afresh),
+        keeps this source's binary and hands any other compile's to CuPy's own."""
+        from cupy._core import core
+        from cupy.cuda import compiler
+        own, captured = compiler._kernel_cache_backend, []
+
+        class Capture:
+            def load(self, name):
+                return None
+
+            def save(self, name, payload, source):
+                if code in source:  # (CuPy may put a preamble before it)
+                    captured.append(payload)
+                else:
+                    own.save(name, payload, source)
+
+        compiler._set_kernel_cache_backend(Capture())
+        try:
+            with self.cupy.cuda.Device(device_id):
+                mod = core.compile_with_cache(code, tuple(options), arch=arch,
+                                              prepend_cupy_headers=False,
+                                              name_expressions=list(exprs))
+        finally:
+            compiler._set_kernel_cache_backend(own)
+        binary = None
+        decode = getattr(compiler, "_decode_cache_payload", None)
+        if captured and decode is not None:
+            # CuPy 14's payload: a magic, the mangled names, then the binary
+            decoded = decode(captured[-1], len(exprs))
+            binary = decoded[1] if decoded is not None else None
         return mod, binary, dict(mod.mapping)
 
     def load(self, binary: bytes, device_id: int):

@@ -47,8 +47,9 @@ def find_library() -> Optional[str]:
 
 
 #: The NVRTC library each CuPy wheel opens by name (CuPy 13 on Linux; it does not look
-#: inside the ``nvidia-cuda-nvrtc-cu*`` wheels).
-CUPY_NVRTC_SONAMES = {11: "libnvrtc.so.11.2", 12: "libnvrtc.so.12"}
+#: inside the ``nvidia-cuda-nvrtc-cu*`` wheels; CuPy 14 finds its own through
+#: ``cuda-pathfinder``, wheels included).
+CUPY_NVRTC_SONAMES = {11: "libnvrtc.so.11.2", 12: "libnvrtc.so.12", 13: "libnvrtc.so.13"}
 
 
 def cupy_cuda_major() -> Optional[int]:
@@ -74,10 +75,11 @@ def wheel_library(soname: str) -> Optional[str]:
         roots = list(getattr(nvidia, "__path__", []))
     except ImportError:
         roots = []
-    for root in roots:
-        path = os.path.join(root, "cuda_nvrtc", "lib", soname)
-        if os.path.exists(path):
-            return path
+    for root in roots:  # CUDA 11/12 wheels: nvidia/cuda_nvrtc/lib; CUDA 13: nvidia/cu13/lib
+        for path in [os.path.join(root, "cuda_nvrtc", "lib", soname)] + \
+                sorted(glob.glob(os.path.join(root, "cu[0-9]*", "lib", soname))):
+            if os.path.exists(path):
+                return path
     return None
 
 

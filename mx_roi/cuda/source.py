@@ -248,7 +248,8 @@ def cuda_include_dirs(nvrtc_major: int = 11) -> List[str]:
     adds none, so CuPy's headers always match CuPy's compiler.  Candidates, each kept
     only if its headers are of the same CUDA major version: CuPy's bundled
     ``cupy/_core/include/cupy/_cuda/cuda-<major>``, the ``nvidia-cuda-runtime-cu<major>``
-    wheel, ``$CUDA_PATH/include``.
+    wheel (``nvidia/cu<major>/include`` for CUDA 13), ``$CUDA_PATH/include``, CuPy 14's
+    CUDA root.
     """
     dirs = []
     try:
@@ -265,12 +266,20 @@ def cuda_include_dirs(nvrtc_major: int = 11) -> List[str]:
     candidates = []
     try:
         import nvidia  # namespace package of the NVIDIA wheels
-        candidates += [os.path.join(r, "cuda_runtime", "include")
-                       for r in getattr(nvidia, "__path__", [])]
+        for r in getattr(nvidia, "__path__", []):  # CUDA 11/12 wheels, and 13's nvidia/cu13
+            candidates += [os.path.join(r, "cuda_runtime", "include"),
+                           os.path.join(r, f"cu{nvrtc_major}", "include")]
     except ImportError:
         pass
     if os.environ.get("CUDA_PATH"):
         candidates.append(os.path.join(os.environ["CUDA_PATH"], "include"))
+    try:  # CuPy 14's CUDA root (where its NVRTC lives): the headers it compiles with
+        from cupy import _environment
+        root = _environment.get_cuda_path()
+        if root:
+            candidates.append(os.path.join(root, "include"))
+    except Exception:  # noqa: BLE001 - no CuPy, an older one, or no CUDA root
+        pass
     for inc in candidates:
         version = _cuda_header_version(inc)
         if (os.path.exists(os.path.join(inc, "cuda_fp16.h")) and version
