@@ -71,10 +71,8 @@ class PositionSensitive(RoIOp):
 
     def channel_map(self, xp=np):
         """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
-        p = self.param
-        if xp is np:
-            return _host_tables(p)[1]
-        return geometry.ps_channel_map(p.output_dim, p.pooled_size, p.group_grid, xp)
+        cmap = _host_tables(self.param)[1]
+        return cmap if xp is np else xp.asarray(cmap)  # on a GPU: one small copy
 
 
 _HOST_TABLES = {}

@@ -485,6 +485,7 @@ def _fake_cupy():
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
         get_current_stream=lambda: _Stream())
+    fake.asnumpy = np.array  # a host copy, as CuPy's
     fake.from_dlpack, fake.cuda, fake.toolchain = from_dlpack, cuda, Toolchain()
     fake.pool = _Pool()
     fake.get_default_memory_pool = lambda: fake.pool

@@ -9,10 +9,14 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
    kernels write straight into MXNet's output / input-gradient memory (req write/inplace:
    ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
    (``asnumpy``, ``dst[:] = value``);
-2. ``op.check_inputs(shape, dtype, rois, xp)`` exactly like the NumPy backend;
-3. the op's geometry tables, once: ``op.geometry(rois, H, W, xp)`` (``xp`` = cupy on a
-   GPU, numpy in emulation) -- the kernels only read them (they never re-derive a bin or a
-   sample), so every geometry the tables can express (legacy modes included) runs here;
+2. ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
+   rois on the host (a GPU call copies its (R, 5) rois back once);
+3. the op's geometry tables, once per training step: ``op.geometry(rois, H, W, np)`` on
+   the host -- on a GPU then moved in one packed copy (:func:`mx_roi.cuda.tables.to_device`:
+   a few dozen tiny CuPy kernels and device reads cost more than the kernels themselves),
+   and kept with the forward's argmax for its backward -- the kernels only read them (they
+   never re-derive a bin or a sample), so every geometry the tables can express (legacy
+   modes included) runs here, with the same tables bit for bit on every backend;
 4. ``op.forward_cuda(launch, geo, data)`` / ``op.backward_cuda(launch, geo, grad, shape,
    saved)`` pick the kernels and marshal the arguments through :class:`Launch`; no launch
    happens when there is nothing to compute (R = 0);
@@ -63,11 +67,10 @@ launches on its current stream of ``cupy.cuda.Device(ctx.device_id)``.  Before r
 the backend calls ``cupy.cuda.get_current_stream().synchronize()`` so that everything it
 wrote is complete when MXNet's engine hands the outputs to the next operator (MXNet's
 stream knows nothing of CuPy's).  Cost: one host wait per forward/backward -- the op's
-kernels are not overlapped with the next MXNet op -- plus the small device->host reads of
-input validation (``check_inputs``: finiteness and batch-index checks), of the geometry
-(the padded sample count ``G``) and of the deterministic bound; each costs a launch
-latency (microseconds), small against the kernels.  ``mx.nd.waitall()`` is never called
-inside an op.
+kernels are not overlapped with the next MXNet op -- plus the copy of the rois to the
+host (validation and geometry run there) and, in deterministic mode, the read of the
+bound; each a few microseconds, small against the kernels.  ``mx.nd.waitall()`` is never
+called inside an op.
 """
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ from ..ndio import Kind
 from ..saved import keep_for_backward, unpack_saved
 from . import loader
 from . import source as S
-from .tables import argmax_dtype
+from .tables import argmax_dtype, host_tables, to_device
 
 __all__ = ["CudaBackend", "Launch"]
 
@@ -279,10 +282,10 @@ class Launch:
         a sample's four weights sum to ``(|wyl| + |wyh|) * (|wxl| + |wxh|)``: 1 for the
         standard bilinear rule, up to 4 on the Caffe legacy grid (both taps of weight 1
         at an integer coordinate).  Every legacy grid is covered, whatever its weights."""
-        geo = self.geo
+        geo = host_tables(self.geo) if self.geo is not None else None
         if geo is None or not hasattr(geo, "divisor") or not hasattr(geo, "y"):
             return 1.0
-        xp = self.xp
+        xp = np  # the host tables (a GPU call's too): no device reads, emulation's bits
         if geo.divisor.size == 0:
             return 1.0
         sums, peaks = [], []
@@ -470,10 +473,29 @@ class CudaBackend:
             finally:  # after _forward's temporaries are dropped: the pool can free them
                 self._sync()
 
+    def _host_rois(self, rois_nd) -> np.ndarray:
+        """The rois as a NumPy array: the checks and the geometry run on the host for every
+        kind -- on a GPU after one copy of the (R, 5) rois, instead of a few dozen small
+        kernels and several device reads -- so a GPU call builds the very tables (bit for
+        bit) the host builds run on."""
+        if self.kind is Kind.CUDA:
+            import cupy
+            return cupy.asnumpy(ndio.read_cupy(rois_nd))
+        return self._read(rois_nd)
+
+    def _geometry(self, op, rois, height, width):
+        """``op``'s geometry tables for host ``rois``, where the kernels read them (on a
+        GPU: one packed copy, :func:`mx_roi.cuda.tables.to_device`)."""
+        geo = op.geometry(rois, height, width, np)
+        if self.kind is Kind.CUDA:
+            import cupy
+            return to_device(geo, cupy)
+        return geo
+
     def _forward(self, op, req, data_nd, rois_nd, out_nd, keep):
         xp = self._xp()
-        data, rois = self._read(data_nd), self._read(rois_nd)
-        op.check_inputs(data.shape, data.dtype, rois, xp)
+        data, rois = self._read(data_nd), self._host_rois(rois_nd)
+        op.check_inputs(data.shape, data.dtype, rois, np)
         _check_plane(op, data.shape)
         if req == "null" or rois.shape[0] == 0:
             return None
@@ -481,7 +503,7 @@ class CudaBackend:
             if req != "add":
                 self._write(out_nd, req, xp.zeros(tuple(out_nd.shape), out_nd.dtype))
             return None
-        geo = op.geometry(rois, data.shape[2], data.shape[3], xp)
+        geo = self._geometry(op, rois, data.shape[2], data.shape[3])
         launch = self._launch(op, data.dtype, data_nd)
         launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
                                                                           rois.shape)))
@@ -489,9 +511,9 @@ class CudaBackend:
         out, saved = op.forward_cuda(launch, geo, data)
         if out is not launch.out_target:
             self._write(out_nd, req, out)
-        if keep and self.kind.on_host:  # host builds: the backward reuses the geometry
+        if keep:  # the backward reuses the geometry (when its rois are the same)
             return keep_for_backward(saved, rois, data.shape[2:], geo)
-        return saved if keep else None
+        return None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
         if req == "null":
@@ -506,17 +528,17 @@ class CudaBackend:
         xp = self._xp()
         shape = tuple(in_grad_nd.shape)
         _check_plane(op, shape)
-        rois = self._read(rois_nd)
+        rois = self._host_rois(rois_nd)
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
-        op.check_inputs(shape, in_grad_nd.dtype, rois, xp)
+        op.check_inputs(shape, in_grad_nd.dtype, rois, np)
         if rois.shape[0] == 0 or math.prod(shape) == 0:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
-        saved, geo = unpack_saved(saved, rois, shape[2:], xp)
+        saved, geo = unpack_saved(saved, rois, shape[2:], np)
         if geo is None:
-            geo = op.geometry(rois, shape[2], shape[3], xp)
+            geo = self._geometry(op, rois, shape[2], shape[3])
         grad = self._read(grad_nd)
         launch = self._launch(op, grad.dtype, in_grad_nd)
         launch.geo = geo

@@ -7,9 +7,63 @@ is re-derived on the device).  These helpers only name them: ``Launch.forward``/
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-__all__ = ["sample_grid_tables", "int_bins_tables", "int_bins_max_cells", "argmax_dtype"]
+__all__ = ["sample_grid_tables", "int_bins_tables", "int_bins_max_cells", "argmax_dtype",
+           "to_device", "host_tables"]
+
+#: byte alignment of each table in :func:`to_device`'s one buffer (any element type)
+_ALIGN = 16
+
+
+def _arrays(geo):
+    """Every NumPy array of the (nested) geometry dataclass ``geo``, in field order."""
+    for f in dataclasses.fields(geo):
+        v = getattr(geo, f.name)
+        if isinstance(v, np.ndarray):
+            yield v
+        elif dataclasses.is_dataclass(v):
+            yield from _arrays(v)
+
+
+def to_device(geo, cupy):
+    """Host geometry tables (an IntBins / SampleGrid of NumPy arrays) on the current GPU,
+    in one host-to-device copy: every array packed into one buffer at 16-byte offsets,
+    then viewed back out in its own dtype and shape.  The result keeps the host tables
+    as ``host`` (:func:`host_tables`), for what the launch glue reads on the host."""
+    arrays = [np.ascontiguousarray(a) for a in _arrays(geo)]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    buf = np.empty(max(total, _ALIGN), np.uint8)
+    for a, o in zip(arrays, offsets):
+        buf[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+    dev = cupy.asarray(buf)
+    views = iter([dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
+                  for a, o in zip(arrays, offsets)])
+
+    def rebuild(obj):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, np.ndarray):
+                changes[f.name] = next(views)
+            elif dataclasses.is_dataclass(v):
+                changes[f.name] = rebuild(v)
+        return dataclasses.replace(obj, **changes)
+
+    out = rebuild(geo)
+    out.host = geo
+    return out
+
+
+def host_tables(geo):
+    """The host (NumPy) twin of geometry tables moved by :func:`to_device`, else ``geo``
+    itself (host tables already)."""
+    return getattr(geo, "host", geo)
 
 #: argmax storage dtypes, smallest first (the C types of mx_roi.cuda.source.INDEX_TYPES)
 _INDEX_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
@@ -40,7 +94,8 @@ def int_bins_tables(bins) -> dict:
 def int_bins_max_cells(bins) -> int:
     """The most cells of any bin of IntBins ``bins`` (an empty bin has none).  A bin is
     a y range times an x range, so per roi the longest y range times the longest x
-    range; NumPy or CuPy tables (on a GPU: one small reduction read back)."""
+    range; from the host tables (a GPU call's too: :func:`host_tables`)."""
+    bins = host_tables(bins)
     if bins.hstart.size == 0 or bins.wstart.size == 0:
         return 0
     h = (bins.hend - bins.hstart).max(axis=1).astype(np.int64)              # (R,)

@@ -1,0 +1,71 @@
+"""Geometry tables moved to a GPU in one packed copy (:func:`mx_roi.cuda.tables.to_device`),
+checked with NumPy standing in for CuPy: every table comes back with its values, dtype and
+shape, at an aligned offset of the one buffer, and the host twin stays reachable."""
+import types
+
+import numpy as np
+import pytest
+
+from mx_roi import geometry
+from mx_roi.cuda.tables import host_tables, int_bins_max_cells, to_device
+
+
+class OneCopy:
+    """``cupy.asarray`` of the packed buffer, recorded (NumPy arrays play device arrays)."""
+
+    def __init__(self):
+        self.copies = []
+
+    def asarray(self, buf):
+        self.copies.append(buf.nbytes)
+        return np.array(buf)  # a copy, as a host-to-device transfer is
+
+
+def _leaves(geo):
+    import dataclasses
+    for f in dataclasses.fields(geo):
+        v = getattr(geo, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from ((f"{f.name}.{k}", x) for k, x in _leaves(v))
+        else:
+            yield f.name, v
+
+
+@pytest.mark.parametrize("R", [0, 1, 7])
+@pytest.mark.parametrize("kind", ["bins", "grid", "caffe"])
+def test_every_table_arrives_whole_in_one_copy(kind, R):
+    rng = np.random.default_rng(R)
+    rois = np.concatenate([rng.integers(0, 2, (R, 1)), rng.uniform(0, 40, (R, 2)),
+                           rng.uniform(40, 90, (R, 2))], axis=1).astype(np.float32)
+    if kind == "bins":
+        geo = geometry.roi_pooling_bins(rois, (3, 2), 0.25, 20, 24, np)
+    elif kind == "grid":
+        geo = geometry.roi_align_grid(rois, (2, 3), 0.25, -1, True, 20, 24, np)
+    else:
+        geo = geometry.caffe_align_grid(rois, (2, 2), 0.25, 20, 24, np)
+    dev = OneCopy()
+    moved = to_device(geo, dev)
+    assert len(dev.copies) == 1
+    assert host_tables(moved) is geo and host_tables(geo) is geo
+    base = None
+    for (name, a), (name2, b) in zip(_leaves(geo), _leaves(moved)):
+        assert name == name2
+        if not isinstance(a, np.ndarray):
+            assert b is a, name
+            continue
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        np.testing.assert_array_equal(b, a, err_msg=name)
+        assert b is not a and not np.shares_memory(a, b), name
+        if b.size:
+            base = b.base if base is None else base
+            assert b.base is base, f"{name}: not a view of the one buffer"
+            assert b.__array_interface__["data"][0] % 16 == 0, f"{name}: misaligned"
+
+
+def test_max_cells_read_from_the_host_twin():
+    rois = np.array([[0, 0, 0, 60, 30], [1, 8, 8, 9, 9]], np.float32)
+    geo = geometry.roi_pooling_bins(rois, (2, 2), 0.25, 20, 24, np)
+    moved = to_device(geo, OneCopy())
+    moved.hstart = moved.hend = None  # a device table is never read for it
+    # roi 0: x 0..60, y 0..30 at 1/4 -> bins of up to 5 rows x 8 columns
+    assert int_bins_max_cells(moved) == int_bins_max_cells(geo) == 5 * 8
