@@ -1,0 +1,145 @@
+"""``python -m mx_roi.bench --ctx gpu`` where MXNet is a CPU build: our GPU calls alone.
+
+MXNet's CUDA built-ins need MXNet's CUDA build (``mxnet-cu112``); without it there is
+nothing to compare against, but our side still runs: each workload of the table goes
+through the CUDA backend on CuPy arrays standing in for GPU NDArrays
+(:mod:`mx_roi.cuda.cupy_arrays`) -- the geometry tables built on the GPU, the kernels, the
+synchronisation at the end of the call, as a GPU training step makes it.
+
+Per workload and direction (forward; backward with atomics; backward in deterministic
+mode): the median wall time of synchronised calls, the GPU time of the call (CUDA events
+on the stream), the bytes the call must move (:func:`mx_roi.bench.roofline.workload_work`:
+each map cell read once, the output / gradient written once) over that time, and the
+fraction of the device's measured copy bandwidth (a device-to-device copy, bytes read +
+written) this reaches.  Every result is first checked against the native CPU kernels.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+__all__ = ["copy_bandwidth", "bench_gpu_kernels", "main"]
+
+
+def copy_bandwidth(mbytes: int = 512, repeat: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), best of ``repeat``."""
+    import cupy
+    a = cupy.ones(mbytes << 18, cupy.float32)
+    b = cupy.empty_like(a)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    b[...] = a
+    best = float("inf")
+    for _ in range(repeat):
+        start.record()
+        b[...] = a
+        stop.record()
+        stop.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return 2 * a.nbytes / best
+
+
+def _time(call, repeat: int):
+    """``(median wall ms, median GPU ms)`` of ``call()`` (which synchronises)."""
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    call()  # warm-up: compile / load, pool
+    wall, gpu = [], []
+    for _ in range(repeat):
+        start.record()
+        t0 = time.perf_counter()
+        call()
+        wall.append(time.perf_counter() - t0)
+        stop.record()
+        stop.synchronize()
+        gpu.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(gpu)
+
+
+def _op(w, deterministic=False):
+    from .. import registry
+    cls = registry.get_op(w.op)
+    kwargs = {k: str(v) for k, v in w.ours_kwargs.items()}
+    return cls(cls.param_cls.from_kwargs(**kwargs, deterministic=str(deterministic)))
+
+
+def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0):
+    """One dict per (workload, direction): ``key``, ``direction`` ('fwd', 'bwd',
+    'bwd-det'), ``wall_ms``, ``gpu_ms``, ``bytes``, ``agree`` (vs the native CPU
+    kernels)."""
+    import mxnet as mx
+    from ..backends import get
+    from ..cuda.cupy_arrays import Device
+    from ..selftest import _run
+    from .roofline import workload_work
+    from .workloads import RTOL, ATOL, make_data, make_out_grad, make_rois
+    gpu, cuda, native = Device(device_id), get("cuda"), get("native")
+    rows = []
+    for w in workloads:
+        op, det_op = _op(w), _op(w, deterministic=True)
+        data, rois = make_data(w.channels), make_rois(w.boxes)
+        dy = make_out_grad(op.out_shape(data.shape, rois.shape))
+        x, r, g = gpu.array(data), gpu.array(rois), gpu.array(dy)
+        out, dx = gpu.zeros(dy.shape), gpu.zeros(data.shape)
+        ref_out, ref_dx = _run(native, op, data, rois, dy, mx.cpu())
+        agree = {}
+        for name, o in (("fwd", op), ("bwd", op), ("bwd-det", det_op)):
+            saved = cuda.forward(o, "write", x, r, out, keep=True)
+            cuda.backward(o, "write", g, x, r, dx, saved)
+            agree[name] = bool(np.allclose(out.asnumpy(), ref_out, RTOL, ATOL) and
+                               np.allclose(dx.asnumpy(), ref_dx, RTOL, ATOL))
+        work = workload_work(op, data.shape, rois)
+        saved = cuda.forward(op, "write", x, r, out, keep=True)
+        det_saved = cuda.forward(det_op, "write", x, r, out, keep=True)
+        calls = {
+            "fwd": (lambda: cuda.forward(op, "write", x, r, out, keep=True),
+                    work["fwd_bytes"]),
+            "bwd": (lambda: cuda.backward(op, "write", g, x, r, dx, saved),
+                    work["bwd_bytes"]),
+            "bwd-det": (lambda: cuda.backward(det_op, "write", g, x, r, dx, det_saved),
+                        work["bwd_bytes"]),
+        }
+        for direction, (call, nbytes) in calls.items():
+            wall, gpu_ms = _time(call, repeat)
+            rows.append(dict(key=w.key, config=w.config, direction=direction,
+                             wall_ms=wall, gpu_ms=gpu_ms, bytes=nbytes,
+                             agree=agree[direction]))
+    return rows
+
+
+def format_rows(rows, bandwidth: float) -> str:
+    lines = [f"{'workload':<24} {'dir':<8} {'wall ms':>8} {'GPU ms':>8} {'MB moved':>9} "
+             f"{'GB/s':>7} {'of copy bw':>10}  vs native CPU"]
+    for r in rows:
+        gbs = r["bytes"] / (r["gpu_ms"] * 1e-3) / 1e9
+        lines.append(f"{r['key']:<24} {r['direction']:<8} {r['wall_ms']:>8.3f} "
+                     f"{r['gpu_ms']:>8.3f} {r['bytes'] / 1e6:>9.1f} {gbs:>7.1f} "
+                     f"{100 * gbs * 1e9 / bandwidth:>9.1f}%  "
+                     f"{'agrees' if r['agree'] else 'DIFFERS'}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """The ``--ctx gpu`` run on CuPy arrays; 1 if any result differs from the CPU's."""
+    import cupy
+    from .workloads import build_workloads
+    workloads = build_workloads(args.quick, args.variants)
+    if args.only:
+        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+        workloads = [w for w in workloads
+                     if any(s in (w.key, w.key.split("/")[0]) for s in wanted)]
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    bandwidth = copy_bandwidth()
+    print(f"GPU 0: {name}, CuPy {cupy.__version__}; MXNet is a CPU build: our calls alone "
+          "on CuPy arrays (no MXNet CUDA built-ins to compare with)")
+    print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+    rows = bench_gpu_kernels(workloads, args.repeat)
+    print(format_rows(rows, bandwidth), flush=True)
+    if args.json:
+        import json
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(dict(gpu=name, cupy=cupy.__version__, copy_bandwidth=bandwidth,
+                           rows=rows), f, indent=1)
+    return 0 if all(r["agree"] for r in rows) else 1
