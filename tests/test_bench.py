@@ -394,3 +394,34 @@ def test_markdown_of_a_single_run(quick_run):
 def test_markdown_is_not_passed_to_the_children():
     from mx_roi.bench import threads
     assert threads._child_argv(["--threads", "1", "--markdown", "t.md", "--quick"]) == ["--quick"]
+
+
+def test_ctx_gpu_without_any_gpu_is_an_error(monkeypatch, capsys):
+    """No GPU for MXNet or CuPy: exit 3 with one line saying so (with MXNet's CPU build and
+    a GPU that CuPy sees, ``bench.gpu_kernels`` runs instead: checked on the H200)."""
+    from mx_roi import gpucheck
+    from mx_roi.bench import cli, gpu_kernels
+    monkeypatch.setattr(gpucheck, "cupy_gpu_count", lambda: 0)
+    assert cli.main(["--ctx", "gpu", "--quick"]) == 3
+    assert capsys.readouterr().err.strip() == (
+        "--ctx gpu: no GPU visible to MXNet (mx.context.num_gpus() == 0) or CuPy")
+    ran = []
+    monkeypatch.setattr(gpucheck, "cupy_gpu_count", lambda: 1)
+    monkeypatch.setattr(gpu_kernels, "main", lambda args: ran.append(args.quick) or 0)
+    assert cli.main(["--ctx", "gpu", "--quick"]) == 0 and ran == [True]
+
+
+def test_gpu_kernel_rows_format():
+    from mx_roi.bench.gpu_kernels import format_rows
+    rows = [dict(key="ROIAlign/7x7", direction="fwd", wall_ms=0.8, gpu_ms=0.5, bytes=20e6,
+                 agree=True),
+            dict(key="ROIAlign/7x7", direction="bwd-det", wall_ms=2.0, gpu_ms=2.0,
+                 bytes=4e6, agree=False)]
+    lines = format_rows(rows, bandwidth=4000e9).splitlines()
+    assert lines[0].split() == ["workload", "dir", "wall", "ms", "GPU", "ms", "MB", "moved",
+                                "GB/s", "of", "copy", "bw", "vs", "native", "CPU"]
+    # 20 MB in 0.5 ms: 40 GB/s, 1% of 4000 GB/s
+    assert lines[1].split() == ["ROIAlign/7x7", "fwd", "0.800", "0.500", "20.0", "40.0",
+                                "1.0%", "agrees"]
+    assert lines[2].split() == ["ROIAlign/7x7", "bwd-det", "2.000", "2.000", "4.0", "2.0",
+                                "0.1%", "DIFFERS"]

@@ -122,12 +122,13 @@ def random_rois(rng, R, N, H, W, spatial_scale, dtype=np.float32):
 
 # --------------------------------------------------------------------------- running
 def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_req="write",
-               passes=1):
+               passes=1, grad_fill=None):
     """Forward (and backward with ``grad``) through ``mx.nd.Custom``.
 
     Returns ``(out, data_grad, rois_grad)`` as NumPy arrays (grads are ``None`` when no
     backward was run or the req was ``null``).  ``passes`` > 1 repeats forward+backward
-    (for ``grad_req='add'``).
+    (for ``grad_req='add'``); ``grad_fill`` pre-fills both gradient buffers (garbage that
+    ``write`` must overwrite).
     """
     import mx_roi  # noqa: F401  (registers the op types)
 
@@ -138,6 +139,9 @@ def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_re
         return y.asnumpy(), None, None
     x.attach_grad(grad_req=data_req)
     r.attach_grad(grad_req=rois_req)
+    if grad_fill is not None:
+        x.grad[:] = grad_fill
+        r.grad[:] = grad_fill
     for _ in range(passes):
         with autograd.record():
             y = mx.nd.Custom(x, r, op_type=op_type, **params)
@@ -307,9 +311,11 @@ class RoIOpTester:
         case = self.param_cases()[0]
         rng = np.random.default_rng(3)
         data, rois, grad = self.make_problem(rng, case, dtype)
-        _, dg, rg = run_custom(self.op_type, data, rois, case, grad=grad)
+        _, dg, rg = run_custom(self.op_type, data, rois, case, grad=grad, grad_fill=7)
         assert rg is not None and rg.shape == rois.shape and rg.dtype == np.dtype(dtype)
-        assert not rg.any(), "rois gradient must be zero"
+        assert not rg.any(), "rois gradient must be zero (write over the buffer's garbage)"
+        _, dg_clean, _ = run_custom(self.op_type, data, rois, case, grad=grad)
+        np.testing.assert_array_equal(dg, dg_clean)  # and the data gradient overwritten
 
     def test_numeric_gradient(self, case):
         """Central finite differences in float64 on a small problem (the ops are
