@@ -208,3 +208,60 @@ def test_past_2_31_elements(gpu, name, params):
     close(out.asnumpy()[:, C - 1], out_c[:, 0], np.float16, "forward past 2^31")
     close(cupy.asnumpy(dx.data[:, C - 1:, H - 64:, W - 64:]), dg_c, np.float16,
           "data grad past 2^31")
+
+
+LEGACY = [("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=0.5, legacy="caffe")),
+          ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, legacy="rfcn",
+                              sample_num=2))]
+EXTREME = (1e30, -1e30, 3e5, -5.0, 0.0, 0.5, 1e-30)
+BAD = {"nan": (np.nan, r"has a NaN or infinite value"),
+       "inf": (np.inf, r"has a NaN or infinite value"),
+       "batch": (None, r"has batch index \d+ but data holds only 2 image")}
+
+
+def test_fuzz_extreme_and_bad_rois(gpu):
+    """Seeded random calls on the GPU: rois with extreme but valid values (far off the map,
+    reversed, zero-size, padding, fractional batch) agree with the NumPy backend; NaN, inf
+    or a batch index past N raise the error naming it, in the forward and in a backward
+    handed such rois, and the next call works.  (Run under compute-sanitizer memcheck on
+    the H200: no invalid access.)"""
+    rng = np.random.default_rng(2026)
+    cases = CASES + LEGACY
+    n_valid = n_bad = 0
+    for i in range(120):
+        name, params = cases[i % len(cases)]
+        dtype = DTYPES[(i // len(cases)) % 3]
+        op = op_of(name, params)
+        data, rois = problem(name, params, dtype, seed=i)
+        rois = rois.astype(np.float64)
+        for _ in range(rng.integers(1, 4)):  # extreme values in random places
+            rois[rng.integers(0, len(rois)), rng.integers(1, 5)] = rng.choice(EXTREME)
+        rois[rng.integers(0, len(rois)), 0] = rng.choice([-1, 0.5, 1.9])
+        if dtype == np.float16:  # (the adaptive grid of a 6e4-cell box is 15000^2
+            rois = np.clip(rois, -300, 300)  # samples a bin: too big for the NumPy side)
+        rois = rois.astype(dtype)
+        grad = _grad(op, data, rois)
+        if i % 3 == 2:  # a bad roi
+            kind = list(BAD)[i % len(BAD)]
+            value, message = BAD[kind]
+            bad = rois.copy()
+            row = int(rng.integers(0, len(bad)))
+            if kind == "batch":
+                bad[row, 0] = 2 + rng.integers(0, 9)
+            else:
+                bad[row, int(rng.integers(1, 5))] = value
+            with pytest.raises(ValueError, match=message):
+                on_gpu(gpu, op, data, bad, grad)
+            cuda = get("cuda")  # the backward alone, handed the bad rois
+            dx = gpu.zeros(data.shape, dtype)
+            with pytest.raises(ValueError, match=message):
+                cuda.backward(op, "write", gpu.array(grad), gpu.array(data), gpu.array(bad),
+                              dx, None)
+            n_bad += 1
+        out_g, dg_g = on_gpu(gpu, op, data, rois, grad)
+        out_c, dg_c = on_host("numpy", op, data, rois, grad)
+        assert np.isfinite(out_g).all() and np.isfinite(dg_g).all(), (i, name, params)
+        close(out_g, out_c, dtype, f"case {i} {name} {params} forward")
+        close(dg_g, dg_c, dtype, f"case {i} {name} {params} data grad")
+        n_valid += 1
+    assert n_valid == 120 and n_bad == 40
