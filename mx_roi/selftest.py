@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     if args.gpu:
         steps = gpucheck.checklist(pieces)
         print("-" * 79)
-        print("First GPU run (README, 'First GPU run')")
+        print("GPU checklist (README, 'GPU runs')")
         for st in steps:
             print(f"  {st.name:<25} {st.where:<5} {st.status:<5} {st.detail}")
         failed += [f"{st.name} ({st.where})" for st in steps if st.status == "FAIL"]
@@ -308,9 +308,14 @@ def main(argv=None) -> int:
                "--require-gpu needs --gpu")
         print(f"FAILED (--require-gpu): {why}")
         return 1
-    print(f"OK: every usable backend passed ({', '.join(usable)})"
-          + (f"; GPU setup incomplete ({', '.join(missing)}), the GPU path is not usable "
-             "here" if missing else ""))
+    if missing == ["mxnet"] and "cuda" in usable:  # the kernels ran on CuPy arrays
+        tail = ("; MXNet is a CPU build: the GPU kernels ran on CuPy arrays (mx.gpu "
+                "contexts need mxnet-cu112)")
+    elif missing:
+        tail = f"; GPU setup incomplete ({', '.join(missing)}), the GPU path is not usable here"
+    else:
+        tail = ""
+    print(f"OK: every usable backend passed ({', '.join(usable)}){tail}")
     return 0
 
 

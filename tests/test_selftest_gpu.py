@@ -194,7 +194,7 @@ def test_selftest_exit_codes(monkeypatch, capsys, host_steps):
 
     rc, out = _main(monkeypatch, capsys, [], host_steps, backend="FAIL")
     assert rc == 1 and "FAILED: numpy" in out
-    assert "First GPU run" not in out  # the checklist only with --gpu
+    assert "GPU checklist" not in out  # the checklist only with --gpu
 
 
 def test_kernel_steps_run_without_mxnets_cuda_build(monkeypatch):
@@ -231,3 +231,20 @@ def test_gpu_context_prefers_mxnet_then_cupy_arrays(monkeypatch):
     pytest.importorskip("cupy")
     ctx = gpucheck.gpu_context(0)
     assert gpucheck.is_standin(ctx) and ctx.device_id == 0 and repr(ctx) == "cupy-gpu(0)"
+
+
+def test_selftest_says_the_kernels_ran_on_cupy_arrays(monkeypatch, capsys, host_steps):
+    """MXNet's CPU build with a working GPU row: not "the GPU path is not usable"."""
+    monkeypatch.setattr(selftest, "run_checks", lambda **kw: [
+        ("numpy", "PASS", 0.0, "row"), ("cuda", "PASS", 0.0, "on CuPy arrays")])
+    monkeypatch.setattr(gpucheck, "diagnose",
+                        lambda probe=None: REAL_DIAGNOSE(FakeProbe(missing={"mxnet"})))
+    monkeypatch.setattr(gpucheck, "checklist", lambda pieces: host_steps)
+    assert selftest.main(["--gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU checklist (README, 'GPU runs')" in out
+    assert out.rstrip().endswith(
+        "OK: every usable backend passed (numpy, cuda); MXNet is a CPU build: the GPU kernels "
+        "ran on CuPy arrays (mx.gpu contexts need mxnet-cu112)")
+    assert selftest.main(["--gpu", "--require-gpu"]) == 1
+    assert "FAILED (--require-gpu): GPU setup missing: mxnet" in capsys.readouterr().out
