@@ -30,8 +30,9 @@ zeroed first for ``write``, added to as it is for ``add``, as MXNet's own kernel
 float16 data into one zeroed float32 buffer of the input's size (float32 atomics),
 converted when it is stored.
 
-GPU memory: besides the forward's argmax (max modes, kept for the backward) the op holds
-no GPU memory between calls.  The argmax is (R, C, P, Q), bin-relative (the winner's
+GPU memory: besides what a training forward keeps for its backward -- the argmax (max
+modes) and the geometry tables (one small block) -- the op holds no GPU memory between
+calls.  The argmax is (R, C, P, Q), bin-relative (the winner's
 index among its bin's candidates), in the smallest unsigned type that fits every bin of
 the call (:func:`mx_roi.cuda.tables.argmax_dtype`: ``uint8`` for bins of at most 254
 candidates -- a quarter of an int32 argmax --, else ``uint16`` or ``uint32``; the type's
