@@ -334,67 +334,64 @@ def _device(gpu_id: int) -> str:
 
 
 def _memory(steps: int = 200) -> str:
-    """A training loop (record -> backward -> read, no wait in between); CuPy's pool must
-    not grow after warm-up, and what it holds is reported.  Where MXNet is a CPU build,
-    the same calls go straight to the backend on CuPy arrays (:func:`_memory_standin`)."""
+    """A training loop (record -> backward -> read, no wait in between) of ROIAlign on
+    GPU 0; CuPy's pool must not grow after warm-up, and what it holds is reported.  Where
+    MXNet is a CPU build the same calls go straight to the backend on CuPy arrays."""
     import cupy
-    import mxnet as mx
-    from mxnet import autograd
-    from . import nd as mx_roi_nd
-    if is_standin(gpu_context(0)):
-        return _memory_standin(steps)
+    gpu = gpu_context(0)
+    step = _standin_step(gpu) if is_standin(gpu) else _mxnet_step(gpu)
     pool = cupy.get_default_memory_pool()
-    ctx = mx.gpu(0)
-    x = mx.nd.random.normal(shape=(2, 256, 64, 64), ctx=ctx)
-    x.attach_grad()
-    rois = mx.nd.array([[0, 4, 4, 200, 180], [1, 0, 0, 120, 250]] * 64, ctx=ctx)
     held = []
     for i in range(steps):
-        with autograd.record():
-            y = mx_roi_nd.ROIAlign(x, rois, pooled_size=(7, 7), spatial_scale=0.25,
-                                   sample_ratio=2)
-        y.backward()
-        float(x.grad[0, 0, 0, 0].asscalar())
-        if i in (10, steps - 1):
-            held.append(pool.total_bytes())
-    if held[1] > held[0]:
-        raise AssertionError(f"CuPy's pool grew from {held[0]} to {held[1]} bytes between "
-                             f"step 10 and step {steps}")
-    free, total = mx.context.gpu_memory_info(0)
-    return (f"{steps} steps: CuPy pool holds {held[1] / 2**20:.1f} MiB (used "
-            f"{pool.used_bytes() / 2**20:.1f} MiB); GPU free {free / 2**30:.2f} of "
-            f"{total / 2**30:.2f} GiB")
-
-
-def _memory_standin(steps: int) -> str:
-    """:func:`_memory`'s loop on CuPy arrays: the backend's ROIAlign forward (keeping its
-    saved state) and backward, 200 times; CuPy's pool must not grow after warm-up."""
-    import cupy
-    from .backends import get
-    from .selftest import _op
-    pool = cupy.get_default_memory_pool()
-    gpu = gpu_context(0)
-    op = _op("ROIAlign", dict(pooled_size=(7, 7), spatial_scale=0.25, sample_ratio=2))
-    rng = np.random.default_rng(0)
-    x = gpu.array(rng.standard_normal((2, 256, 64, 64)).astype(np.float32))
-    rois = gpu.array(np.array([[0, 4, 4, 200, 180], [1, 0, 0, 120, 250]] * 64, np.float32))
-    out = gpu.zeros(op.out_shape(x.shape, rois.shape))
-    dy = gpu.array(np.ones(out.shape, np.float32))
-    dx = gpu.zeros(x.shape)
-    cuda, held = get("cuda"), []
-    for i in range(steps):
-        saved = cuda.forward(op, "write", x, rois, out, keep=True)
-        cuda.backward(op, "write", dy, x, rois, dx, saved)
-        float(dx.data[0, 0, 0, 0])
+        step()
         if i in (10, steps - 1):
             held.append(pool.total_bytes())
     if held[1] > held[0]:
         raise AssertionError(f"CuPy's pool grew from {held[0]} to {held[1]} bytes between "
                              f"step 10 and step {steps}")
     free, total = cupy.cuda.runtime.memGetInfo()
-    return (f"{steps} forward + backward calls on CuPy arrays ({STANDIN_NOTE}): CuPy pool "
-            f"holds {held[1] / 2**20:.1f} MiB (used {pool.used_bytes() / 2**20:.1f} MiB); "
-            f"GPU free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
+    return (f"{steps} steps{_on(gpu)}: CuPy pool holds {held[1] / 2**20:.1f} MiB (used "
+            f"{pool.used_bytes() / 2**20:.1f} MiB); GPU free {free / 2**30:.2f} of "
+            f"{total / 2**30:.2f} GiB")
+
+
+_MEMORY_ROIS = [[0, 4, 4, 200, 180], [1, 0, 0, 120, 250]] * 64
+_MEMORY_PARAMS = dict(pooled_size=(7, 7), spatial_scale=0.25, sample_ratio=2)
+
+
+def _mxnet_step(ctx):
+    """One recorded training step of our ROIAlign through MXNet on ``ctx``."""
+    import mxnet as mx
+    from mxnet import autograd
+    from . import nd as mx_roi_nd
+    x = mx.nd.random.normal(shape=(2, 256, 64, 64), ctx=ctx)
+    x.attach_grad()
+    rois = mx.nd.array(_MEMORY_ROIS, ctx=ctx)
+
+    def step():
+        with autograd.record():
+            y = mx_roi_nd.ROIAlign(x, rois, **_MEMORY_PARAMS)
+        y.backward()
+        float(x.grad[0, 0, 0, 0].asscalar())
+    return step
+
+
+def _standin_step(gpu):
+    """The same step on CuPy arrays: the backend's forward (keeping its saved state) and
+    backward, then a read of the gradient."""
+    from .backends import get
+    from .selftest import _op
+    op, cuda = _op("ROIAlign", _MEMORY_PARAMS), get("cuda")
+    x = gpu.array(np.random.default_rng(0).standard_normal((2, 256, 64, 64)), np.float32)
+    rois = gpu.array(np.array(_MEMORY_ROIS, np.float32))
+    out = gpu.zeros(op.out_shape(x.shape, rois.shape))
+    dy, dx = gpu.array(np.ones(out.shape, np.float32)), gpu.zeros(x.shape)
+
+    def step():
+        saved = cuda.forward(op, "write", x, rois, out, keep=True)
+        cuda.backward(op, "write", dy, x, rois, dx, saved)
+        float(dx.data[0, 0, 0, 0])
+    return step
 
 
 def _sanitizer_tool() -> str:

@@ -10,7 +10,8 @@ import mxnet as mx
 from mxnet import autograd
 
 import mx_roi  # noqa: F401
-from tests.ops.base import adversarial_rois, make_data, random_rois
+from tests.gpu_cases import CASES, DTYPES, IDS, close, problem
+from tests.ops.base import random_rois
 
 
 def _gpu_available():
@@ -28,36 +29,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(),
                                  reason="needs CuPy, an MXNet GPU build and a GPU")]
 
-DTYPES = (np.float16, np.float32, np.float64)
-TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-10}
-CASES = [
-    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.0625, sample_ratio=-1)),
-    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=1.0, sample_ratio=2, aligned=True)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1, pool_mode="max")),
-    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
-    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
-]
-IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
-
-
-def channels(name, params, c=3):
-    """Input channels: ``c``, or output_dim * group_size^2 for the position-sensitive ops."""
-    if "output_dim" not in params:
-        return c
-    ps = params["pooled_size"]
-    g = params.get("group_size") or (ps if isinstance(ps, int) else ps[0])
-    return params["output_dim"] * g * g
-
-
-def problem(name, params, dtype, seed=0, N=2, H=9, W=10):
-    rng = np.random.default_rng(seed)
-    data = make_data(rng, (N, channels(name, params), H, W), dtype)
-    rois = np.concatenate([adversarial_rois(rng, N, H, W, params["spatial_scale"], dtype=dtype),
-                           random_rois(rng, 6, N, H, W, params["spatial_scale"], dtype)])
-    return data, rois.astype(dtype)
-
-
 def run(ctx, name, params, data, rois, grad=None, grad_req="write", passes=1):
     x = mx.nd.array(data, ctx=ctx, dtype=data.dtype)
     r = mx.nd.array(rois, ctx=ctx, dtype=rois.dtype)
@@ -69,16 +40,6 @@ def run(ctx, name, params, data, rois, grad=None, grad_req="write", passes=1):
             grad = np.random.default_rng(99).standard_normal(y.shape).astype(data.dtype)
         y.backward(mx.nd.array(grad, ctx=ctx, dtype=data.dtype))
     return y.asnumpy(), x.grad.asnumpy(), grad
-
-
-def close(a, b, dtype, what, exact=False):
-    if exact:
-        np.testing.assert_array_equal(a, b, err_msg=what)
-        return
-    t = TOL[np.dtype(dtype)]
-    scale = max(1.0, float(np.abs(b.astype(np.float64)).max()) if b.size else 1.0)
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=t,
-                               atol=t * scale, err_msg=what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

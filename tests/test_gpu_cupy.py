@@ -16,25 +16,11 @@ import mx_roi  # noqa: F401
 from mx_roi import gpucheck
 from mx_roi.backends import get
 from mx_roi.registry import get_op
-from tests.ops.base import adversarial_rois, make_data, random_rois
+from tests.gpu_cases import CASES, DTYPES, IDS, close, problem
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(gpucheck.cupy_gpu_count() == 0,
                                  reason="needs CuPy and a GPU")]
-
-DTYPES = (np.float16, np.float32, np.float64)
-TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-10}
-CASES = [
-    ("ROIPooling", dict(pooled_size=(2, 3), spatial_scale=0.5)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.0625, sample_ratio=-1)),
-    ("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=1.0, sample_ratio=2, aligned=True)),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1, pool_mode="max")),
-    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=2, pool_mode="max",
-                      aligned=True)),
-    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
-    ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
-]
-IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +32,6 @@ def gpu():
 def op_of(name, params):
     cls = get_op(name)
     return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
-
-
-def channels(params, c=3):
-    if "output_dim" not in params:
-        return c
-    ps = params["pooled_size"]
-    return params["output_dim"] * (ps if isinstance(ps, int) else ps[0]) ** 2
-
-
-def problem(name, params, dtype, seed=0, N=2, H=9, W=10):
-    rng = np.random.default_rng(seed)
-    data = make_data(rng, (N, channels(params), H, W), dtype)
-    rois = np.concatenate([adversarial_rois(rng, N, H, W, params["spatial_scale"], dtype=dtype),
-                           random_rois(rng, 6, N, H, W, params["spatial_scale"], dtype)])
-    return data, rois.astype(dtype)
 
 
 def on_gpu(gpu, op, data, rois, grad, req="write", out_fill=np.nan, grad_fill=np.nan,
@@ -82,13 +53,6 @@ def on_gpu(gpu, op, data, rois, grad, req="write", out_fill=np.nan, grad_fill=np
 def on_host(backend, op, data, rois, grad):
     from mx_roi.selftest import _run
     return _run(get(backend), op, data, rois, grad, mx.cpu())
-
-
-def close(a, b, dtype, what):
-    t = TOL[np.dtype(dtype)]
-    scale = max(1.0, float(np.abs(b.astype(np.float64)).max()) if b.size else 1.0)
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=t,
-                               atol=t * scale, err_msg=what)
 
 
 def _grad(op, data, rois, seed=99):
@@ -213,7 +177,7 @@ def test_past_2_31_elements(gpu, name, params):
 LEGACY = [("ROIAlign", dict(pooled_size=(3, 2), spatial_scale=0.5, legacy="caffe")),
           ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, legacy="rfcn",
                               sample_num=2))]
-EXTREME = (1e30, -1e30, 3e5, -5.0, 0.0, 0.5, 1e-30)
+EXTREME = (1e30, -1e30, 3e3, -5.0, 0.0, 0.5, 1e-30)
 BAD = {"nan": (np.nan, r"has a NaN or infinite value"),
        "inf": (np.inf, r"has a NaN or infinite value"),
        "batch": (None, r"has batch index \d+ but data holds only 2 image")}

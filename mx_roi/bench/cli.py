@@ -21,7 +21,8 @@ from .roofline import add_bounds, probe_hardware
 from .threads import run_thread_settings
 from .timing import bench_all, sweep
 from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_W, RTOL,
-                        SEED, SPATIAL_SCALE, SWEEP_BOXES, Inputs, build_workloads)
+                        SEED, SPATIAL_SCALE, SWEEP_BOXES, Inputs, build_workloads,
+                        select_workloads)
 
 __all__ = ["main"]
 
@@ -137,13 +138,10 @@ def main(argv=None) -> int:
     hw = probe_hardware(args.quick)
 
     workloads = build_workloads(args.quick, args.variants)
-    if args.only:
-        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-        workloads = [w for w in workloads
-                     if any(s in (w.key, w.key.split("/")[0]) for s in wanted)]
-        if not workloads:
-            print(f"--only {args.only!r} matches no workload", file=sys.stderr)
-            return 3
+    workloads = select_workloads(workloads, args.only)
+    if not workloads:
+        print(f"--only {args.only!r} matches no workload", file=sys.stderr)
+        return 3
     sweep_boxes = ([int(v) for v in args.plot_boxes.split(",")] if args.plot_boxes else
                    ([16, 32, 64] if args.quick else list(SWEEP_BOXES)))
     max_boxes = max([w.boxes for w in workloads] + (sweep_boxes if args.plot else [1]))

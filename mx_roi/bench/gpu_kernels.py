@@ -123,12 +123,8 @@ def format_rows(rows, bandwidth: float) -> str:
 def main(args) -> int:
     """The ``--ctx gpu`` run on CuPy arrays; 1 if any result differs from the CPU's."""
     import cupy
-    from .workloads import build_workloads
-    workloads = build_workloads(args.quick, args.variants)
-    if args.only:
-        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-        workloads = [w for w in workloads
-                     if any(s in (w.key, w.key.split("/")[0]) for s in wanted)]
+    from .workloads import build_workloads, select_workloads
+    workloads = select_workloads(build_workloads(args.quick, args.variants), args.only)
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     bandwidth = copy_bandwidth()

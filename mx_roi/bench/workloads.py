@@ -11,7 +11,7 @@ import mxnet as mx
 
 import mx_roi
 
-__all__ = ["Workload", "build_workloads", "make_rois", "make_data", "make_out_grad", "Inputs"]
+__all__ = ["Workload", "build_workloads", "select_workloads", "make_rois", "make_data", "make_out_grad", "Inputs"]
 
 IMAGE_H, IMAGE_W, STRIDE = 600, 800, 16
 FEAT_H, FEAT_W = IMAGE_H // STRIDE + 1, IMAGE_W // STRIDE  # 38 x 50, as a VGG/ResNet C4 map
@@ -167,6 +167,15 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
     if variants:
         add(14, big_boxes, suffix="-big")
     return out
+
+
+def select_workloads(workloads: List[Workload], only: Optional[str]) -> List[Workload]:
+    """The workloads ``--only`` names: comma-separated keys (``ROIAlign/7x7``) or families
+    (``ROIAlign``, ``ROIAlign-max``, ...); all of them without ``only``."""
+    if not only:
+        return list(workloads)
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
+    return [w for w in workloads if any(s in (w.key, w.key.split("/")[0]) for s in wanted)]
 
 
 class Inputs:

@@ -231,10 +231,13 @@ class Launch:
                                              + ", ".join(missing))
         ordered = []
         xp = self.xp
+        array_type = xp.ndarray
         for p, name, kind, dtype in plan.params:
             v = values[name]
             if kind is _CONST:
-                v = xp.ascontiguousarray(v, dtype=dtype)
+                # already fine: as it is (on a GPU each conversion call costs microseconds)
+                if not (type(v) is array_type and v.dtype == dtype and v.flags.c_contiguous):
+                    v = xp.ascontiguousarray(v, dtype=dtype)
             elif kind is _SCALAR:
                 if type(v) is int and dtype is _INT32 and -_I32 <= v < _I32:
                     v = _np_int32(v)  # the common case (sizes, flags), no checks to run

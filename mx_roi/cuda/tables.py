@@ -42,8 +42,13 @@ def to_device(geo, cupy):
     for a, o in zip(arrays, offsets):
         buf[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
     dev = cupy.asarray(buf)
-    views = iter([dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
-                  for a, o in zip(arrays, offsets)])
+    base = getattr(dev, "data", None)
+    if hasattr(base, "ptr"):  # CuPy: one array per table over the buffer's memory
+        views = iter([cupy.ndarray(a.shape, a.dtype, base + o) if a.size else
+                      cupy.empty(a.shape, a.dtype) for a, o in zip(arrays, offsets)])
+    else:  # any array module: views of the buffer's bytes
+        views = iter([dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
+                      for a, o in zip(arrays, offsets)])
 
     def rebuild(obj):
         changes = {}
