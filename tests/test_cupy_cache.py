@@ -192,3 +192,85 @@ def test_cupy_options_add_a_dialect_once():
     opts = loader.cupy_options(SRC)
     assert sum(o.startswith(("-std", "--std")) for o in opts) == 1
     assert not any(o.startswith("-ftz") for o in opts)  # CuPy appends -ftz=true itself
+
+
+class _Cupy14:
+    """CuPy 14's compile seams, as :meth:`loader.CupyToolchain._compile_cupy14` uses them:
+    ``cupy._core.core.compile_with_cache`` (no cache folder) reading and writing through
+    ``cupy.cuda.compiler``'s process-wide cache backend, whose payload for name
+    expressions is a magic, the mangled names, then the binary."""
+
+    MAGIC = b"\x93CUPYNE\x00"
+
+    def __init__(self, monkeypatch, fail=False):
+        from cupy._core import core
+        from cupy.cuda import compiler
+        self.compiler, self.fail, self.foreign = compiler, fail, []
+        outer = self
+
+        class Own:  # CuPy's own disk backend: our compile must neither read nor write it
+            def load(self, name):
+                raise AssertionError("our compile read CuPy's cache")
+
+            def save(self, name, payload, source):
+                outer.foreign.append((name, source))
+
+        self.own = Own()
+        monkeypatch.setattr(compiler, "_kernel_cache_backend", self.own, raising=False)
+        monkeypatch.setattr(compiler, "_set_kernel_cache_backend",
+                            lambda b: setattr(compiler, "_kernel_cache_backend", b),
+                            raising=False)
+        monkeypatch.setattr(compiler, "_decode_cache_payload", self.decode, raising=False)
+        monkeypatch.setattr(core, "compile_with_cache", self.compile_with_cache)
+
+    @classmethod
+    def decode(cls, payload, count):
+        assert payload.startswith(cls.MAGIC)
+        names, cubin = payload[len(cls.MAGIC):].split(b"|", 1)
+        names = names.decode().split(",")
+        return (names, cubin) if len(names) == count else None
+
+    def compile_with_cache(self, source, options=(), arch=None, prepend_cupy_headers=True,
+                           name_expressions=None):
+        assert prepend_cupy_headers is False and arch == "90"
+        backend = self.compiler._kernel_cache_backend
+        assert backend.load("our-key") is None  # every entry missing: compiled afresh
+        backend.save("other-key", b"other", "a kernel of some other CuPy user")
+        if self.fail:
+            raise RuntimeError("nvrtc: error")
+        mapping = {e: f"_Z{i}" for i, e in enumerate(name_expressions)}
+        payload = self.MAGIC + ",".join(mapping.values()).encode() + b"|" + b"CUBIN" + \
+            hashlib.sha1(source.encode()).digest()
+        backend.save("our-key", payload, "// CuPy's preamble\n" + source)
+        return types.SimpleNamespace(mapping=mapping)
+
+
+def _cupy14_toolchain():
+    import contextlib
+    tc = loader.CupyToolchain.__new__(loader.CupyToolchain)
+    tc.version = "14.2.0"
+    tc.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext()))
+    return tc
+
+
+def test_cupy14_compile_captures_the_binary_and_leaves_cupys_cache_alone(monkeypatch):
+    pytest.importorskip("cupy")
+    fake = _Cupy14(monkeypatch)
+    code, exprs, _ = S.module_source(SRC)
+    mod, binary, mapping = _cupy14_toolchain().compile(
+        code, loader.cupy_options(SRC), exprs, "90", 0, scratch=None)
+    assert binary == b"CUBIN" + hashlib.sha1(code.encode()).digest()
+    assert mapping == {e: f"_Z{i}" for i, e in enumerate(exprs)} == mod.mapping
+    # the other user's binary went to CuPy's own cache, ours did not; the backend is back
+    assert fake.foreign == [("other-key", "a kernel of some other CuPy user")]
+    assert fake.compiler._kernel_cache_backend is fake.own
+
+
+def test_cupy14_backend_restored_when_the_compile_fails(monkeypatch):
+    pytest.importorskip("cupy")
+    fake = _Cupy14(monkeypatch, fail=True)
+    code, exprs, _ = S.module_source(SRC)
+    with pytest.raises(RuntimeError, match="nvrtc: error"):
+        _cupy14_toolchain().compile(code, loader.cupy_options(SRC), exprs, "90", 0, None)
+    assert fake.compiler._kernel_cache_backend is fake.own
