@@ -516,6 +516,33 @@ def test_gpu_branch_with_fake_cupy(name, params, monkeypatch):
     assert any(e[0] == "launch" for e in fake.log) and ("sync",) in fake.log
 
 
+@pytest.mark.parametrize("name,params", CASES[1:10:4], ids=_ids(CASES[1:10:4]))
+def test_cupy_array_standins_with_fake_cupy(name, params, monkeypatch):
+    """CuPy arrays standing in for GPU NDArrays (mx_roi.cuda.cupy_arrays, what the GPU
+    checks use where MXNet is a CPU build) carry the NDArray surface the backend reads:
+    driven with NumPy standing in for CuPy, forward and backward give the emulation's
+    bits, and the arrays read back unchanged."""
+    import sys
+    from mx_roi.cuda.cupy_arrays import CupyNDArray, Device
+    from mx_roi.selftest import _run
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
+    gpu, op = Device(0), make_op(name, params)
+    data, rois, grad = problem(op, np.float32, seed=6)
+    x = gpu.array(data)
+    assert isinstance(x, CupyNDArray) and x.context is gpu and x.context.device_id == 0
+    assert (x.shape, x.size, x.dtype) == (data.shape, data.size, np.dtype(np.float32))
+    np.testing.assert_array_equal(x.asnumpy(), data)
+    assert gpu.zeros((2, 3), np.float16).asnumpy().dtype == np.float16
+    got = _run(CudaBackend(Kind.CUDA), op, data, rois, grad, gpu)
+    want = _run(EMU, op, data, rois, grad, mx.cpu())
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert ("compile", op.cuda_source) in fake.log
+
+
 def test_soft_half_build_matches(tmp_path, monkeypatch):
     """Without _Float16 (older compilers; forced by -DMX_ROI_SOFT_HALF) the shim's __half is
     a 16-bit struct with bit-exact conversions: the float16 kernels give the same bits."""
