@@ -153,7 +153,7 @@ def _zero(req, nd) -> None:
     outputs): ``nd[:] = 0`` would push an MXNet op from the op's callback, about 0.1 ms
     -- a tenth of a small training call, paid by every backward for the rois' gradient."""
     if req in ("write", "inplace") and nd.size:
-        if nd.context.device_type.startswith("cpu"):
+        if nd.context.device_type == "cpu":
             ndio.writable_numpy(nd).fill(0)
         else:
             nd[:] = 0
