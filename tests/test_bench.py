@@ -425,3 +425,35 @@ def test_gpu_kernel_rows_format():
                                 "1.0%", "agrees"]
     assert lines[2].split() == ["ROIAlign/7x7", "bwd-det", "2.000", "2.000", "4.0", "2.0",
                                 "0.1%", "DIFFERS"]
+
+
+def test_gpu_kernel_rows_with_fake_cupy(monkeypatch):
+    """``bench.gpu_kernels`` end to end with NumPy standing in for CuPy (the GPU branch of
+    the backend running the emulated kernels): one row per workload and direction, each
+    checked against the native CPU kernels, bytes from the roofline's count."""
+    import sys
+    from mx_roi.bench import gpu_kernels
+    from mx_roi.bench.roofline import workload_work
+    from mx_roi.bench.workloads import build_workloads, make_rois, select_workloads
+    from mx_roi.cuda import loader
+    from tests.test_emulation import _fake_cupy
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
+    repeats = []
+
+    def one_call(call, repeat):  # instead of CUDA events: run it once, report fixed times
+        call()
+        repeats.append(repeat)
+        return 2.0, 1.0
+    monkeypatch.setattr(gpu_kernels, "_time", one_call)
+    workloads = select_workloads(build_workloads(quick=True, variants=False),
+                                 "ROIAlign/7x7,PSROIPooling")
+    rows = gpu_kernels.bench_gpu_kernels(workloads, repeat=3)
+    assert [(r["key"], r["direction"]) for r in rows] == [
+        (w.key, d) for w in workloads for d in ("fwd", "bwd", "bwd-det")]
+    assert all(r["agree"] for r in rows) and repeats == [3] * len(rows)
+    work = workload_work(workloads[0].op_instance(), (2, 32, 38, 50), make_rois(32))
+    assert [r["bytes"] for r in rows[:3]] == [work["fwd_bytes"], work["bwd_bytes"],
+                                              work["bwd_bytes"]]

@@ -57,13 +57,6 @@ def _time(call, repeat: int):
     return 1e3 * statistics.median(wall), 1e3 * statistics.median(gpu)
 
 
-def _op(w, deterministic=False):
-    from .. import registry
-    cls = registry.get_op(w.op)
-    kwargs = {k: str(v) for k, v in w.ours_kwargs.items()}
-    return cls(cls.param_cls.from_kwargs(**kwargs, deterministic=str(deterministic)))
-
-
 def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0):
     """One dict per (workload, direction): ``key``, ``direction`` ('fwd', 'bwd',
     'bwd-det'), ``wall_ms``, ``gpu_ms``, ``bytes``, ``agree`` (vs the native CPU
@@ -77,7 +70,7 @@ def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0):
     gpu, cuda, native = Device(device_id), get("cuda"), get("native")
     rows = []
     for w in workloads:
-        op, det_op = _op(w), _op(w, deterministic=True)
+        op, det_op = w.op_instance(), w.op_instance(deterministic=True)
         data, rois = make_data(w.channels), make_rois(w.boxes)
         dy = make_out_grad(op.out_shape(data.shape, rois.shape))
         x, r, g = gpu.array(data), gpu.array(rois), gpu.array(dy)

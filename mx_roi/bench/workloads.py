@@ -103,11 +103,13 @@ class Workload:
         ph, pw = self.ours_kwargs["pooled_size"]
         return (self.boxes, self.ours_kwargs.get("output_dim", self.channels), ph, pw)
 
-    def op_instance(self):
-        """Our op definition (:class:`mx_roi.registry.RoIOp`) with this workload's params."""
+    def op_instance(self, **overrides):
+        """Our op definition (:class:`mx_roi.registry.RoIOp`) with this workload's params
+        (and ``overrides``, e.g. ``deterministic=True``)."""
         from .. import registry
         cls = registry.get_op(self.op)
-        return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in self.ours_kwargs.items()}))
+        params = {**self.ours_kwargs, **overrides}
+        return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
 
 
 def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload]:
