@@ -293,6 +293,14 @@ __global__ void roi_align_forward_max(
 // or the rescan of the data.
 // (bins of more samples are left to the generic loop, which divides instead of decoding)
 const long long MAX_LANES_SAMPLES = 1 << 16;
+// A roi's samples (taps and weights of each sample of each bin) are read from the tables
+// once per roi and kept while its channel passes run, when it has at most this many (a
+// pass's lanes would otherwise read and multiply them again per lane: 16 lanes x 4
+// passes of a 64-channel call per sample); larger grids read them per lane.
+// -DMX_ROI_ROI_SAMPLE_TABLE=... lowers it so that a test runs both paths on small problems.
+#ifndef MX_ROI_ROI_SAMPLE_TABLE
+#define MX_ROI_ROI_SAMPLE_TABLE (1 << 14)
+#endif
 
 template <typename T, typename A, typename O>
 struct MaxBackwardLanes {
@@ -323,10 +331,24 @@ struct MaxBackwardLanes<T, A, A> {
     }
     // (a plain pointer: a thread_local read in the loop costs a call per access)
     const int* const kd = decode.data();
+    const bool roi_table = plane_out * K <= MX_ROI_ROI_SAMPLE_TABLE;
+    static thread_local std::vector<mx_roi::Sample<A>> roi_samples;  // (p * Q + q) * K + k
+    if (roi_table) roi_samples.resize((size_t)(plane_out * K));
+    mx_roi::Sample<A>* const rs = roi_samples.data();
     int win[16];
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
       A* img = block.image(batch[r]);
+      if (roi_table) {
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) {
+            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+            mx_roi::Sample<A>* const bs = rs + (p * Q + q) * K;
+            for (long long k = 0; k < K; ++k)
+              bs[k] = mx_roi::sample_at(yb, xb, kd[2 * k], kd[2 * k + 1], y_low, y_high, y_wl,
+                                        y_wh, x_low, x_high, x_wl, x_wh);
+          }
+      }
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
         const long long o0 = (r * C + c0 + cc) * plane_out;
@@ -335,13 +357,15 @@ struct MaxBackwardLanes<T, A, A> {
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
             const long long o = o0 + p * Q + q;
             winners(r, cc, lanes, p, q, win);
+            const mx_roi::Sample<A>* const bs = roi_table ? rs + (p * Q + q) * K : nullptr;
             for (int c = 0; c < lanes; ++c) {
               const int a = win[c];
               if (a < 0) continue;
               const A g = (A)mx_roi::Traits<T>::load(grad[o + c * plane_out]);
-              const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1],
-                                                            y_low, y_high, y_wl, y_wh, x_low,
-                                                            x_high, x_wl, x_wh);
+              const mx_roi::Sample<A> s =
+                  roi_table ? bs[a]
+                            : mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1], y_low,
+                                                y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh);
               A* row_l = img + (size_t)s.yl * W * ncp + cc + c;
               A* row_h = img + (size_t)s.yh * W * ncp + cc + c;
               row_l[(size_t)s.xl * ncp] += g * s.w1;

@@ -917,3 +917,31 @@ def test_ps_align_forward_past_the_tap_limit_takes_the_item_loop(tmp_path, monke
             monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
             got, _ = run(NATIVE, op, data, rois, grad)
             identical(got, want, f"sample_ratio={ratio}, {t} threads")
+
+
+@pytest.mark.parametrize("rescan", [False, True], ids=["argmax", "rescan"])
+def test_max_align_backward_roi_sample_table_and_per_lane_paths(tmp_path, monkeypatch, rescan):
+    """The native max ROIAlign backward reads a roi's samples once into a table when it has
+    at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them, else per lane.  A build with the limit
+    lowered to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples: per lane),
+    with the kept argmax and rescanning, on 1 and 3 threads: the emulation's bits."""
+    from mx_roi.cuda import backend as cuda_backend
+    rng = np.random.default_rng(8)
+    data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
+    rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
+                    np.float32)
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
+    monkeypatch.setattr(loader, "_MODULES", {})
+    if rescan:
+        monkeypatch.setattr(cuda_backend, "ARGMAX_KEEP_MAX_ELEMENTS", 0)
+    for ratio in (2, 3):
+        op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0,
+                                      sample_ratio=ratio, pool_mode="max"))
+        grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
+        want = run(EMU, op, data, rois, grad)
+        for t in (1, 3):
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+            got = run(NATIVE, op, data, rois, grad)
+            identical(got[0], want[0], f"forward, sample_ratio={ratio}, {t} threads")
+            identical(got[1], want[1], f"gradient, sample_ratio={ratio}, {t} threads")
