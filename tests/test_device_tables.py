@@ -1,7 +1,6 @@
 """Geometry tables moved to a GPU in one packed copy (:func:`mx_roi.cuda.tables.to_device`),
 checked with NumPy standing in for CuPy: every table comes back with its values, dtype and
 shape, at an aligned offset of the one buffer, and the host twin stays reachable."""
-import types
 
 import numpy as np
 import pytest
