@@ -74,11 +74,7 @@ class CupyNDArray:
         return self._capsule()
 
     def asnumpy(self) -> np.ndarray:
-        return self._cupy().asnumpy(self.data)
-
-    def _cupy(self):
-        import cupy
-        return cupy
+        return self.context._cupy.asnumpy(self.data)
 
     def __repr__(self):
         return f"<CupyNDArray {self.shape} {self.dtype} @{self.context!r}>"
