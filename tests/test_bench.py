@@ -457,3 +457,80 @@ def test_gpu_kernel_rows_with_fake_cupy(monkeypatch):
     work = workload_work(workloads[0].op_instance(), (2, 32, 38, 50), make_rois(32))
     assert [r["bytes"] for r in rows[:3]] == [work["fwd_bytes"], work["bwd_bytes"],
                                               work["bwd_bytes"]]
+
+
+def _fake_torch_modules(monkeypatch):
+    """tests/fake_torch imported as ``torch`` / ``torchvision`` in this process, removed
+    again after the test."""
+    import importlib.util
+    for name, rel in (("torch", "torch/__init__.py"),
+                      ("torchvision", "torchvision/__init__.py"),
+                      ("torchvision.ops", "torchvision/ops.py")):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(FAKE_TORCH, rel))
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+    monkeypatch.setattr(sys.modules["torchvision"], "ops", sys.modules["torchvision.ops"],
+                        raising=False)
+
+
+def test_gpu_kernel_rows_with_torchvision_column(monkeypatch):
+    """The GPU bench's torchvision side (stand-ins for CuPy and torch): where torchvision
+    agrees with the native CPU kernels it is timed for 'fwd' and 'bwd' (no deterministic
+    backward), where it has no counterpart or differs the row says why and nothing of it
+    is timed."""
+    import sys
+    from mx_roi.bench import gpu_kernels, torchvision_ops
+    from mx_roi.bench.workloads import build_workloads, select_workloads
+    from mx_roi.cuda import loader
+    from tests.test_emulation import _fake_cupy
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
+    _fake_torch_modules(monkeypatch)
+    tv, why = torchvision_ops.load(1)
+    assert why == "" and torchvision_ops.gpu_available(tv) == ""
+    monkeypatch.setenv("FAKE_TORCH_CUDA", "0")
+    assert torchvision_ops.gpu_available(tv) == "torch 0.0-fake sees no CUDA device"
+    assert torchvision_ops.gpu_available(None) == "torch / torchvision not importable"
+    timed = []
+
+    def one_call(call, repeat):  # one run; ours 2.0 ms wall, torchvision's 4.0
+        call()
+        ours = getattr(call, "__name__", "") == "<lambda>"
+        timed.append("ours" if ours else call.__name__)
+        return (2.0, 1.0) if ours else (4.0, 3.0)
+    monkeypatch.setattr(gpu_kernels, "_time", one_call)
+    workloads = select_workloads(build_workloads(quick=True, variants=True),
+                                 "ROIAlign/7x7,ROIAlign-max/7x7,PSROIAlign/7x7")
+    assert [w.key for w in workloads] == ["ROIAlign/7x7", "ROIAlign-max/7x7", "PSROIAlign/7x7"]
+    rows = gpu_kernels.bench_gpu_kernels(workloads, repeat=3, tv=tv)
+    by = {(r["key"], r["direction"]): r for r in rows}
+    align = [by["ROIAlign/7x7", d] for d in ("fwd", "bwd", "bwd-det")]
+    assert [r["tv_op"] for r in align] == [
+        "torchvision.ops.roi_align(aligned=False, sampling_ratio=2)"] * 3
+    assert all(r["tv_agree"] for r in align)
+    assert [(r["tv_wall_ms"], r["tv_gpu_ms"]) for r in align] == [(4.0, 3.0), (4.0, 3.0),
+                                                                  (None, None)]
+    assert align[2]["tv_note"] == "torchvision has no deterministic backward"
+    assert timed.count("fwd") == 1 and timed.count("bwd") == 1 and timed.count("ours") == 9
+    for d in ("fwd", "bwd", "bwd-det"):
+        mx_max, ps = by["ROIAlign-max/7x7", d], by["PSROIAlign/7x7", d]
+        assert mx_max["tv_op"] is None and mx_max["tv_wall_ms"] is None
+        assert mx_max["tv_note"] == "torchvision has no max-mode RoIAlign"
+        # the stand-in's ps_roi_align has torchvision's half-pixel offset: differs from ours
+        assert ps["tv_op"] == "torchvision.ops.ps_roi_align(sampling_ratio=2)"
+        assert ps["tv_agree"] is False and ps["tv_wall_ms"] is None
+        assert ps["tv_note"] == "torchvision semantics differ (fwd, grad)"
+    lines = gpu_kernels.format_rows(rows, bandwidth=4000e9).splitlines()
+    assert lines[0].split()[-10:] == ["vs", "native", "CPU", "tv", "wall", "ms", "tv", "GPU",
+                                      "ms", "ours/tv"]
+    assert lines[1].split()[-4:] == ["agrees", "4.000", "3.000", "0.50"]
+    assert lines[3].split()[-4:] == ["agrees", "-", "-", "-"]
+    assert lines[-3:] == [
+        "torchvision '-': torchvision has no deterministic backward: ROIAlign/7x7 bwd-det",
+        "torchvision '-': torchvision has no max-mode RoIAlign: ROIAlign-max/7x7 fwd, "
+        "ROIAlign-max/7x7 bwd, ROIAlign-max/7x7 bwd-det",
+        "torchvision '-': torchvision semantics differ (fwd, grad): PSROIAlign/7x7 fwd, "
+        "PSROIAlign/7x7 bwd, PSROIAlign/7x7 bwd-det"]

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Torchvision", "load", "counterpart"]
+__all__ = ["Torchvision", "GpuRun", "gpu_available", "load", "counterpart"]
 
 #: our op -> the torchvision.ops function computing the same thing (where it does)
 FUNCTIONS = {"ROIPooling": "roi_pool", "ROIAlign": "roi_align",
@@ -83,6 +83,47 @@ class Torchvision:
             elapsed = time.perf_counter() - t0
             return elapsed, out.detach().numpy(), leaf.grad.numpy()
         return run
+
+
+class GpuRun:
+    """torchvision on the GPU for ``python -m mx_roi.bench --ctx gpu``: the inputs copied
+    to CUDA device ``device_id`` once, one forward + backward made (``out``, ``grad``:
+    NumPy copies, for the check against ours), and ``calls``: 'fwd' (a training forward:
+    the input requires its gradient, so the graph is built as in a training step) and
+    'bwd' (``torch.autograd.grad`` of the kept forward; the graph is retained for the
+    next repeat), each ending in ``torch.cuda.synchronize()`` as our calls do."""
+
+    def __init__(self, tv: "Torchvision", name: str, kwargs: Dict, data: np.ndarray,
+                 rois: np.ndarray, out_grad: np.ndarray, device_id: int = 0):
+        torch, fn = tv.torch, getattr(tv.ops, name)
+        dev = torch.device("cuda", int(device_id))
+
+        def on_gpu(a):
+            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(dev)
+        x, boxes, g = on_gpu(data), on_gpu(rois), on_gpu(out_grad)
+        leaf = x.detach().requires_grad_(True)
+        kept = fn(leaf, boxes, **kwargs)
+        (grad,) = torch.autograd.grad(kept, leaf, g, retain_graph=True)
+        self.out, self.grad = kept.detach().cpu().numpy(), grad.cpu().numpy()
+        sync = torch.cuda.synchronize
+
+        def fwd():
+            fn(leaf, boxes, **kwargs)
+            sync()
+
+        def bwd():
+            torch.autograd.grad(kept, leaf, g, retain_graph=True)
+            sync()
+        self.calls = {"fwd": fwd, "bwd": bwd}
+
+
+def gpu_available(tv: Optional["Torchvision"]) -> str:
+    """'' when ``tv``'s torch sees a CUDA device, else why not."""
+    if tv is None:
+        return "torch / torchvision not importable"
+    if not tv.torch.cuda.is_available():
+        return f"torch {tv.info['torch']} sees no CUDA device"
+    return ""
 
 
 def load(threads: int) -> Tuple[Optional[Torchvision], str]:

@@ -27,6 +27,12 @@ class Tensor:
     def numpy(self):
         return self._array
 
+    def to(self, device):  # one "device": the host (the GPU column's test)
+        return self
+
+    def cpu(self):
+        return self
+
     def detach(self):
         return Tensor(self._array)
 
@@ -40,3 +46,27 @@ class Tensor:
 
 def from_numpy(array):
     return Tensor(np.asarray(array))
+
+
+def device(kind, index=0):
+    return (kind, index)
+
+
+class autograd:
+    @staticmethod
+    def grad(output, inputs, grad_outputs, retain_graph=False):
+        output.backward(grad_outputs)
+        return (inputs.grad,)
+
+
+class cuda:
+    """The GPU as the stand-in sees it: ``FAKE_TORCH_CUDA=0`` hides it."""
+
+    @staticmethod
+    def is_available():
+        import os
+        return os.environ.get("FAKE_TORCH_CUDA", "1") != "0"
+
+    @staticmethod
+    def synchronize():
+        pass

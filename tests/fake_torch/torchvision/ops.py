@@ -19,7 +19,7 @@ def _call(fn, x, boxes):
         out = fn(data, rois)
 
     def backward(grad):
-        out.backward(mx.nd.array(grad))
+        out.backward(mx.nd.array(grad), retain_graph=True)  # repeated by the GPU column
         x.grad = Tensor(data.grad.asnumpy())
     return Tensor(out.asnumpy(), backward)
 
