@@ -5,6 +5,7 @@
 # NumPy 2 / Python 3.12 with tools/gpu_device/sitecustomize.py, then runs the selftest with
 # the GPU checklist, the CuPy-array GPU tests and the GPU bench.  Logs go to $OUT (or /tmp).
 export PYTHONUNBUFFERED=1
+export PATH="$PATH:/usr/local/cuda/bin"  # compute-sanitizer (not on PATH there)
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp}
 T0=$(date +%s)
