@@ -68,3 +68,83 @@ def test_max_cells_read_from_the_host_twin():
     moved.hstart = moved.hend = None  # a device table is never read for it
     # roi 0: x 0..60, y 0..30 at 1/4 -> bins of up to 5 rows x 8 columns
     assert int_bins_max_cells(moved) == int_bins_max_cells(geo) == 5 * 8
+
+
+class PinnedCopy:
+    """CuPy's side of the pinned path, on the host: ``cuda.alloc_pinned_memory`` (a
+    bytearray), ``empty`` device buffers whose ``data`` pointer copies from a host address
+    (``copy_from_host_async``, recorded with its source), ``ndarray`` views over them."""
+
+    class Ptr:
+        def __init__(self, mem, offset=0):
+            self.mem, self.offset = mem, offset
+            self.ptr = mem.__array_interface__["data"][0] + offset
+
+        def __add__(self, o):
+            return PinnedCopy.Ptr(self.mem, self.offset + o)
+
+    def __init__(self):
+        import types
+        self.copies, self.pinned = [], []
+
+        def alloc_pinned_memory(n):
+            self.pinned.append(n)
+            return bytearray(n)
+        self.cuda = types.SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory,
+                                          get_device_id=lambda: 0,
+                                          get_current_stream=lambda: "stream")
+
+    def empty(self, shape, dtype):
+        import types
+        mem = np.zeros(shape, dtype)
+        copies = self.copies
+
+        def copy_from_host_async(src, size, stream):
+            import ctypes
+            copies.append((src.value, size, stream))
+            ctypes.memmove(mem.ctypes.data, src.value, size)
+        ptr = PinnedCopy.Ptr(mem)
+        ptr.copy_from_host_async = copy_from_host_async
+        return types.SimpleNamespace(data=ptr, nbytes=mem.nbytes)
+
+    def ndarray(self, shape, dtype, memptr):
+        count = int(np.prod(shape))
+        return np.frombuffer(memptr.mem, dtype, count, memptr.offset).reshape(shape)
+
+
+def test_pinned_staging_copy_is_async_reused_grown_and_per_thread():
+    """With CuPy the tables are packed into this thread's pinned staging buffer and moved
+    by one asynchronous copy on the current stream; the buffer is kept for the next call
+    (same address), grown when a call needs more, and each thread has its own."""
+    import threading
+    from mx_roi.cuda import tables
+    rng = np.random.default_rng(3)
+
+    def grid(R):
+        rois = np.concatenate([rng.integers(0, 2, (R, 1)), rng.uniform(0, 40, (R, 2)),
+                               rng.uniform(40, 90, (R, 2))], axis=1).astype(np.float32)
+        return geometry.roi_align_grid(rois, (2, 3), 0.25, -1, True, 20, 24, np)
+
+    fake = PinnedCopy()
+    tables._STAGING.__dict__.pop("buffers", None)
+    sources = []
+    for R in (3, 5, 400):
+        geo = grid(R)
+        moved = to_device(geo, fake)
+        for (name, a), (_, b) in zip(_leaves(geo), _leaves(moved)):
+            if isinstance(a, np.ndarray):
+                assert b.dtype == a.dtype and b.shape == a.shape, name
+                np.testing.assert_array_equal(b, a, err_msg=name)
+        src, size, stream = fake.copies[-1]
+        assert stream == "stream" and size % 16 == 0
+        sources.append(src)
+    assert len(fake.copies) == 3
+    assert sources[0] == sources[1] and fake.pinned[0] == 1 << 16  # reused
+    assert sources[2] != sources[0] and len(fake.pinned) == 2 and fake.pinned[1] > 1 << 16
+    other = []
+    t = threading.Thread(target=lambda: other.append(
+        (to_device(grid(3), fake), fake.copies[-1][0])))
+    t.start()
+    t.join()
+    assert other[0][1] not in sources and len(fake.pinned) == 3  # its own buffer
+    assert tables._staging(fake, tables.STAGING_MAX_BYTES + 1) is None  # too large: pageable
