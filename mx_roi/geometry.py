@@ -230,7 +230,7 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     zero = cdt.type(0)
     outside = (coord < cdt.type(valid_lo)) | (coord > lim)
     c = xp.where(coord <= 0, zero, coord) if clamp_low else coord
-    low = xp.trunc(xp.where(outside, zero, c)).astype(np.int32)
+    low = xp.where(outside, zero, c).astype(np.int32)  # (the cast truncates toward 0)
     last = low >= limit - 1
     # (astype(copy=False): no second pass where the type is already right -- on a small
     # call the number of array operations is the cost)
@@ -274,7 +274,10 @@ def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, heig
     else:
         ay, = _align_axes(start[:1], size[:1], P, (height,), sample_ratio, xp, cdt)
         ax, = _align_axes(start[1:], size[1:], Q, (width,), sample_ratio, xp, cdt)
-    divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
+    if sample_ratio > 0:  # every bin has sample_ratio^2 points (no product to take)
+        divisor = xp.full((rois.shape[0], P, Q), sample_ratio * sample_ratio, dtype=cdt)
+    else:
+        divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
     return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
 
 
@@ -316,7 +319,10 @@ def _align_samples(start, bin_size, grid, gmax, pooled, limit, padded, xp, cdt):
     safe_grid = xp.maximum(grid, 1).astype(cdt)
     coord = (first[..., None] + (g * bin_size[..., None, None])
              / safe_grid[..., None, None]).astype(cdt, copy=False)        # (..., R, P, G)
-    count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
+    if padded:
+        count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
+    else:  # a fixed sample_ratio: gmax in every bin
+        count = xp.full(grid.shape + (pooled,), gmax, dtype=np.int32)
     low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
     if padded:  # padding past a bin's count: no tap, weight 0
         live = xp.arange(gmax, dtype=np.int32) < count[..., None]
