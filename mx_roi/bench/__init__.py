@@ -43,7 +43,9 @@ until :mod:`.overhead` is imported):
 * :mod:`.roofline`  -- first-principles lower bounds and the bandwidth / FMA probe;
 * :mod:`.busy`      -- the competing process of ``--busy``;
 * :mod:`.threads`   -- ``--threads``: one child run per thread setting;
-* :mod:`.torchvision_ops` -- the torchvision column (when torch and torchvision import);
+* :mod:`.torchvision_ops` -- the torchvision column (when torch and torchvision import),
+  on the CPU and, in :mod:`.gpu_kernels`, on the GPU;
+* :mod:`.gpu_kernels` -- ``--ctx gpu`` with MXNet's CPU build: our calls on CuPy arrays;
 * :mod:`.report`    -- the printed tables and the plot;
 * :mod:`.step`      -- ``--step``: a detector's train step, built-in against ours
   (:mod:`.step_model`: the graphs, inputs and check; :mod:`.step_profile`: the profile);

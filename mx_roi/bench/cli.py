@@ -72,7 +72,8 @@ def _parse_args(argv=None):
                         "core busy; report busy/quiet per side")
     p.add_argument("--torchvision", dest="torchvision", action="store_true", default=None,
                    help="time torchvision.ops as a third side where it computes the same "
-                        "(default: when torch and torchvision import; CPU only)")
+                        "(default: when torch and torchvision import; with --ctx gpu and MXNet's CPU "
+                        "build, torchvision's CUDA kernels where torch sees the GPU)")
     p.add_argument("--no-torchvision", dest="torchvision", action="store_false")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
