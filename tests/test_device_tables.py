@@ -90,9 +90,21 @@ class PinnedCopy:
         def alloc_pinned_memory(n):
             self.pinned.append(n)
             return bytearray(n)
+        log = self.events = []
+
+        class Event:
+            def __init__(self, block, disable_timing):
+                assert (block, disable_timing) == (False, True)
+
+            def record(self, stream):
+                log.append(("record", stream, len(self_copies)))
+
+            def synchronize(self):
+                log.append(("wait", len(self_copies)))
+        self_copies = self.copies
         self.cuda = types.SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory,
                                           get_device_id=lambda: 0,
-                                          get_current_stream=lambda: "stream")
+                                          get_current_stream=lambda: "stream", Event=Event)
 
     def empty(self, shape, dtype):
         import types
@@ -114,8 +126,9 @@ class PinnedCopy:
 
 def test_pinned_staging_copy_is_async_reused_grown_and_per_thread():
     """With CuPy the tables are packed into this thread's pinned staging buffer and moved
-    by one asynchronous copy on the current stream; the buffer is kept for the next call
-    (same address), grown when a call needs more, and each thread has its own."""
+    by one asynchronous copy on the current stream, an event recorded after it; the next
+    call waits for that event before it writes the buffer again, which is kept (same
+    address), grown when a call needs more, and each thread has its own."""
     import threading
     from mx_roi.cuda import tables
     rng = np.random.default_rng(3)
@@ -126,7 +139,7 @@ def test_pinned_staging_copy_is_async_reused_grown_and_per_thread():
         return geometry.roi_align_grid(rois, (2, 3), 0.25, -1, True, 20, 24, np)
 
     fake = PinnedCopy()
-    tables._STAGING.__dict__.pop("buffers", None)
+    tables._STAGING.__dict__.pop("stagings", None)
     sources = []
     for R in (3, 5, 400):
         geo = grid(R)
@@ -139,6 +152,9 @@ def test_pinned_staging_copy_is_async_reused_grown_and_per_thread():
         assert stream == "stream" and size % 16 == 0
         sources.append(src)
     assert len(fake.copies) == 3
+    # record after each copy; before each refill, a wait for the previous copy
+    assert fake.events == [("record", "stream", 1), ("wait", 1), ("record", "stream", 2),
+                           ("wait", 2), ("record", "stream", 3)]
     assert sources[0] == sources[1] and fake.pinned[0] == 1 << 16  # reused
     assert sources[2] != sources[0] and len(fake.pinned) == 2 and fake.pinned[1] > 1 << 16
     other = []

@@ -46,14 +46,15 @@ def to_device(geo, cupy):
         offsets.append(total)
         total += -(-a.nbytes // _ALIGN) * _ALIGN
     total = max(total, _ALIGN)
-    pinned = _staging(cupy, total)
-    buf = pinned if pinned is not None else np.empty(total, np.uint8)
+    staging = _staging(cupy, total)
+    buf = staging.buf[:total] if staging is not None else np.empty(total, np.uint8)
     for a, o in zip(arrays, offsets):
         buf[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
-    if pinned is not None:
+    if staging is not None:
+        stream = cupy.cuda.get_current_stream()
         dev = cupy.empty(total, np.uint8)
-        dev.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), total,
-                                      cupy.cuda.get_current_stream())
+        dev.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), total, stream)
+        staging.copied(cupy, stream)
     else:
         dev = cupy.asarray(buf)
     base = getattr(dev, "data", None)
@@ -84,23 +85,43 @@ STAGING_MAX_BYTES = 64 << 20
 _STAGING = threading.local()
 
 
+class _Staging:
+    """A pinned host buffer (``buf``, ``uint8``) and the event recorded after the last
+    copy out of it (``event``)."""
+
+    __slots__ = ("buf", "event")
+
+    def __init__(self):
+        self.buf, self.event = None, None
+
+    def copied(self, cupy, stream):
+        """Record that a copy out of ``buf`` was just queued on ``stream``."""
+        if self.event is None:
+            self.event = cupy.cuda.Event(block=False, disable_timing=True)
+        self.event.record(stream)
+
+
 def _staging(cupy, nbytes: int):
-    """This thread's pinned host buffer for the current device, at least ``nbytes`` long
-    (grown in powers of two), as a ``uint8`` NumPy array of ``nbytes``; None where the
-    array module has no pinned memory (NumPy standing in for CuPy) or past
-    :data:`STAGING_MAX_BYTES`.  Reusing it is safe: the CUDA backend synchronises its
-    stream before every call returns, so the last copy out of it has finished; per thread
-    because MXNet may run two GPUs' calls at once."""
+    """This thread's staging buffer for the current device (:class:`_Staging`), ``buf`` at
+    least ``nbytes`` long (grown in powers of two), once the last copy out of it has
+    finished (its event; normally long since, as the CUDA backend synchronises its stream
+    before every call returns); None where the array module has no pinned memory (NumPy
+    standing in for CuPy) or past :data:`STAGING_MAX_BYTES`.  Per thread because MXNet may
+    run two GPUs' calls at once."""
     alloc = getattr(getattr(cupy, "cuda", None), "alloc_pinned_memory", None)
     if alloc is None or nbytes > STAGING_MAX_BYTES:
         return None
     device = int(cupy.cuda.get_device_id())
-    buffers = _STAGING.__dict__.setdefault("buffers", {})
-    buf = buffers.get(device)
-    if buf is None or buf.size < nbytes:
+    stagings = _STAGING.__dict__.setdefault("stagings", {})
+    staging = stagings.get(device)
+    if staging is None:
+        staging = stagings[device] = _Staging()
+    if staging.event is not None:
+        staging.event.synchronize()
+    if staging.buf is None or staging.buf.size < nbytes:
         size = 1 << max(16, (int(nbytes) - 1).bit_length())
-        buf = buffers[device] = np.frombuffer(alloc(size), np.uint8, size)
-    return buf[:nbytes]
+        staging.buf = np.frombuffer(alloc(size), np.uint8, size)
+    return staging
 
 
 def host_tables(geo):
