@@ -164,3 +164,34 @@ def test_pinned_staging_copy_is_async_reused_grown_and_per_thread():
     t.join()
     assert other[0][1] not in sources and len(fake.pinned) == 3  # its own buffer
     assert tables._staging(fake, tables.STAGING_MAX_BYTES + 1) is None  # too large: pageable
+
+
+def test_pinning_failure_falls_back_to_pageable_copies(monkeypatch):
+    """A host that cannot pin memory: the first failure is remembered (no retry per call)
+    and the tables go through a pageable copy, whole."""
+    from mx_roi.cuda import tables
+    fake = PinnedCopy()
+    attempts = []
+
+    def no_pinning(n):
+        attempts.append(n)
+        raise MemoryError("cudaErrorMemoryAllocation")
+    fake.cuda.alloc_pinned_memory = no_pinning
+    asarray = []
+    fake.asarray = lambda buf: asarray.append(buf.nbytes) or _as_device(fake, buf)
+    tables._STAGING.__dict__.pop("stagings", None)
+    rois = np.array([[0, 1, 2, 30, 40], [1, 5, 5, 9, 9]], np.float32)
+    geo = geometry.roi_align_grid(rois, (2, 3), 0.25, 2, False, 20, 24, np)
+    for _ in range(3):
+        moved = to_device(geo, fake)
+        for (name, a), (_, b) in zip(_leaves(geo), _leaves(moved)):
+            if isinstance(a, np.ndarray):
+                np.testing.assert_array_equal(b, a, err_msg=name)
+    assert len(attempts) == 1 and len(asarray) == 3 and fake.copies == []
+
+
+def _as_device(fake, buf):
+    """``cupy.asarray`` for :class:`PinnedCopy`: a device buffer holding ``buf``'s bytes."""
+    dev = fake.empty(buf.nbytes, np.uint8)
+    dev.data.mem[:] = buf
+    return dev

@@ -101,13 +101,18 @@ class _Staging:
         self.event.record(stream)
 
 
+#: the staging slot of a thread and device where pinning memory failed
+_NO_PINNING = _Staging()
+
+
 def _staging(cupy, nbytes: int):
     """This thread's staging buffer for the current device (:class:`_Staging`), ``buf`` at
     least ``nbytes`` long (grown in powers of two), once the last copy out of it has
     finished (its event; normally long since, as the CUDA backend synchronises its stream
     before every call returns); None where the array module has no pinned memory (NumPy
-    standing in for CuPy) or past :data:`STAGING_MAX_BYTES`.  Per thread because MXNet may
-    run two GPUs' calls at once."""
+    standing in for CuPy), past :data:`STAGING_MAX_BYTES`, or once pinning failed on this
+    thread and device (a host that cannot pin memory: pageable copies from then on).
+    Per thread because MXNet may run two GPUs' calls at once."""
     alloc = getattr(getattr(cupy, "cuda", None), "alloc_pinned_memory", None)
     if alloc is None or nbytes > STAGING_MAX_BYTES:
         return None
@@ -116,11 +121,18 @@ def _staging(cupy, nbytes: int):
     staging = stagings.get(device)
     if staging is None:
         staging = stagings[device] = _Staging()
+    elif staging is _NO_PINNING:
+        return None
     if staging.event is not None:
         staging.event.synchronize()
     if staging.buf is None or staging.buf.size < nbytes:
         size = 1 << max(16, (int(nbytes) - 1).bit_length())
-        staging.buf = np.frombuffer(alloc(size), np.uint8, size)
+        staging.buf = None  # (the old buffer is free to go: its last copy has finished)
+        try:
+            staging.buf = np.frombuffer(alloc(size), np.uint8, size)
+        except Exception:  # noqa: BLE001 - e.g. cudaErrorMemoryAllocation: go pageable
+            stagings[device] = _NO_PINNING
+            return None
     return staging
 
 
