@@ -300,7 +300,7 @@ def test_torchvision_column_with_stand_in(tmp_path):
     machine = payload["machine"]
     ours_threads = machine["threads"]["ours"]
     assert machine["torchvision"] == dict(torch="0.0-fake", torchvision="0.0-fake",
-                                          threads=ours_threads)
+                                          threads=ours_threads, device="cpu")
     assert (f"torchvision 0.0-fake (torch 0.0-fake): torch.set_num_threads({ours_threads}) "
             "= mx_roi's thread count") in proc.stdout
     assert "not importable" not in proc.stdout
@@ -534,3 +534,38 @@ def test_gpu_kernel_rows_with_torchvision_column(monkeypatch):
         "ROIAlign-max/7x7 bwd, ROIAlign-max/7x7 bwd-det",
         "torchvision '-': torchvision semantics differ (fwd, grad): PSROIAlign/7x7 fwd, "
         "PSROIAlign/7x7 bwd, PSROIAlign/7x7 bwd-det"]
+
+
+def test_torchvision_runner_on_a_gpu_moves_inputs_and_syncs_in_the_timed_call(monkeypatch):
+    """With a device (MXNet's CUDA build, ``--ctx gpu``) the torchvision side's inputs go
+    to ``cuda:0`` once and every timed call ends in ``torch.cuda.synchronize()``; the
+    bench's loader picks that device for ``--ctx gpu`` and says why there is no column
+    where torch sees no GPU."""
+    import numpy as np
+    from mx_roi.bench import cli, torchvision_ops
+    _fake_torch_modules(monkeypatch)
+    torch = sys.modules["torch"]
+    tv, why = torchvision_ops.load(1, device_id=0)
+    assert why == "" and tv.info["device"] == "cuda:0"
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((1, 4, 8, 9)).astype(np.float32)
+    rois = np.array([[0, 0, 0, 50, 60], [0, 10, 20, 90, 100]], np.float32)
+    run = tv.runner("roi_align", dict(output_size=(2, 2), spatial_scale=0.0625,
+                                      sampling_ratio=2, aligned=False),
+                    data, rois, np.ones((2, 4, 2, 2), np.float32))
+    assert torch.moved_to == [("cuda", 0)] * 3
+    before = len(torch.synced)
+    seconds, out, grad = run("fwd")
+    assert seconds >= 0 and out.shape == (2, 4, 2, 2) and grad is None
+    seconds, out, grad = run("fwd+bwd")
+    assert grad.shape == data.shape and len(torch.synced) == before + 2
+    assert torchvision_ops.load(1)[0].info["device"] == "cpu"
+
+    class Args:
+        torchvision, ctx = None, "gpu"
+    machine = {"threads": {"ours": 1}}
+    tv, why = cli._load_torchvision(Args, machine)
+    assert why == "" and machine["torchvision"]["device"] == "cuda:0"
+    monkeypatch.setenv("FAKE_TORCH_CUDA", "0")
+    assert cli._load_torchvision(Args, {"threads": {"ours": 1}}) == (
+        None, "torch 0.0-fake sees no CUDA device; no torchvision column")

@@ -72,8 +72,8 @@ def _parse_args(argv=None):
                         "core busy; report busy/quiet per side")
     p.add_argument("--torchvision", dest="torchvision", action="store_true", default=None,
                    help="time torchvision.ops as a third side where it computes the same "
-                        "(default: when torch and torchvision import; with --ctx gpu and MXNet's CPU "
-                        "build, torchvision's CUDA kernels where torch sees the GPU)")
+                        "(default: when torch and torchvision import; with --ctx gpu its "
+                        "CUDA kernels, where torch sees the GPU)")
     p.add_argument("--no-torchvision", dest="torchvision", action="store_false")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
@@ -93,12 +93,13 @@ def _load_torchvision(args, machine):
     """(Torchvision or None, why there is no column or ''); records it in ``machine``."""
     if args.torchvision is False:
         return None, ""
-    if args.ctx != "cpu":
-        return None, "not compared with --ctx gpu (its CPU kernels only)"
-    tv, why = torchvision_ops.load(machine["threads"]["ours"])
+    tv, why = torchvision_ops.load(machine["threads"]["ours"],
+                                   device_id=0 if args.ctx == "gpu" else None)
     if tv is None:
         return None, (f"not importable ({why}); no torchvision column (optional: pip install "
                       "'mx_roi[torch]', README \"Speed\")")
+    if args.ctx == "gpu" and torchvision_ops.gpu_available(tv):
+        return None, torchvision_ops.gpu_available(tv) + "; no torchvision column"
     machine["torchvision"] = tv.info
     return tv, ""
 

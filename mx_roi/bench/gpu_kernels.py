@@ -66,8 +66,8 @@ def _time(call, repeat: int):
 def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0, tv=None):
     """One dict per (workload, direction): ``key``, ``direction`` ('fwd', 'bwd',
     'bwd-det'), ``wall_ms``, ``gpu_ms``, ``bytes``, ``agree`` (vs the native CPU
-    kernels); with ``tv`` (a :class:`~mx_roi.bench.torchvision_ops.Torchvision` whose
-    torch sees the GPU) also ``tv_op``, ``tv_agree``, ``tv_wall_ms``, ``tv_gpu_ms`` and
+    kernels); with ``tv`` (a :class:`~mx_roi.bench.torchvision_ops.Torchvision` on
+    device ``device_id``) also ``tv_op``, ``tv_agree``, ``tv_wall_ms``, ``tv_gpu_ms`` and
     ``tv_note`` (why there is no torchvision time)."""
     import mxnet as mx
     from ..backends import get
@@ -102,7 +102,7 @@ def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0, tv=None):
             "bwd-det": (lambda: cuda.backward(det_op, "write", g, x, r, dx, det_saved),
                         work["bwd_bytes"]),
         }
-        peer = _peer(tv, w, data, rois, dy, ref_out, ref_dx, device_id) if tv else {}
+        peer = _peer(tv, w, data, rois, dy, ref_out, ref_dx) if tv else {}
         for direction, (call, nbytes) in calls.items():
             wall, gpu_ms = _time(call, repeat)
             row = dict(key=w.key, config=w.config, direction=direction,
@@ -120,7 +120,7 @@ def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0, tv=None):
     return rows
 
 
-def _peer(tv, w, data, rois, dy, ref_out, ref_dx, device_id):
+def _peer(tv, w, data, rois, dy, ref_out, ref_dx):
     """torchvision's side of workload ``w``: ``op`` (its description), ``agree`` (its
     output and gradient against the native CPU kernels'), ``calls`` (where it agrees) and
     ``note`` (why it is not timed)."""
@@ -131,7 +131,7 @@ def _peer(tv, w, data, rois, dy, ref_out, ref_dx, device_id):
         return dict(note=why)
     peer = dict(op=describe(name, kwargs))
     try:
-        run = GpuRun(tv, name, kwargs, data, rois, dy, device_id)
+        run = GpuRun(tv, name, kwargs, data, rois, dy)
     except Exception as exc:  # noqa: BLE001 - its failure must not hide our rows
         return dict(peer, note=f"torchvision failed: {type(exc).__name__}: {exc}"[:160])
     fwd_ok = bool(np.allclose(run.out, ref_out, RTOL, ATOL))
@@ -185,7 +185,7 @@ def main(args) -> int:
     tv = None
     if args.torchvision is not False:
         from .torchvision_ops import gpu_available, load
-        tv, why = load(1)
+        tv, why = load(1, device_id=0)
         why = why or gpu_available(tv)
         if why:
             tv = None

@@ -39,8 +39,9 @@ def format_header(m: dict, args) -> str:
     ]
     tv = m.get("torchvision")
     if tv:
-        lines.append(f"torchvision {tv['torchvision']} (torch {tv['torch']}): "
-                     f"torch.set_num_threads({tv['threads']}) = mx_roi's thread count; timed "
+        where = (f"torch.set_num_threads({tv['threads']}) = mx_roi's thread count"
+                 if tv.get("device", "cpu") == "cpu" else f"its CUDA kernels on {tv['device']}")
+        lines.append(f"torchvision {tv['torchvision']} (torch {tv['torch']}): {where}; timed "
                      "as a third interleaved side where its ops agree with ours (np.allclose "
                      "of output and gradient first), '-' where the semantics differ")
     return "\n".join(lines)

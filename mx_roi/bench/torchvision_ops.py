@@ -53,59 +53,73 @@ def describe(name: str, kwargs: Dict) -> str:
 
 
 class Torchvision:
-    """torch + torchvision.ops, their threads set to ``threads`` (mx_roi's count)."""
+    """torch + torchvision.ops, their threads set to ``threads`` (mx_roi's count), on the
+    host or (``device_id``) on that CUDA device."""
 
-    def __init__(self, torch, ops, torchvision_version: str, threads: int):
+    def __init__(self, torch, ops, torchvision_version: str, threads: int,
+                 device_id: Optional[int] = None):
         self.torch, self.ops = torch, ops
+        self.device_id = device_id
         torch.set_num_threads(int(threads))
         self.info = dict(torch=str(torch.__version__), torchvision=torchvision_version,
-                         threads=int(torch.get_num_threads()))
+                         threads=int(torch.get_num_threads()),
+                         device="cpu" if device_id is None else f"cuda:{int(device_id)}")
+
+    def tensors(self, *arrays):
+        """float32 tensors of ``arrays`` where this side runs (copies), and its sync:
+        ``torch.cuda.synchronize`` on a GPU (a timed call ends when its kernels have),
+        nothing on the host."""
+        torch = self.torch
+        out = [torch.from_numpy(np.ascontiguousarray(a, np.float32)) for a in arrays]
+        if self.device_id is None:
+            return out, _no_sync
+        dev = torch.device("cuda", int(self.device_id))
+        return [t.to(dev) for t in out], torch.cuda.synchronize
 
     def runner(self, name: str, kwargs: Dict, data: np.ndarray, rois: np.ndarray,
                out_grad: np.ndarray) -> Callable:
         """``run(direction) -> (seconds, output, data gradient or None)`` on copies of the
         bench's arrays (``data`` (N, C, H, W), ``rois`` (R, 5), ``out_grad``)."""
-        torch, fn = self.torch, getattr(self.ops, name)
-        x = torch.from_numpy(np.ascontiguousarray(data, np.float32))
-        boxes = torch.from_numpy(np.ascontiguousarray(rois, np.float32))
-        g = torch.from_numpy(np.ascontiguousarray(out_grad, np.float32))
+        fn = getattr(self.ops, name)
+        (x, boxes, g), sync = self.tensors(data, rois, out_grad)
 
         def run(direction):
             if direction == "fwd":
                 t0 = time.perf_counter()
                 out = fn(x, boxes, **kwargs)
+                sync()
                 elapsed = time.perf_counter() - t0
-                return elapsed, out.detach().numpy(), None
+                return elapsed, out.detach().cpu().numpy(), None
             leaf = x.detach().requires_grad_(True)  # a fresh leaf: the gradient is written
             t0 = time.perf_counter()
             out = fn(leaf, boxes, **kwargs)
             out.backward(g)
+            sync()
             elapsed = time.perf_counter() - t0
-            return elapsed, out.detach().numpy(), leaf.grad.numpy()
+            return elapsed, out.detach().cpu().numpy(), leaf.grad.cpu().numpy()
         return run
 
 
+def _no_sync():
+    pass
+
+
 class GpuRun:
-    """torchvision on the GPU for ``python -m mx_roi.bench --ctx gpu``: the inputs copied
-    to CUDA device ``device_id`` once, one forward + backward made (``out``, ``grad``:
-    NumPy copies, for the check against ours), and ``calls``: 'fwd' (a training forward:
-    the input requires its gradient, so the graph is built as in a training step) and
-    'bwd' (``torch.autograd.grad`` of the kept forward; the graph is retained for the
-    next repeat), each ending in ``torch.cuda.synchronize()`` as our calls do."""
+    """torchvision on the GPU for :mod:`mx_roi.bench.gpu_kernels` (``tv`` made with a
+    ``device_id``): the inputs copied there once, one forward + backward made (``out``,
+    ``grad``: NumPy copies, for the check against ours), and ``calls``: 'fwd' (a training
+    forward: the input requires its gradient, so the graph is built as in a training
+    step) and 'bwd' (``torch.autograd.grad`` of the kept forward; the graph is retained
+    for the next repeat), each ending in ``torch.cuda.synchronize()`` as our calls do."""
 
     def __init__(self, tv: "Torchvision", name: str, kwargs: Dict, data: np.ndarray,
-                 rois: np.ndarray, out_grad: np.ndarray, device_id: int = 0):
+                 rois: np.ndarray, out_grad: np.ndarray):
         torch, fn = tv.torch, getattr(tv.ops, name)
-        dev = torch.device("cuda", int(device_id))
-
-        def on_gpu(a):
-            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(dev)
-        x, boxes, g = on_gpu(data), on_gpu(rois), on_gpu(out_grad)
+        (x, boxes, g), sync = tv.tensors(data, rois, out_grad)
         leaf = x.detach().requires_grad_(True)
         kept = fn(leaf, boxes, **kwargs)
         (grad,) = torch.autograd.grad(kept, leaf, g, retain_graph=True)
         self.out, self.grad = kept.detach().cpu().numpy(), grad.cpu().numpy()
-        sync = torch.cuda.synchronize
 
         def fwd():
             fn(leaf, boxes, **kwargs)
@@ -126,12 +140,15 @@ def gpu_available(tv: Optional["Torchvision"]) -> str:
     return ""
 
 
-def load(threads: int) -> Tuple[Optional[Torchvision], str]:
-    """(:class:`Torchvision`, '') when torch and torchvision import, else (None, why)."""
+def load(threads: int, device_id: Optional[int] = None) -> Tuple[Optional[Torchvision], str]:
+    """(:class:`Torchvision`, '') when torch and torchvision import, else (None, why); with
+    ``device_id`` its tensors live on that CUDA device (:func:`gpu_available` says whether
+    torch sees one)."""
     try:
         import torch
         import torchvision
         from torchvision import ops
     except Exception as exc:  # noqa: BLE001 - any import failure means: no column
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return Torchvision(torch, ops, str(getattr(torchvision, "__version__", "?")), threads), ""
+    return Torchvision(torch, ops, str(getattr(torchvision, "__version__", "?")), threads,
+                       device_id), ""
