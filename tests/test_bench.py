@@ -569,3 +569,31 @@ def test_torchvision_runner_on_a_gpu_moves_inputs_and_syncs_in_the_timed_call(mo
     monkeypatch.setenv("FAKE_TORCH_CUDA", "0")
     assert cli._load_torchvision(Args, {"threads": {"ours": 1}}) == (
         None, "torch 0.0-fake sees no CUDA device; no torchvision column")
+
+
+def test_gpu_kernel_rows_when_torchvision_fails(monkeypatch):
+    """A torchvision op that raises costs its columns, never our rows: the note names the
+    error and nothing of it is timed."""
+    from mx_roi.bench import gpu_kernels, torchvision_ops
+    from mx_roi.bench.workloads import build_workloads, select_workloads
+    from mx_roi.cuda import loader
+    from tests.test_emulation import _fake_cupy
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: fake.toolchain)
+    _fake_torch_modules(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available")
+    monkeypatch.setattr(sys.modules["torchvision.ops"], "roi_pool", broken)
+    tv, _ = torchvision_ops.load(1)
+    monkeypatch.setattr(gpu_kernels, "_time", lambda call, repeat: (call(), (2.0, 1.0))[1])
+    workloads = select_workloads(build_workloads(quick=True, variants=False), "ROIPooling/7x7")
+    rows = gpu_kernels.bench_gpu_kernels(workloads, repeat=1, tv=tv)
+    assert [r["direction"] for r in rows] == ["fwd", "bwd", "bwd-det"]
+    for r in rows:
+        assert r["agree"] and r["wall_ms"] == 2.0
+        assert r["tv_op"] == "torchvision.ops.roi_pool()" and r["tv_wall_ms"] is None
+        assert r["tv_note"] == ("torchvision failed: RuntimeError: CUDA error: no kernel "
+                                "image is available")
