@@ -302,6 +302,19 @@ const long long MAX_LANES_SAMPLES = 1 << 16;
 #define MX_ROI_ROI_SAMPLE_TABLE (1 << 14)
 #endif
 
+// A sample's four taps as offsets into a channels-last block of ``ncp`` lanes per cell
+// ((yl, xl), (yl, xh), (yh, xl), (yh, xh)) and their weights.
+template <typename A>
+struct CellTaps {
+  long long o1, o2, o3, o4;
+  A w1, w2, w3, w4;
+  CellTaps() = default;
+  CellTaps(const mx_roi::Sample<A>& s, int W, int ncp)
+      : o1(((long long)s.yl * W + s.xl) * ncp), o2(((long long)s.yl * W + s.xh) * ncp),
+        o3(((long long)s.yh * W + s.xl) * ncp), o4(((long long)s.yh * W + s.xh) * ncp),
+        w1(s.w1), w2(s.w2), w3(s.w3), w4(s.w4) {}
+};
+
 template <typename T, typename A, typename O>
 struct MaxBackwardLanes {
   template <typename... Args>
@@ -332,9 +345,10 @@ struct MaxBackwardLanes<T, A, A> {
     // (a plain pointer: a thread_local read in the loop costs a call per access)
     const int* const kd = decode.data();
     const bool roi_table = plane_out * K <= MX_ROI_ROI_SAMPLE_TABLE;
-    static thread_local std::vector<mx_roi::Sample<A>> roi_samples;  // (p * Q + q) * K + k
+    // (p * Q + q) * K + k: the sample's four taps as offsets in the channels-last block
+    static thread_local std::vector<CellTaps<A>> roi_samples;
     if (roi_table) roi_samples.resize((size_t)(plane_out * K));
-    mx_roi::Sample<A>* const rs = roi_samples.data();
+    CellTaps<A>* const rs = roi_samples.data();
     int win[16];
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
@@ -343,10 +357,12 @@ struct MaxBackwardLanes<T, A, A> {
         for (int p = 0; p < P; ++p)
           for (int q = 0; q < Q; ++q) {
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-            mx_roi::Sample<A>* const bs = rs + (p * Q + q) * K;
+            CellTaps<A>* const bs = rs + (p * Q + q) * K;
             for (long long k = 0; k < K; ++k)
-              bs[k] = mx_roi::sample_at(yb, xb, kd[2 * k], kd[2 * k + 1], y_low, y_high, y_wl,
-                                        y_wh, x_low, x_high, x_wl, x_wh);
+              bs[k] = CellTaps<A>(mx_roi::sample_at(yb, xb, kd[2 * k], kd[2 * k + 1], y_low,
+                                                    y_high, y_wl, y_wh, x_low, x_high, x_wl,
+                                                    x_wh),
+                                  W, ncp);
           }
       }
       for (int cc = 0; cc < ncp; cc += L) {
@@ -357,21 +373,22 @@ struct MaxBackwardLanes<T, A, A> {
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
             const long long o = o0 + p * Q + q;
             winners(r, cc, lanes, p, q, win);
-            const mx_roi::Sample<A>* const bs = roi_table ? rs + (p * Q + q) * K : nullptr;
+            const CellTaps<A>* const bs = roi_table ? rs + (p * Q + q) * K : nullptr;
             for (int c = 0; c < lanes; ++c) {
               const int a = win[c];
               if (a < 0) continue;
               const A g = (A)mx_roi::Traits<T>::load(grad[o + c * plane_out]);
-              const mx_roi::Sample<A> s =
+              const CellTaps<A> t =
                   roi_table ? bs[a]
-                            : mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1], y_low,
-                                                y_high, y_wl, y_wh, x_low, x_high, x_wl, x_wh);
-              A* row_l = img + (size_t)s.yl * W * ncp + cc + c;
-              A* row_h = img + (size_t)s.yh * W * ncp + cc + c;
-              row_l[(size_t)s.xl * ncp] += g * s.w1;
-              row_l[(size_t)s.xh * ncp] += g * s.w2;
-              row_h[(size_t)s.xl * ncp] += g * s.w3;
-              row_h[(size_t)s.xh * ncp] += g * s.w4;
+                            : CellTaps<A>(mx_roi::sample_at(yb, xb, kd[2 * a], kd[2 * a + 1],
+                                                            y_low, y_high, y_wl, y_wh, x_low,
+                                                            x_high, x_wl, x_wh),
+                                          W, ncp);
+              A* const lane = img + cc + c;
+              lane[t.o1] += g * t.w1;
+              lane[t.o2] += g * t.w2;
+              lane[t.o3] += g * t.w3;
+              lane[t.o4] += g * t.w4;
             }
           }
         }
