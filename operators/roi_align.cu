@@ -75,6 +75,29 @@ __global__ void roi_align_forward_avg(
 // step per tap instead of 16 scattered adds), then added to the gradient planes.  Per
 // channel the same contributions g*w in the generic loop's order (roi, bin, sample, tap)
 // onto a zero start, so the same bits.
+// The backwards read a roi's samples (taps and weights of each sample of each bin) from
+// the tables once per roi, as CellTaps kept while its channel passes run, when it has at
+// most this many: the max backward's lanes would otherwise read and multiply them again
+// per lane (16 lanes x 4 passes of a 64-channel call per sample), the average backward
+// again per pass (only with more than one pass); larger grids read them directly.
+// -DMX_ROI_ROI_SAMPLE_TABLE=... lowers it so that a test runs both paths on small problems.
+#ifndef MX_ROI_ROI_SAMPLE_TABLE
+#define MX_ROI_ROI_SAMPLE_TABLE (1 << 14)
+#endif
+
+// A sample's four taps as offsets into a channels-last block of ``ncp`` lanes per cell
+// ((yl, xl), (yl, xh), (yh, xl), (yh, xh)) and their weights.
+template <typename A>
+struct CellTaps {
+  long long o1, o2, o3, o4;
+  A w1, w2, w3, w4;
+  CellTaps() = default;
+  CellTaps(const mx_roi::Sample<A>& s, int W, int ncp)
+      : o1(((long long)s.yl * W + s.xl) * ncp), o2(((long long)s.yl * W + s.xh) * ncp),
+        o3(((long long)s.yh * W + s.xl) * ncp), o4(((long long)s.yh * W + s.xh) * ncp),
+        w1(s.w1), w2(s.w2), w3(s.w3), w4(s.w4) {}
+};
+
 template <typename T, typename A, typename O>
 struct AvgBackwardLanes {
   template <typename... Args>
@@ -95,9 +118,27 @@ struct AvgBackwardLanes<T, A, A> {
     if (R <= 0 || nc <= 0) return true;
     const mx_roi::GradBlock<A> block(batch, R, H, W);
     A g[16];
+    const long long K = (long long)Gy * Gx;
+    const bool roi_table = ncp > L && plane_out * K <= MX_ROI_ROI_SAMPLE_TABLE;
+    static thread_local std::vector<CellTaps<A>> roi_samples;  // (p * Q + q) * K + k
+    if (roi_table) roi_samples.resize((size_t)(plane_out * K));
+    CellTaps<A>* const rs = roi_samples.data();
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
       A* img = block.image(batch[r]);
+      if (roi_table) {
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) {
+            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+            CellTaps<A>* const bs = rs + (p * Q + q) * K;
+            for (int iy = 0; iy < ny; ++iy)
+              for (int ix = 0; ix < nx; ++ix)
+                bs[iy * nx + ix] = CellTaps<A>(
+                    mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh, x_low, x_high,
+                                      x_wl, x_wh), W, ncp);
+          }
+      }
       // a 16-channel pass over all the roi's bins touches the same few cells again and
       // again (they stay in L1); per channel the order is still bin, sample, tap
       for (int cc = 0; cc < ncp; cc += L) {
@@ -112,6 +153,18 @@ struct AvgBackwardLanes<T, A, A> {
             for (int c = 0; c < L; ++c)
               g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
             for (int c = 0; c < L; ++c) g[c] = g[c] / d;  // (vectorised; 0 stays 0)
+            if (roi_table) {
+              const CellTaps<A>* const bs = rs + o * K;
+              A* const lane = img + cc;
+              for (int i = 0; i < ny * nx; ++i) {
+                const CellTaps<A>& t = bs[i];
+                add_lanes(lane + t.o1, g, t.w1);
+                add_lanes(lane + t.o2, g, t.w2);
+                add_lanes(lane + t.o3, g, t.w3);
+                add_lanes(lane + t.o4, g, t.w4);
+              }
+              continue;
+            }
             for (int iy = 0; iy < ny; ++iy) {
               for (int ix = 0; ix < nx; ++ix) {
                 const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high,
@@ -293,27 +346,6 @@ __global__ void roi_align_forward_max(
 // or the rescan of the data.
 // (bins of more samples are left to the generic loop, which divides instead of decoding)
 const long long MAX_LANES_SAMPLES = 1 << 16;
-// A roi's samples (taps and weights of each sample of each bin) are read from the tables
-// once per roi and kept while its channel passes run, when it has at most this many (a
-// pass's lanes would otherwise read and multiply them again per lane: 16 lanes x 4
-// passes of a 64-channel call per sample); larger grids read them per lane.
-// -DMX_ROI_ROI_SAMPLE_TABLE=... lowers it so that a test runs both paths on small problems.
-#ifndef MX_ROI_ROI_SAMPLE_TABLE
-#define MX_ROI_ROI_SAMPLE_TABLE (1 << 14)
-#endif
-
-// A sample's four taps as offsets into a channels-last block of ``ncp`` lanes per cell
-// ((yl, xl), (yl, xh), (yh, xl), (yh, xh)) and their weights.
-template <typename A>
-struct CellTaps {
-  long long o1, o2, o3, o4;
-  A w1, w2, w3, w4;
-  CellTaps() = default;
-  CellTaps(const mx_roi::Sample<A>& s, int W, int ncp)
-      : o1(((long long)s.yl * W + s.xl) * ncp), o2(((long long)s.yl * W + s.xh) * ncp),
-        o3(((long long)s.yh * W + s.xl) * ncp), o4(((long long)s.yh * W + s.xh) * ncp),
-        w1(s.w1), w2(s.w2), w3(s.w3), w4(s.w4) {}
-};
 
 template <typename T, typename A, typename O>
 struct MaxBackwardLanes {

@@ -750,6 +750,33 @@ def test_native_helper_keeps_off_the_callers_cpu(tmp_path):
     assert lines[1:] == expect, lines
 
 
+def test_avg_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch):
+    """The native average ROIAlign backward holds a roi's samples as block offsets in a
+    table when a call has more than one 16-channel pass and the roi at most
+    MX_ROI_ROI_SAMPLE_TABLE (2^14) samples, else reads the tables per pass.  A build with
+    the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples:
+    direct; 20 channels: two passes), aligned and not, on 1 and 3 threads: the
+    emulation's bits."""
+    rng = np.random.default_rng(9)
+    data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
+    rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
+                    np.float32)
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
+    monkeypatch.setattr(loader, "_MODULES", {})
+    for ratio, aligned in ((2, False), (3, False), (2, True)):
+        op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0,
+                                      sample_ratio=ratio, aligned=aligned))
+        grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
+        want = run(EMU, op, data, rois, grad)
+        for t in (1, 3):
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+            got = run(NATIVE, op, data, rois, grad)
+            where = f"sample_ratio={ratio}, aligned={aligned}, {t} threads"
+            identical(got[0], want[0], "forward, " + where)
+            identical(got[1], want[1], "gradient, " + where)
+
+
 def _lane_case(rng, channels, ties):
     """(data, rois) for the lanes tests: 1-3 images up to 19x19, NaN and -inf cells (many
     ties when ``ties``), rois inside, across and off the map, some skipped (batch -1)."""
