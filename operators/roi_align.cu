@@ -98,6 +98,23 @@ struct CellTaps {
         w1(s.w1), w2(s.w2), w3(s.w3), w4(s.w4) {}
 };
 
+// The CellTaps of every sample of roi r's bins on their padded Gy x Gx grids, at
+// (p * Q + q) * Gy * Gx + iy * Gx + ix of ``rs`` (padding: no tap of weight > 0).
+template <typename A>
+void roi_cell_taps(CellTaps<A>* rs, long long r, int P, int Q, int Gy, int Gx, int W, int ncp,
+                   const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+                   const int* x_low, const int* x_high, const A* x_wl, const A* x_wh) {
+  for (int p = 0; p < P; ++p)
+    for (int q = 0; q < Q; ++q) {
+      const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+      CellTaps<A>* bs = rs + (p * Q + q) * (long long)Gy * Gx;
+      for (int iy = 0; iy < Gy; ++iy)
+        for (int ix = 0; ix < Gx; ++ix)
+          *bs++ = CellTaps<A>(mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh,
+                                                x_low, x_high, x_wl, x_wh), W, ncp);
+    }
+}
+
 template <typename T, typename A, typename O>
 struct AvgBackwardLanes {
   template <typename... Args>
@@ -126,19 +143,9 @@ struct AvgBackwardLanes<T, A, A> {
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
       A* img = block.image(batch[r]);
-      if (roi_table) {
-        for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) {
-            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-            CellTaps<A>* const bs = rs + (p * Q + q) * K;
-            for (int iy = 0; iy < ny; ++iy)
-              for (int ix = 0; ix < nx; ++ix)
-                bs[iy * nx + ix] = CellTaps<A>(
-                    mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl, y_wh, x_low, x_high,
-                                      x_wl, x_wh), W, ncp);
-          }
-      }
+      if (roi_table)
+        roi_cell_taps(rs, r, P, Q, Gy, Gx, W, ncp, y_low, y_high, y_wl, y_wh, x_low, x_high,
+                      x_wl, x_wh);
       // a 16-channel pass over all the roi's bins touches the same few cells again and
       // again (they stay in L1); per channel the order is still bin, sample, tap
       for (int cc = 0; cc < ncp; cc += L) {
@@ -154,14 +161,15 @@ struct AvgBackwardLanes<T, A, A> {
               g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
             for (int c = 0; c < L; ++c) g[c] = g[c] / d;  // (vectorised; 0 stays 0)
             if (roi_table) {
-              const CellTaps<A>* const bs = rs + o * K;
               A* const lane = img + cc;
-              for (int i = 0; i < ny * nx; ++i) {
-                const CellTaps<A>& t = bs[i];
-                add_lanes(lane + t.o1, g, t.w1);
-                add_lanes(lane + t.o2, g, t.w2);
-                add_lanes(lane + t.o3, g, t.w3);
-                add_lanes(lane + t.o4, g, t.w4);
+              for (int iy = 0; iy < ny; ++iy) {
+                const CellTaps<A>* t = rs + o * K + (long long)iy * Gx;
+                for (int ix = 0; ix < nx; ++ix, ++t) {
+                  add_lanes(lane + t->o1, g, t->w1);
+                  add_lanes(lane + t->o2, g, t->w2);
+                  add_lanes(lane + t->o3, g, t->w3);
+                  add_lanes(lane + t->o4, g, t->w4);
+                }
               }
               continue;
             }
@@ -385,18 +393,9 @@ struct MaxBackwardLanes<T, A, A> {
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
       A* img = block.image(batch[r]);
-      if (roi_table) {
-        for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) {
-            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-            CellTaps<A>* const bs = rs + (p * Q + q) * K;
-            for (long long k = 0; k < K; ++k)
-              bs[k] = CellTaps<A>(mx_roi::sample_at(yb, xb, kd[2 * k], kd[2 * k + 1], y_low,
-                                                    y_high, y_wl, y_wh, x_low, x_high, x_wl,
-                                                    x_wh),
-                                  W, ncp);
-          }
-      }
+      if (roi_table)
+        roi_cell_taps(rs, r, P, Q, Gy, Gx, W, ncp, y_low, y_high, y_wl, y_wh, x_low, x_high,
+                      x_wl, x_wh);
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
         const long long o0 = (r * C + c0 + cc) * plane_out;

@@ -755,8 +755,8 @@ def test_avg_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypa
     table when a call has more than one 16-channel pass and the roi at most
     MX_ROI_ROI_SAMPLE_TABLE (2^14) samples, else reads the tables per pass.  A build with
     the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples:
-    direct; 20 channels: two passes), aligned and not, on 1 and 3 threads: the
-    emulation's bits."""
+    direct; 20 channels: two passes), aligned and not, adaptive bins of fewer samples than
+    the padded grid, on 1 and 3 threads: the emulation's bits."""
     rng = np.random.default_rng(9)
     data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
     rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
@@ -764,14 +764,18 @@ def test_avg_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypa
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
     monkeypatch.setattr(loader, "_MODULES", {})
-    for ratio, aligned in ((2, False), (3, False), (2, True)):
+    # adaptive: 2x2 and 1x1 samples per bin on one padded 2x2 grid (the table's stride)
+    small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
+                     np.float32)
+    for ratio, aligned, boxes in ((2, False, rois), (3, False, rois), (2, True, rois),
+                                  (-1, False, small)):
         op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0,
                                       sample_ratio=ratio, aligned=aligned))
-        grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
-        want = run(EMU, op, data, rois, grad)
+        grad = rng.standard_normal(op.out_shape(data.shape, boxes.shape)).astype(np.float32)
+        want = run(EMU, op, data, boxes, grad)
         for t in (1, 3):
             monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
-            got = run(NATIVE, op, data, rois, grad)
+            got = run(NATIVE, op, data, boxes, grad)
             where = f"sample_ratio={ratio}, aligned={aligned}, {t} threads"
             identical(got[0], want[0], "forward, " + where)
             identical(got[1], want[1], "gradient, " + where)
