@@ -750,37 +750,6 @@ def test_native_helper_keeps_off_the_callers_cpu(tmp_path):
     assert lines[1:] == expect, lines
 
 
-def test_avg_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch):
-    """The native average ROIAlign backward holds a roi's samples as block offsets in a
-    table when a call has more than one 16-channel pass and the roi at most
-    MX_ROI_ROI_SAMPLE_TABLE (2^14) samples, else reads the tables per pass.  A build with
-    the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples:
-    direct; 20 channels: two passes), aligned and not, adaptive bins of fewer samples than
-    the padded grid, on 1 and 3 threads: the emulation's bits."""
-    rng = np.random.default_rng(9)
-    data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
-    rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
-                    np.float32)
-    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
-    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
-    monkeypatch.setattr(loader, "_MODULES", {})
-    # adaptive: 2x2 and 1x1 samples per bin on one padded 2x2 grid (the table's stride)
-    small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
-                     np.float32)
-    for ratio, aligned, boxes in ((2, False, rois), (3, False, rois), (2, True, rois),
-                                  (-1, False, small)):
-        op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0,
-                                      sample_ratio=ratio, aligned=aligned))
-        grad = rng.standard_normal(op.out_shape(data.shape, boxes.shape)).astype(np.float32)
-        want = run(EMU, op, data, boxes, grad)
-        for t in (1, 3):
-            monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
-            got = run(NATIVE, op, data, boxes, grad)
-            where = f"sample_ratio={ratio}, aligned={aligned}, {t} threads"
-            identical(got[0], want[0], "forward, " + where)
-            identical(got[1], want[1], "gradient, " + where)
-
-
 def _lane_case(rng, channels, ties):
     """(data, rois) for the lanes tests: 1-3 images up to 19x19, NaN and -inf cells (many
     ties when ``ties``), rois inside, across and off the map, some skipped (batch -1)."""
@@ -953,29 +922,38 @@ def test_ps_align_forward_past_the_tap_limit_takes_the_item_loop(tmp_path, monke
             identical(got, want, f"sample_ratio={ratio}, {t} threads")
 
 
-@pytest.mark.parametrize("rescan", [False, True], ids=["argmax", "rescan"])
-def test_max_align_backward_roi_sample_table_and_per_lane_paths(tmp_path, monkeypatch, rescan):
-    """The native max ROIAlign backward reads a roi's samples once into a table when it has
-    at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them, else per lane.  A build with the limit
-    lowered to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples: per lane),
-    with the kept argmax and rescanning, on 1 and 3 threads: the emulation's bits."""
+@pytest.mark.parametrize("mode", ["avg", "max-argmax", "max-rescan"])
+def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch, mode):
+    """The native ROIAlign backwards read a roi's samples once into a table of block
+    offsets (CellTaps) when it has at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them -- the
+    average backward only with more than one 16-channel pass --, else directly (max: per
+    lane).  A build with the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the
+    table; 3x3 samples: direct; 20 channels: two passes), aligned and not, adaptive bins
+    of fewer samples than the padded grid (the table's row stride), max with the kept
+    argmax and rescanning, on 1 and 3 threads: the emulation's bits."""
     from mx_roi.cuda import backend as cuda_backend
     rng = np.random.default_rng(8)
     data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
     rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
                     np.float32)
+    # adaptive: 2x2, 1x1, 1x2 and 2x1 samples per bin on one padded 2x2 grid
+    small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
+                     np.float32)
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
     monkeypatch.setattr(loader, "_MODULES", {})
-    if rescan:
+    if mode == "max-rescan":
         monkeypatch.setattr(cuda_backend, "ARGMAX_KEEP_MAX_ELEMENTS", 0)
-    for ratio in (2, 3):
+    for ratio, aligned, boxes in ((2, False, rois), (3, False, rois), (2, True, rois),
+                                  (-1, False, small)):
         op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0,
-                                      sample_ratio=ratio, pool_mode="max"))
-        grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(np.float32)
-        want = run(EMU, op, data, rois, grad)
+                                      sample_ratio=ratio, aligned=aligned,
+                                      pool_mode=mode[:3]))
+        grad = rng.standard_normal(op.out_shape(data.shape, boxes.shape)).astype(np.float32)
+        want = run(EMU, op, data, boxes, grad)
         for t in (1, 3):
             monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
-            got = run(NATIVE, op, data, rois, grad)
-            identical(got[0], want[0], f"forward, sample_ratio={ratio}, {t} threads")
-            identical(got[1], want[1], f"gradient, sample_ratio={ratio}, {t} threads")
+            got = run(NATIVE, op, data, boxes, grad)
+            where = f"sample_ratio={ratio}, aligned={aligned}, {t} threads"
+            identical(got[0], want[0], "forward, " + where)
+            identical(got[1], want[1], "gradient, " + where)
