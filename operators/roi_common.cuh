@@ -434,6 +434,23 @@ struct GradBlock {
   }
 };
 
+// The outputs of bins [k0, k1) staged (bin, roi, channel) to the (R, C, P*Q) output:
+// one contiguous run of bins per roi and channel.  Stored bin by bin straight into the
+// output, each store is channel-strided and costs a cache miss once the output is cold
+// (as it is after MXNet's op ran; R-FCN 7x7 bench, calls interleaved with MXNet's, kernel
+// on 1 / 2 threads: PSROIAlign channels-last 5.0 -> 4.2 / 3.0 -> 2.6 ms, PSROIPooling
+// 3.55 -> 3.32 / 2.38 -> 2.28 ms).
+template <typename T>
+void staged_to_output(const T* staged, long long R, int C, long long plane_out, long long k0,
+                      long long k1, T* out) {
+  for (long long r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      T* o = out + (r * C + c) * plane_out;
+      const T* s = staged + r * C + c;
+      for (long long k = k0; k < k1; ++k) o[k] = s[(k - k0) * R * C];
+    }
+}
+
 // The native forward of a position-sensitive op (each output channel c of bin (p, q)
 // reads its own input plane channel_map[c, p, q]): bin by bin, roi by roi, every output
 // channel of the bin.  ``bin(r, p, q, k)`` (k = p * Q + q) prepares roi r's bin once --
@@ -455,14 +472,17 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
   const long long R = per_roi > 0 ? n / per_roi : 0;
   if (R <= 0) return;
   const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
+  if (k1 <= k0) return;
+  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the block's outputs
+  staged.resize((size_t)((k1 - k0) * R * C));
   for (long long k = k0; k < k1; ++k) {
     const int p = (int)(k / Q), q = (int)(k % Q);
     const long long kn = k + 1 < plane_out ? k + 1 : k;  // the next bin
     for (long long r = 0; r < R; ++r) {
-      T* o = out + r * per_roi + k;
+      T* o = staged.data() + ((k - k0) * R + r) * C;
       const int b = batch[r];
       if (b < 0) {
-        for (int c = 0; c < C; ++c) o[c * plane_out] = Traits<T>::store((A)0);
+        for (int c = 0; c < C; ++c) o[c] = Traits<T>::store((A)0);
         continue;
       }
       const auto value = bin(r, p, q, k);
@@ -470,10 +490,11 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
       for (int c = 0; c < C; ++c) {
         const int* cm = channel_map + (long long)c * plane_out;
         hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
-        o[c * plane_out] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
+        o[c] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
       }
     }
   }
+  staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
 }
 
 // The native walk of a per-channel kernel over its launch: R rois of C channels x (P, Q)
