@@ -460,11 +460,12 @@ void staged_to_output(const T* staged, long long R, int C, long long plane_out, 
 // which would otherwise come from memory item by item.  A forward writes each output
 // once, so the threads need not split channels: the launch's share [c0, c1) of the C
 // channels stands for the same share of the P*Q bins, all channels each (blocks of one
-// or two of the 21 channels of an R-FCN head would prepare every bin once per block).  (Measured, 2-vCPU
-// VM, R-FCN 7x7 / 256 rois, one thread: PSROIAlign 6.1 -> 4.1 ms, PSROIPooling 4.2 ->
-// 2.6 ms; walking a bin's rois channel by channel instead, with every roi prepared
-// first, was no faster for PSROIAlign and 20% slower for PSROIPooling.)  A negative batch
-// index gives 0.
+// or two of the 21 channels of an R-FCN head would prepare every bin once per block).
+// (Measured, 2-vCPU VM, R-FCN 7x7 / 256 rois, one thread: PSROIAlign 6.1 -> 4.1 ms,
+// PSROIPooling 4.2 -> 2.6 ms; walking a bin's rois channel by channel instead, with
+// every roi prepared first, was no faster for PSROIAlign and 20% slower for
+// PSROIPooling.)  The outputs are staged (staged_to_output).  A negative batch index
+// gives 0.
 template <typename T, typename A, typename Bin>
 void ps_forward_native(const T* data, const int* batch, const int* channel_map, int C, int Cin,
                        int H, int W, int P, int Q, T* out, long long n, Bin&& bin) {
