@@ -79,54 +79,6 @@ struct PsLanes<float> {
   }
 };
 
-// cells[j * ncp + c] = planes[c][j] for c < C, j < HW, 64 cells at a time (their lanes
-// stay in L1); the other lanes untouched.  float: 4 x 4 SSE transposes (lanes up to the
-// next multiple of 4: copies of the last channel), the planes' next lines prefetched
-// (measured: the copy of the 7x7 R-FCN bench's bins 2.3 -> 0.9 ms).
-template <typename T, typename A>
-struct PsChannelsLast {
-  static void run(A* cells, const T* const* planes, int C, long long HW, int ncp) {
-    for (long long j0 = 0; j0 < HW; j0 += 64) {
-      const long long j1 = j0 + 64 < HW ? j0 + 64 : HW;
-      for (int c = 0; c < C; ++c)
-        for (long long j = j0; j < j1; ++j)
-          cells[j * ncp + c] = (A)mx_roi::Traits<T>::load(planes[c][j]);
-    }
-  }
-};
-
-#if defined(__SSE2__)
-#include <xmmintrin.h>
-template <>
-struct PsChannelsLast<float, float> {
-  static void run(float* cells, const float* const* planes, int C, long long HW, int ncp) {
-    const long long H4 = HW / 4 * 4;
-    for (long long j0 = 0; j0 < H4; j0 += 64) {
-      const long long j1 = j0 + 64 < H4 ? j0 + 64 : H4;
-      for (int c = 0; c < C; c += 4) {
-        const float* p[4];
-        for (int i = 0; i < 4; ++i)  // (padding lanes: a copy of the last channel)
-          p[i] = planes[c + i < C ? c + i : C - 1];
-        float* dst = cells + c;
-        for (long long j = j0; j < j1; j += 4) {
-          if ((j & 15) == 0)  // a line ahead of each plane (a hint: never faults)
-            for (int i = 0; i < 4; ++i) __builtin_prefetch(p[i] + j + 64, 0, 0);
-          __m128 a = _mm_loadu_ps(p[0] + j), b = _mm_loadu_ps(p[1] + j);
-          __m128 e = _mm_loadu_ps(p[2] + j), f = _mm_loadu_ps(p[3] + j);
-          _MM_TRANSPOSE4_PS(a, b, e, f);
-          _mm_storeu_ps(dst + j * ncp, a);
-          _mm_storeu_ps(dst + (j + 1) * ncp, b);
-          _mm_storeu_ps(dst + (j + 2) * ncp, e);
-          _mm_storeu_ps(dst + (j + 3) * ncp, f);
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c)  // the last HW % 4 cells
-      for (long long j = H4; j < HW; ++j) cells[j * ncp + c] = planes[c][j];
-  }
-};
-#endif
-
 template <typename T, typename A>
 bool psroi_align_forward_lanes(const T* data, const int* batch, const int* channel_map,
                                const int* y_count, const int* y_low, const int* y_high,
@@ -172,7 +124,7 @@ bool psroi_align_forward_lanes(const T* data, const int* batch, const int* chann
       if (!used[b]) continue;
       for (int c = 0; c < C; ++c)
         planes[c] = data + mx_roi::plane_offset(b, channel_map[c * plane_out + k], Cin, H, W);
-      PsChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
+      mx_roi::ChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
     }
     for (long long r = 0; r < R; ++r) {
       T* o = staged.data() + ((k - k0) * R + r) * C;
