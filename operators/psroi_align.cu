@@ -4,12 +4,17 @@
 #include "roi_common.cuh"
 
 #ifdef MX_ROI_HOST_NATIVE
-// Native host build of the forward (mx_roi::ps_forward_native): a roi's bin's samples
-// (taps and weights, mx_roi::sample_at) worked out once for every output channel; per
-// item sample_value's operations in the generic loop's order (iy, then ix): the same bits.
+// Native host build of the forward: a roi's bin's samples (taps and weights,
+// mx_roi::sample_at) worked out once for every output channel, then per channel
+// sample_value's operations in the generic loop's order (iy, then ix): the same bits.
+// Two walks of the bins (psroi_align_forward_native below): plane by plane
+// (mx_roi::ps_forward_native), or with many reads per input cell over a channels-last
+// copy of each bin's planes, 8 channels at a time.
 template <typename A>
 struct PsTap {
-  long long o1, o2, o3, o4;  // (yl, xl), (yl, xh), (yh, xl), (yh, xh) in the plane
+  // (yl, xl), (yl, xh), (yh, xl), (yh, xh): offsets in the plane, or lane offsets of the
+  // cells in the channels-last copy (the plane offset times the cell's lane count)
+  long long o1, o2, o3, o4;
   A w1, w2, w3, w4;
 };
 
@@ -28,26 +33,19 @@ struct PsTap {
 // time as vector lanes: per lane sample_value's operations in the generic loop's order,
 // the same bits.  Below MX_ROI_PS_LANES_READS taps per input cell the copy costs more
 // than it saves (measured: 16 rois on a 2 x 38 x 50 map, 21 classes: 1.3 ms copied vs
-// 0.55 plane by plane; 256 rois: 2.6 vs 5.5 ms), and the plane-by-plane walk below runs
-// (false).
+// 0.55 plane by plane; 256 rois: 2.6 vs 5.5 ms), and the plane-by-plane walk runs.
 #ifndef MX_ROI_PS_LANES_READS
 #define MX_ROI_PS_LANES_READS 0.5
 #endif
-
-template <typename A>
-struct PsCellTaps {
-  long long o1, o2, o3, o4;  // a sample's taps: lane offsets of their cells in the block
-  A w1, w2, w3, w4;
-};
 
 // res[c] = (sum over the m samples, in order, of (w1*v1[c] + w2*v2[c]) + w3*v3[c] +
 // w4*v4[c]) / d for 8 lanes; float: two 4-lane vectors, other types: scalar lanes.
 template <typename A>
 struct PsLanes {
-  static void pass(const A* lane, const PsCellTaps<A>* tp, int m, A d, A* res) {
+  static void pass(const A* lane, const PsTap<A>* tp, int m, A d, A* res) {
     A acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int i = 0; i < m; ++i) {
-      const PsCellTaps<A>& t = tp[i];
+      const PsTap<A>& t = tp[i];
       for (int c = 0; c < 8; ++c)
         acc[c] += (t.w1 * lane[t.o1 + c] + t.w2 * lane[t.o2 + c]) + t.w3 * lane[t.o3 + c] +
                   t.w4 * lane[t.o4 + c];
@@ -63,11 +61,10 @@ struct PsLanes<float> {
     memcpy(&v, p, sizeof v);
     return v;
   }
-  static void pass(const float* lane, const PsCellTaps<float>* tp, int m, float d,
-                   float* res) {
+  static void pass(const float* lane, const PsTap<float>* tp, int m, float d, float* res) {
     mx_roi::v4f s0 = {0, 0, 0, 0}, s1 = {0, 0, 0, 0};
     for (int i = 0; i < m; ++i) {
-      const PsCellTaps<float>& t = tp[i];
+      const PsTap<float>& t = tp[i];
       const float *v1 = lane + t.o1, *v2 = lane + t.o2, *v3 = lane + t.o3, *v4 = lane + t.o4;
       s0 += (t.w1 * at(v1) + t.w2 * at(v2)) + t.w3 * at(v3) + t.w4 * at(v4);
       s1 += (t.w1 * at(v1 + 4) + t.w2 * at(v2 + 4)) + t.w3 * at(v3 + 4) + t.w4 * at(v4 + 4);
@@ -80,32 +77,71 @@ struct PsLanes<float> {
 };
 
 template <typename T, typename A>
-bool psroi_align_forward_lanes(const T* data, const int* batch, const int* channel_map,
-                               const int* y_count, const int* y_low, const int* y_high,
-                               const A* y_wl, const A* y_wh, const int* x_count,
-                               const int* x_low, const int* x_high, const A* x_wl,
-                               const A* x_wh, const A* divisor, int C, int Cin, int H, int W,
-                               int P, int Q, int Gy, int Gx, T* out, long long n) {
+bool psroi_align_forward_native(const T* data, const int* batch, const int* channel_map,
+                                const int* y_count, const int* y_low, const int* y_high,
+                                const A* y_wl, const A* y_wh, const int* x_count,
+                                const int* x_low, const int* x_high, const A* x_wl,
+                                const A* x_wh, const A* divisor, int C, int Cin, int H, int W,
+                                int P, int Q, int Gy, int Gx, T* out, long long n) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
   const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
   const long long K = (long long)Gy * Gx;
-  if (R <= 0 || C < 8 || K > MX_ROI_PS_MAX_TAPS) return false;
-  static thread_local std::vector<char> used;  // the images a roi reads
-  int images = 0;  // (batch indices are validated: < N)
+  if (K > MX_ROI_PS_MAX_TAPS) return false;
+  static thread_local std::vector<PsTap<A>> taps;
+  if ((long long)taps.size() < K) taps.resize((size_t)K);
+  PsTap<A>* const tp = taps.data();  // (a thread_local read in the loop costs a call)
+  // roi r's samples in bin (p, q) into tp, offsets times `stride`; returns their count
+  auto bin_taps = [&](long long r, int p, int q, long long stride) {
+    const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+    const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+    int m = 0;
+    for (int iy = 0; iy < ny; ++iy) {
+      for (int ix = 0; ix < nx; ++ix, ++m) {
+        const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                      y_wh, x_low, x_high, x_wl, x_wh);
+        tp[m] = PsTap<A>{((long long)s.yl * W + s.xl) * stride,
+                         ((long long)s.yl * W + s.xh) * stride,
+                         ((long long)s.yh * W + s.xl) * stride,
+                         ((long long)s.yh * W + s.xh) * stride, s.w1, s.w2, s.w3, s.w4};
+      }
+    }
+    return m;
+  };
+  int images = 0;  // images any roi reads (batch indices are validated: < N)
   for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
-  if ((double)R * K * 4 < MX_ROI_PS_LANES_READS * (double)images * HW) return false;
+  if (R <= 0 || C < 8 || (double)R * K * 4 < MX_ROI_PS_LANES_READS * (double)images * HW) {
+    mx_roi::ps_forward_native<T, A>(
+        data, batch, channel_map, C, Cin, H, W, P, Q, out, n,
+        [&](long long r, int p, int q, long long k) {
+          const int m = bin_taps(r, p, q, 1);
+          const A d = divisor[r * plane_out + k];
+          return [tp, m, d](const T* plane) {
+            A sum = 0;
+            for (int i = 0; i < m; ++i) {
+              const PsTap<A>& t = tp[i];
+              const A v1 = mx_roi::Traits<T>::load(plane[t.o1]);
+              const A v2 = mx_roi::Traits<T>::load(plane[t.o2]);
+              const A v3 = mx_roi::Traits<T>::load(plane[t.o3]);
+              const A v4 = mx_roi::Traits<T>::load(plane[t.o4]);
+              sum += (t.w1 * v1 + t.w2 * v2) + t.w3 * v3 + t.w4 * v4;
+            }
+            return sum / d;
+          };
+        });
+    return true;
+  }
+  // the channels-last walk: the calling thread's bins (mx_roi::ps_forward_native's split)
+  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
+  if (k1 <= k0) return true;
+  static thread_local std::vector<char> used;  // the images a roi reads
   used.assign((size_t)images, 0);
   for (long long r = 0; r < R; ++r)
     if (batch[r] >= 0) used[batch[r]] = 1;
   const int ncp = (C + 7) / 8 * 8;
   static thread_local std::vector<A> block;  // (images, H*W, ncp)
-  static thread_local int block_ncp = 0;       // the lane count block was zeroed for
-  static thread_local std::vector<PsCellTaps<A>> taps;
+  static thread_local int block_ncp = 0;     // the lane count block was zeroed for
   static thread_local std::vector<const T*> planes;
   static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the thread's outputs
-  // the calling thread's bins (mx_roi::ps_forward_native's split)
-  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
-  if (k1 <= k0) return true;
   // zeroed only when the layout changes (a launch calls this once per block of channels,
   // 16 times on 2 threads: a 365 KB memset each time for the R-FCN bench): the padding
   // lanes are never written, and every real lane of a bin is written before it is read
@@ -114,10 +150,8 @@ bool psroi_align_forward_lanes(const T* data, const int* batch, const int* chann
     block_ncp = ncp;
   }
   staged.resize((size_t)((k1 - k0) * R * C));
-  if ((long long)taps.size() < K) taps.resize((size_t)K);
   planes.resize((size_t)C);
   A* const cells = block.data();
-  PsCellTaps<A>* const tp = taps.data();
   for (long long k = k0; k < k1; ++k) {
     const int p = (int)(k / Q), q = (int)(k % Q);
     for (int b = 0; b < images; ++b) {
@@ -134,19 +168,7 @@ bool psroi_align_forward_lanes(const T* data, const int* batch, const int* chann
         continue;
       }
       const A* img = cells + (size_t)b * HW * ncp;
-      const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-      const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-      int m = 0;
-      for (int iy = 0; iy < ny; ++iy) {
-        for (int ix = 0; ix < nx; ++ix, ++m) {
-          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                        y_wh, x_low, x_high, x_wl, x_wh);
-          tp[m] = PsCellTaps<A>{((long long)s.yl * W + s.xl) * ncp,
-                                ((long long)s.yl * W + s.xh) * ncp,
-                                ((long long)s.yh * W + s.xl) * ncp,
-                                ((long long)s.yh * W + s.xh) * ncp, s.w1, s.w2, s.w3, s.w4};
-        }
-      }
+      const int m = bin_taps(r, p, q, ncp);
       for (int cc = 0; cc < C; cc += 8) {
         A res[8];
         PsLanes<A>::pass(img + cc, tp, m, divisor[r * plane_out + k], res);
@@ -156,53 +178,6 @@ bool psroi_align_forward_lanes(const T* data, const int* batch, const int* chann
     }
   }
   mx_roi::staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
-  return true;
-}
-
-template <typename T, typename A>
-bool psroi_align_forward_native(const T* data, const int* batch, const int* channel_map,
-                                const int* y_count, const int* y_low, const int* y_high,
-                                const A* y_wl, const A* y_wh, const int* x_count,
-                                const int* x_low, const int* x_high, const A* x_wl,
-                                const A* x_wh, const A* divisor, int C, int Cin, int H, int W,
-                                int P, int Q, int Gy, int Gx, T* out, long long n) {
-  if (psroi_align_forward_lanes<T, A>(data, batch, channel_map, y_count, y_low, y_high, y_wl,
-                                      y_wh, x_count, x_low, x_high, x_wl, x_wh, divisor, C, Cin,
-                                      H, W, P, Q, Gy, Gx, out, n))
-    return true;
-  if ((long long)Gy * Gx > MX_ROI_PS_MAX_TAPS) return false;
-  static thread_local std::vector<PsTap<A>> taps;
-  if ((long long)taps.size() < (long long)Gy * Gx) taps.resize((size_t)Gy * Gx);
-  PsTap<A>* const tp = taps.data();  // (a thread_local read in the loop costs a call)
-  mx_roi::ps_forward_native<T, A>(
-      data, batch, channel_map, C, Cin, H, W, P, Q, out, n,
-      [&](long long r, int p, int q, long long k) {
-        const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-        const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-        int m = 0;
-        for (int iy = 0; iy < ny; ++iy) {
-          for (int ix = 0; ix < nx; ++ix, ++m) {
-            const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                          y_wh, x_low, x_high, x_wl, x_wh);
-            tp[m] = PsTap<A>{(long long)s.yl * W + s.xl, (long long)s.yl * W + s.xh,
-                             (long long)s.yh * W + s.xl, (long long)s.yh * W + s.xh,
-                             s.w1, s.w2, s.w3, s.w4};
-          }
-        }
-        const A d = divisor[r * P * Q + k];
-        return [tp, m, d](const T* plane) {
-          A sum = 0;
-          for (int i = 0; i < m; ++i) {
-            const PsTap<A>& t = tp[i];
-            const A v1 = mx_roi::Traits<T>::load(plane[t.o1]);
-            const A v2 = mx_roi::Traits<T>::load(plane[t.o2]);
-            const A v3 = mx_roi::Traits<T>::load(plane[t.o3]);
-            const A v4 = mx_roi::Traits<T>::load(plane[t.o4]);
-            sum += (t.w1 * v1 + t.w2 * v2) + t.w3 * v3 + t.w4 * v4;
-          }
-          return sum / d;
-        };
-      });
   return true;
 }
 #endif
