@@ -928,13 +928,15 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
     cell or more, PSROIAlign's native forward copies each bin's planes channels-last and
     takes a roi's samples for 8 channels at a time; else it walks plane by plane.  Builds
     with the threshold at 0 (every call with 8+ channels copies), the default and 1e30
-    (never) run both on the same problems -- 8, 9 and 21 channels (a partial last pass),
-    group grids other than the pooled one, adaptive and fixed samples, aligned boxes,
-    rois off the map and skipped ones, NaN and infinite cells, the output pre-filled with
-    garbage -- on 1 and 3 threads: the emulation's bits every time."""
+    (never) run both on the same problems -- 8, 9, 10 and 21 channels (a partial last
+    pass), group grids other than the pooled one, adaptive and fixed samples, aligned
+    boxes, legacy='rfcn' samples, rois off the map and skipped ones, NaN and infinite
+    cells, the output pre-filled with garbage -- on 1 and 3 threads: the emulation's bits
+    every time."""
     rng = np.random.RandomState(11)
     cases = []
-    for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (8, (1, 1)))):
+    for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (8, (1, 1)),
+                                        (10, (0, 0)))):
         x, rois = _lane_case(rng, 1, ties=False)
         P = (3, 2) if trial % 2 else (2, 2)
         gh, gw = group if group != (0, 0) else P
@@ -944,7 +946,10 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
         many = np.tile(rois, (40, 1))  # many taps per cell: the copy at the default
         many[:, 1:] += rng.uniform(-8, 8, many[:, 1:].shape)
         kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group,
-                  sample_ratio=(-1, 2, 3, 2)[trial], aligned=trial == 3)
+                  sample_ratio=(-1, 2, 3, 2, 2)[trial], aligned=trial == 3)
+        if trial == 4:  # the R-FCN-PSROIAlign layer's sample grid, same kernels
+            kw.update(legacy="rfcn", sample_num=3)
+            del kw["aligned"]
         cases += [(kw, x.astype(dtype), rois.astype(dtype)),
                   (kw, x.astype(dtype), many.astype(dtype))]
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
