@@ -107,8 +107,7 @@ bool psroi_align_forward_native(const T* data, const int* batch, const int* chan
     }
     return m;
   };
-  int images = 0;  // images any roi reads (batch indices are validated: < N)
-  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+  const int images = mx_roi::images_read(batch, R);
   if (R <= 0 || C < 8 || (double)R * K * 4 < MX_ROI_PS_LANES_READS * (double)images * HW) {
     mx_roi::ps_forward_native<T, A>(
         data, batch, channel_map, C, Cin, H, W, P, Q, out, n,

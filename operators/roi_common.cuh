@@ -379,6 +379,13 @@ namespace mx_roi {
 const int LANES = 16;
 inline int padded_lanes(int nc) { return (nc + LANES - 1) / LANES * LANES; }
 
+// The images the R rois read: 1 + their largest batch index (validated: < N), 0 if none.
+inline int images_read(const int* batch, long long R) {
+  int images = 0;
+  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+  return images;
+}
+
 // cells[j * ncp + c] = planes[c][j] for c < C, j < HW, 64 cells at a time (their lanes
 // stay in L1); the other lanes untouched.  float: 4 x 4 SSE transposes (lanes up to the
 // next multiple of 4: copies of the last channel), the planes' next lines prefetched
@@ -434,8 +441,7 @@ const A* channels_last_block(const T* data, const int* batch, long long R, int C
                              int W) {
   const int c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin, ncp = padded_lanes(nc);
   const long long HW = (long long)H * W;
-  int images = 0;  // images any roi reads (batch indices are validated: < N)
-  for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+  const int images = images_read(batch, R);
   static thread_local std::vector<A> cells;
   cells.resize((size_t)images * HW * ncp);
   static thread_local std::vector<const T*> planes;
@@ -466,8 +472,7 @@ struct GradBlock {
   A* cells;
   GradBlock(const int* batch, long long R, int H, int W)
       : HW((long long)H * W), c0(mx_roi_c_begin), nc(mx_roi_c_end - mx_roi_c_begin),
-        ncp(padded_lanes(nc)), images(0) {
-    for (long long r = 0; r < R; ++r) images = batch[r] >= images ? batch[r] + 1 : images;
+        ncp(padded_lanes(nc)), images(images_read(batch, R)) {
     static thread_local std::vector<A> block;
     block.assign((size_t)images * HW * ncp, (A)0);
     cells = block.data();
