@@ -39,7 +39,7 @@ struct PsTap {
 #endif
 
 // res[c] = (sum over the m samples, in order, of (w1*v1[c] + w2*v2[c]) + w3*v3[c] +
-// w4*v4[c]) / d for 8 lanes; float: two 4-lane vectors, other types: scalar lanes.
+// w4*v4[c]) / d for 8 lanes; float: 8 / VW vectors, other types: scalar lanes.
 template <typename A>
 struct PsLanes {
   static void pass(const A* lane, const PsTap<A>* tp, int m, A d, A* res) {
@@ -56,23 +56,26 @@ struct PsLanes {
 
 template <>
 struct PsLanes<float> {
-  static mx_roi::v4f at(const float* p) {
-    mx_roi::v4f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-  }
+  static const int NV = 8 / mx_roi::VW;  // vectors per pass (1 with AVX, 2 with SSE)
   static void pass(const float* lane, const PsTap<float>* tp, int m, float d, float* res) {
-    mx_roi::v4f s0 = {0, 0, 0, 0}, s1 = {0, 0, 0, 0};
+    mx_roi::vf s[NV];
+    for (int k = 0; k < NV; ++k) s[k] = mx_roi::vf{};
     for (int i = 0; i < m; ++i) {
       const PsTap<float>& t = tp[i];
-      const float *v1 = lane + t.o1, *v2 = lane + t.o2, *v3 = lane + t.o3, *v4 = lane + t.o4;
-      s0 += (t.w1 * at(v1) + t.w2 * at(v2)) + t.w3 * at(v3) + t.w4 * at(v4);
-      s1 += (t.w1 * at(v1 + 4) + t.w2 * at(v2 + 4)) + t.w3 * at(v3 + 4) + t.w4 * at(v4 + 4);
+      for (int k = 0; k < NV; ++k) {
+        const int o = k * mx_roi::VW;
+        mx_roi::vf a, b, c, e;
+        memcpy(&a, lane + t.o1 + o, sizeof a);
+        memcpy(&b, lane + t.o2 + o, sizeof b);
+        memcpy(&c, lane + t.o3 + o, sizeof c);
+        memcpy(&e, lane + t.o4 + o, sizeof e);
+        s[k] += (t.w1 * a + t.w2 * b) + t.w3 * c + t.w4 * e;
+      }
     }
-    s0 = s0 / d;
-    s1 = s1 / d;
-    memcpy(res, &s0, sizeof s0);
-    memcpy(res + 4, &s1, sizeof s1);
+    for (int k = 0; k < NV; ++k) {
+      s[k] = s[k] / d;
+      memcpy(res + k * mx_roi::VW, &s[k], sizeof s[k]);
+    }
   }
 };
 

@@ -592,11 +592,24 @@ struct LaneWalk {
   }
 };
 
-typedef float v4f __attribute__((vector_size(16)));
-typedef int v4i __attribute__((vector_size(16)));
+// The float lanes' vector: 8 floats (one AVX register) where the build targets AVX
+// (mx_roi.cuda.loader adds -mavx2 on a CPU that has it), else 4 (SSE); VN of them make
+// the LANES = 16 channels.  Per lane the same operations either way: the same bits.
+#ifdef __AVX__
+const int VW = 8;
+#else
+const int VW = 4;
+#endif
+const int VN = LANES / VW;
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int vi __attribute__((vector_size(4 * VW)));
+}  // namespace mx_roi
+// the float lanes' vector width of this build (tests read it: mx_roi.cuda.loader)
+extern "C" const int mx_roi_float_vector_width = mx_roi::VW;
+namespace mx_roi {
 
 // The running max and argmax of L = 16 channels (lanes) over a bin's cells: strict '>'
-// per lane, the first maximum wins and NaN never does.  float: four 4-lane vectors (GCC /
+// per lane, the first maximum wins and NaN never does.  float: VN vectors of VW lanes (GCC /
 // Clang vector extensions; g++ does not vectorise the scalar form with its argmax);
 // other types: scalar lanes.  The argmax is an int (the caller's bin-relative index k, or
 // -1): index<I>(c) converts it to the kernel's storage type I (index_store).
@@ -621,31 +634,31 @@ struct MaxLanes {
 
 template <>
 struct MaxLanes<float> {
-  v4f best[4];
-  v4i arg[4];
+  vf best[VN];
+  vi arg[VN];
   void init() {
-    for (int i = 0; i < 4; ++i) {
-      best[i] = v4f{} + max_init<float>();
-      arg[i] = v4i{} - 1;
+    for (int i = 0; i < VN; ++i) {
+      best[i] = vf{} + max_init<float>();
+      arg[i] = vi{} - 1;
     }
   }
   void step(const float* v, int k) {
-    const v4i kv = v4i{} + k;
-    for (int i = 0; i < 4; ++i) {
-      v4f x;
-      memcpy(&x, v + 4 * i, sizeof x);
-      const v4i take = x > best[i];  // -1 where strictly greater (NaN: 0)
+    const vi kv = vi{} + k;
+    for (int i = 0; i < VN; ++i) {
+      vf x;
+      memcpy(&x, v + VW * i, sizeof x);
+      const vi take = x > best[i];  // -1 where strictly greater (NaN: 0)
       best[i] = take ? x : best[i];
       arg[i] = take ? kv : arg[i];
     }
   }
-  float value(int c) const { return best[c / 4][c % 4]; }
+  float value(int c) const { return best[c / VW][c % VW]; }
   template <typename I>
-  I index(int c) const { return index_store<I>(arg[c / 4][c % 4]); }
+  I index(int c) const { return index_store<I>(arg[c / VW][c % VW]); }
 };
 
 // v[c] = (w1*v1[c] + w2*v2[c]) + w3*v3[c] + w4*v4[c] for 16 lanes: sample_value per lane,
-// its operations in its order.  float: four 4-lane vectors.
+// its operations in its order.  float: VN vectors of VW lanes.
 template <typename A>
 struct InterpLanes {
   static void run(A* v, const A* v1, const A* v2, const A* v3, const A* v4, A w1, A w2, A w3,
@@ -658,21 +671,21 @@ template <>
 struct InterpLanes<float> {
   static void run(float* v, const float* v1, const float* v2, const float* v3, const float* v4,
                   float w1, float w2, float w3, float w4) {
-    for (int i = 0; i < 4; ++i) {
-      v4f a, b, c, d;
-      memcpy(&a, v1 + 4 * i, sizeof a);
-      memcpy(&b, v2 + 4 * i, sizeof b);
-      memcpy(&c, v3 + 4 * i, sizeof c);
-      memcpy(&d, v4 + 4 * i, sizeof d);
-      const v4f r = (w1 * a + w2 * b) + w3 * c + w4 * d;
-      memcpy(v + 4 * i, &r, sizeof r);
+    for (int i = 0; i < VN; ++i) {
+      vf a, b, c, d;
+      memcpy(&a, v1 + VW * i, sizeof a);
+      memcpy(&b, v2 + VW * i, sizeof b);
+      memcpy(&c, v3 + VW * i, sizeof c);
+      memcpy(&d, v4 + VW * i, sizeof d);
+      const vf r = (w1 * a + w2 * b) + w3 * c + w4 * d;
+      memcpy(v + VW * i, &r, sizeof r);
     }
   }
 };
 
 // The running sum of a bin's bilinear samples for LANES channels: per lane
 // (w1*v1 + w2*v2) + w3*v3 + w4*v4 added in sample order, then / divisor (sample_value,
-// align_avg_forward_item).  float: four 4-lane vectors; other types: scalar lanes.
+// align_avg_forward_item).  float: VN vectors of VW lanes; other types: scalar lanes.
 template <typename A>
 struct SumLanes {
   A sum[16];
@@ -692,28 +705,28 @@ struct SumLanes {
 
 template <>
 struct SumLanes<float> {
-  v4f sum[4];
+  vf sum[4];
   void zero() {
-    for (int i = 0; i < 4; ++i) sum[i] = v4f{};
+    for (int i = 0; i < VN; ++i) sum[i] = vf{};
   }
   void add(const float* v1, const float* v2, const float* v3, const float* v4, float w1,
            float w2, float w3, float w4) {
     float v[16];
     InterpLanes<float>::run(v, v1, v2, v3, v4, w1, w2, w3, w4);
-    for (int i = 0; i < 4; ++i) {
-      v4f x;
-      memcpy(&x, v + 4 * i, sizeof x);
+    for (int i = 0; i < VN; ++i) {
+      vf x;
+      memcpy(&x, v + VW * i, sizeof x);
       sum[i] += x;
     }
   }
   void divide(float d) {
-    for (int i = 0; i < 4; ++i) sum[i] = sum[i] / d;
+    for (int i = 0; i < VN; ++i) sum[i] = sum[i] / d;
   }
-  float value(int c) const { return sum[c / 4][c % 4]; }
+  float value(int c) const { return sum[c / VW][c % VW]; }
 };
 
 // dst[c] += g[c] * w for LANES channels (a gradient scattered to one tap: the product,
-// then the sum, as grad_add(dst, g * w)).  float: four 4-lane vectors.
+// then the sum, as grad_add(dst, g * w)).  float: VN vectors of VW lanes.
 template <typename A>
 struct AddLanes {
   static void run(A* dst, const A* g, A w) {
@@ -724,12 +737,12 @@ struct AddLanes {
 template <>
 struct AddLanes<float> {
   static void run(float* dst, const float* g, float w) {
-    for (int i = 0; i < 4; ++i) {
-      v4f a, b;
-      memcpy(&a, dst + 4 * i, sizeof a);
-      memcpy(&b, g + 4 * i, sizeof b);
+    for (int i = 0; i < VN; ++i) {
+      vf a, b;
+      memcpy(&a, dst + VW * i, sizeof a);
+      memcpy(&b, g + VW * i, sizeof b);
       a += b * w;
-      memcpy(dst + 4 * i, &a, sizeof a);
+      memcpy(dst + VW * i, &a, sizeof a);
     }
   }
 };

@@ -1008,3 +1008,87 @@ def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch,
             where = f"sample_ratio={ratio}, aligned={aligned}, {t} threads"
             identical(got[0], want[0], "forward, " + where)
             identical(got[1], want[1], "gradient, " + where)
+
+
+# ------------------------------------------------------------ vector width of the lanes
+def test_native_isa_flags_from_cpuinfo(tmp_path, monkeypatch):
+    """-mavx2 exactly where the cpuinfo flags list avx2 on x86-64; nothing for a CPU
+    with only other AVX flags, an unreadable cpuinfo or another architecture; the flags
+    are part of the native library's name (an AVX2 build is never loaded by a process
+    that did not find AVX2)."""
+    def cpuinfo(flags):
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        path.write_text("processor\t: 0\nmodel name\t: some avx2 cpu\n"
+                        f"flags\t\t: {' '.join(flags)}\n\nprocessor\t: 1\n")
+        return str(path)
+    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    assert loader.native_isa_flags(cpuinfo(["fpu", "sse2", "avx", "avx2", "fma"])) == \
+        ("-mavx2",)
+    assert loader.native_isa_flags(cpuinfo(["fpu", "sse2", "avx", "avx512f"])) == ()
+    assert loader.native_isa_flags(cpuinfo(["fpu", "sse2", "avx2x"])) == ()
+    assert loader.native_isa_flags(str(tmp_path / "missing")) == ()
+    monkeypatch.setattr(loader.platform, "machine", lambda: "aarch64")
+    assert loader.native_isa_flags(cpuinfo(["fp", "asimd", "avx2"])) == ()
+    monkeypatch.delenv("MX_ROI_HOST_CXXFLAGS", raising=False)
+    names = set()
+    for isa in ((), ("-mavx2",)):
+        monkeypatch.setattr(loader, "native_isa_flags", lambda isa=isa: isa)
+        assert ("-mavx2" in loader._host_flags(True)) == bool(isa)
+        assert "-mavx2" not in loader._host_flags(False)  # the emulation: never
+        names.add(loader.host_library_path("roi_align.cu", Kind.NATIVE)[0])
+    assert len(names) == 2
+
+
+def _float_vector_widths():
+    """(extra flags, lane vector width) of the builds to check: the 4-wide SSE lanes
+    always, the 8-wide AVX lanes (the default build) where this CPU has AVX2."""
+    widths = [("-mno-avx", 4)]
+    if loader.native_isa_flags():
+        widths.append(("", 8))
+    return widths
+
+
+def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
+    """The float lanes are 8-wide vectors in a build for AVX and 4-wide otherwise, with
+    the same operations per lane: both builds give the emulation's bits -- ROIPooling,
+    average and max ROIAlign (forward and backward), PSROIAlign's channels-last walk --
+    for channel counts around the widths, NaN / -inf cells, skipped rois, 1 and 3
+    threads; each library reports the width it was built with."""
+    rng = np.random.RandomState(21)
+    cases = []
+    for trial, channels in enumerate((5, 8, 17, 33)):
+        x, rois = _lane_case(rng, channels, ties=bool(trial % 2))
+        pooled = (rng.randint(1, 5), rng.randint(1, 5))
+        for name, kw in (("ROIPooling", dict(pooled_size=pooled, spatial_scale=0.0625)),
+                         ("ROIAlign", dict(pooled_size=pooled, spatial_scale=0.0625,
+                                           sample_ratio=int(rng.choice([-1, 2])),
+                                           aligned=bool(trial % 2))),
+                         ("ROIAlign", dict(pooled_size=pooled, spatial_scale=0.0625,
+                                           sample_ratio=2, pool_mode="max"))):
+            cases.append((make_op(name, kw), x.astype(np.float32), rois.astype(np.float32)))
+        ps = make_op("PSROIAlign", dict(pooled_size=(2, 2), output_dim=channels,
+                                        spatial_scale=0.0625, sample_ratio=2))
+        xp = rng.randn(x.shape[0], channels * 4, x.shape[2], x.shape[3]).astype(np.float32)
+        xp[rng.rand(*xp.shape) < 0.03] = -np.inf
+        cases.append((ps, xp, rois.astype(np.float32)))
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+    wants = []
+    for op, x, rois in cases:
+        grad = rng.randn(*op.out_shape(x.shape, rois.shape)).astype(np.float32)
+        wants.append((grad, run(EMU, op, x, rois, grad)))
+    for flags, width in _float_vector_widths():
+        # every PSROIAlign call with 8+ channels takes the channels-last walk
+        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags + " -DMX_ROI_PS_LANES_READS=0")
+        monkeypatch.setattr(loader, "_MODULES", {})
+        for src in ("roi_pooling.cu", "roi_align.cu", "psroi_align.cu"):
+            lib = loader.get_module(src, Kind.NATIVE, 0)._lib
+            assert loader.float_vector_width(lib) == width, (src, flags)
+        for (op, x, rois), (grad, want) in zip(cases, wants):
+            for t in (1, 3):
+                monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+                got = run(NATIVE, op, x, rois, grad,
+                          init_out=np.full(want[0].shape, 7, np.float32),
+                          init_grad=np.full(want[1].shape, 7, np.float32))
+                where = f"{op.name} {op.param}, width {width}, {t} threads"
+                identical(got[0], want[0], "forward, " + where)
+                identical(got[1], want[1], "gradient, " + where)

@@ -19,7 +19,8 @@ expression such as ``roi_align_forward_avg<float, float>``:
   entry is rebuilt once) and built on first use (a few seconds per source).  ``$CXX`` picks
   the compiler, ``$MX_ROI_HOST_CXXFLAGS`` adds flags (e.g. ``-DMX_ROI_SOFT_HALF``).
   The launch runs the grid serially (a faithful emulation of the GPU's grid-stride loops);
-* ``Kind.NATIVE``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``:
+* ``Kind.NATIVE``: the same text compiled the same way with ``-O3 -DMX_ROI_HOST_NATIVE``
+  (and ``-mavx2`` on a CPU with AVX2, :func:`native_isa_flags`):
   the launch ignores the grid and splits the output channels over
   :func:`mx_roi.parallel.num_threads` threads (see ``host_shim.h``); the CPU backend
   ``native`` of :mod:`mx_roi.backends`.
@@ -38,6 +39,7 @@ import ctypes
 import hashlib
 import json
 import os
+import platform
 import shutil
 import stat
 import struct
@@ -568,8 +570,50 @@ def host_library_path(filename: str, kind: Kind = Kind.EMULATED
 
 
 def _host_flags(native):
-    return (NATIVE_FLAGS if native else HOST_FLAGS) + tuple(
+    return (NATIVE_FLAGS + native_isa_flags() if native else HOST_FLAGS) + tuple(
         os.environ.get("MX_ROI_HOST_CXXFLAGS", "").split())
+
+
+#: instruction-set flags of the native build on a CPU with AVX2
+AVX2_FLAGS = ("-mavx2",)
+
+
+def native_isa_flags(cpuinfo: str = "/proc/cpuinfo") -> Tuple[str, ...]:
+    """The native build's instruction-set flags: :data:`AVX2_FLAGS` on an x86-64 CPU
+    whose ``cpuinfo`` flags list ``avx2`` (Linux lists it only where the kernel saves the
+    256-bit registers), else none (x86-64's SSE2 baseline).  With AVX the kernels' float
+    lanes are 8-wide vectors instead of 4-wide: the same operations per lane, the same
+    bits, fewer instructions (no FMA: ``-ffp-contract=off`` keeps every product
+    rounded).  The flags are part of the library's cache key: a library built for AVX2
+    is loaded only by a process that found AVX2 itself.  ``MX_ROI_HOST_CXXFLAGS`` comes
+    after them (``-mno-avx`` builds the 4-wide lanes)."""
+    if cpuinfo == "/proc/cpuinfo" and _ISA_CACHE:
+        return _ISA_CACHE[0]
+    flags: Tuple[str, ...] = ()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        try:
+            with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = AVX2_FLAGS if "avx2" in line.split(":", 1)[-1].split() else ()
+                        break
+        except OSError:
+            flags = ()
+    if cpuinfo == "/proc/cpuinfo":
+        _ISA_CACHE.append(flags)
+    return flags
+
+
+_ISA_CACHE: list = []
+
+
+def float_vector_width(lib) -> int:
+    """The float lanes' vector width (floats) a loaded native library was built with
+    (``mx_roi_float_vector_width``); 0 for a library without lanes (the emulation)."""
+    try:
+        return int(ctypes.c_int.in_dll(lib, "mx_roi_float_vector_width").value)
+    except ValueError:
+        return 0
 
 
 _FAILED: Dict[str, str] = {}  # library path -> why it could not be built/loaded
