@@ -705,7 +705,7 @@ struct SumLanes {
 
 template <>
 struct SumLanes<float> {
-  vf sum[4];
+  vf sum[VN];
   void zero() {
     for (int i = 0; i < VN; ++i) sum[i] = vf{};
   }
