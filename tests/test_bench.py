@@ -108,6 +108,23 @@ def test_fixed_cost_section(quick_run):
     assert "Fixed cost of a small call" in proc.stdout
 
 
+def test_compare_takes_non_finite_values_without_warnings():
+    """The agreement check takes infinite and NaN values (the no-op op's uninitialised
+    output, an adversarial output) quietly: a NaN or infinite difference, not equal."""
+    import warnings
+
+    import numpy as np
+
+    from mx_roi.bench.timing import compare
+    a = np.array([np.inf, 1.0, np.nan, 2.0], np.float32)
+    b = np.array([np.inf, -np.inf, 2.0, 2.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ok, diff, scale = compare(a, b)
+        assert not ok and math.isnan(diff) and scale == math.inf
+        assert compare(b, b)[0] and compare(a[3:], b[3:]) == (True, 0.0, 2.0)
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out_json, png = tmp_path / "plot.json", tmp_path / "plot.png"
