@@ -80,6 +80,12 @@ def test_overhead_and_header(quick_run):
     machine = payload["machine"]
     for k in ("cpu", "cpu_count", "mxnet", "numpy", "env"):
         assert k in machine
+    # the lanes' width of the native build this run used (-mavx2 where the CPU has AVX2)
+    from mx_roi.cuda import loader
+    want = "AVX, 8-float lanes" if loader.native_isa_flags() else "SSE2, 4-float lanes"
+    if "MX_ROI_HOST_CXXFLAGS" not in os.environ:
+        assert machine["native_isa"] == want
+        assert f"native kernels: {want})" in proc.stdout
     assert "geometric mean of fwd+bwd ratios" in proc.stdout
     assert "ours/bi" in proc.stdout
     assert "Custom-op overhead" in proc.stdout

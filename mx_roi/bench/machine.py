@@ -52,7 +52,7 @@ def machine_info(ctx_name: str) -> dict:
         features = []
     env_keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                 "MKL_DYNAMIC", "KMP_AFFINITY", "OMP_PROC_BIND", "MX_ROI_BACKEND",
-                "MX_ROI_NUM_THREADS")
+                "MX_ROI_NUM_THREADS", "MX_ROI_HOST_CXXFLAGS")
     env = {k: os.environ[k] for k in env_keys if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith("MXNET_")})
     try:
@@ -66,7 +66,19 @@ def machine_info(ctx_name: str) -> dict:
         mxnet=mx.__version__, numpy=np.__version__, mx_roi=getattr(mx_roi, "__version__", "?"),
         mxnet_features=features, env=env, ctx=ctx_name, num_gpus=num_gpus,
         gpus=_gpu_names() if ctx_name == "gpu" else [], loadavg=_loadavg(),
-        git=_git_commit(), threads=thread_info())
+        git=_git_commit(), threads=thread_info(), native_isa=native_isa())
+
+
+def native_isa() -> str:
+    """The vector width of the native kernels' float lanes in this process's build (the
+    ROIAlign library's, built here if it is not cached), or why there is none."""
+    from ..cuda import loader
+    from ..ndio import Kind
+    try:
+        width = loader.float_vector_width(loader.get_module("roi_align.cu", Kind.NATIVE, 0)._lib)
+    except Exception as exc:  # no compiler, ...: the bench says so and runs on
+        return f"not built ({type(exc).__name__})"
+    return {8: "AVX, 8-float lanes", 4: "SSE2, 4-float lanes"}.get(width, f"{width}-float lanes")
 
 
 def usable_cores() -> int:

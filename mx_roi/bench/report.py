@@ -26,7 +26,8 @@ def format_header(m: dict, args) -> str:
         f"CPU: {m['cpu']}, {m['cpu_count']} logical cores ({m['cpu_affinity']} usable); "
         f"{m['platform']}; load average at start {m['loadavg']}",
         f"python {m['python']}, mxnet {m['mxnet']} ({', '.join(feats)}), numpy {m['numpy']}, "
-        f"mx_roi {m['mx_roi']} (git {m['git'] or '?'})",
+        f"mx_roi {m['mx_roi']} (git {m['git'] or '?'}; native kernels: "
+        f"{m.get('native_isa', '?')})",
         f"thread/env settings: {env}",
         f"threads: MXNet built-ins {m['threads']['mxnet']} (OpenMP), mx_roi "
         f"{m['threads']['ours']} (its pool and native kernels; NumPy's BLAS held at "
