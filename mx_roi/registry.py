@@ -24,6 +24,7 @@ __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 REGISTERED: Dict[str, Type["RoIOp"]] = {}
 
 _DTYPES = (np.float16, np.float32, np.float64)
+_FINITE_MAX = {t: float(np.finfo(t).max) for t in _DTYPES}
 
 
 class RoIOp:
@@ -128,19 +129,23 @@ class RoIOp:
         if rois.shape[0] == 0:
             return
         # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it (float16
-        # holds no such value: there, comparing would only cast the bound to inf)
-        finite = xp.isfinite(rois)
-        if GUARD_BOUND <= float(np.finfo(rois.dtype).max):
-            finite &= xp.abs(rois) < GUARD_BOUND
+        # holds no such value: there, comparing would only cast the bound to inf).  One
+        # comparison is also false for NaN and +-inf (a small call's cost is its number
+        # of array operations; this check runs in the forward and again in the backward).
+        if GUARD_BOUND <= _FINITE_MAX[rois.dtype.type]:
+            finite = xp.abs(rois) < GUARD_BOUND
+        else:
+            finite = xp.isfinite(rois)
         if not bool(finite.all()):
             r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
             raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
                              f"{_row(rois, r)}; coordinates must be finite")
-        batch = xp.trunc(rois[:, 0])
-        bad = batch >= data_shape[0]
+        n = data_shape[0]
+        # the batch index is trunc(rois[:, 0]); with n >= 1 images trunc(b) >= n exactly
+        # when b >= n (n an integer), so the comparison needs no truncated copy
+        bad = rois[:, 0] >= n if n > 0 else xp.trunc(rois[:, 0]) >= n
         if bool(bad.any()):
             r = int(xp.argwhere(bad)[0, 0])
-            n = data_shape[0]
             raise ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
                              f"data holds only {n} image(s) (valid: 0..{n - 1}; a negative "
                              "index marks a padding roi)")

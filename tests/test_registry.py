@@ -67,3 +67,47 @@ def test_a_new_module_registers_itself(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_check_inputs_batch_index_and_finite_bounds():
+    """``RoIOp.check_inputs``, every op: a batch index is ``trunc(rois[:, 0])`` -- valid
+    below N (1.999 reads image 1), negative for a padding roi (-0.5 and -7.5 too), an
+    error from N on; with no image at all any index from -1 exclusive is one (trunc(-0.5)
+    is 0).  A coordinate is infinite at |x| >= 3e38 (the oneDNN guard's clip bound) in
+    float32 / float64, at inf in float16; NaN never passes."""
+    import numpy as np
+    import pytest
+    for name, cls in REGISTERED.items():
+        op = cls(cls.param_cls.from_kwargs(**_minimal_params(cls)))
+
+        def check(batch, n=2, value=10.0, dtype=np.float32):
+            rois = np.array([[0 if n else -1, 1, 1, 5, 5], [batch, 2, 2, value, 6]], dtype)
+            op.check_inputs((n, 4, 8, 8), np.dtype(dtype), rois, np)
+
+        for ok in (1.999, 1.5, 1.0, 0.0, -0.5, -1.0, -7.5):
+            check(ok)
+        for bad in (2.0, 2.5, 7.0):
+            with pytest.raises(ValueError, match=rf"{name}: rois\[1\] has batch index "
+                                                 rf"{bad:g} but data holds only 2 image"):
+                check(bad)
+        check(-1.0, n=0)
+        with pytest.raises(ValueError, match=r"batch index -0.5 but data holds only 0"):
+            check(-0.5, n=0)
+        for dtype, fine, infinite in ((np.float32, 2.9e38, 3e38), (np.float64, 2.9e38, 3e38),
+                                      (np.float16, 65504.0, np.inf)):
+            check(0, value=fine, dtype=dtype)
+            check(0, value=-fine, dtype=dtype)
+            for v in (infinite, -infinite, np.nan):
+                with pytest.raises(ValueError, match=r"rois\[1\] has a NaN or infinite"):
+                    check(0, value=v, dtype=dtype)
+
+
+def _minimal_params(cls):
+    """The smallest valid parameters of a registered op (required ones filled in)."""
+    import dataclasses
+    params = {}
+    for f in dataclasses.fields(cls.param_cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            params[f.name] = {"pooled_size": (2, 2), "spatial_scale": 1.0,
+                              "output_dim": 1}[f.name]
+    return params
