@@ -229,18 +229,22 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     lim = limit.astype(cdt) if hasattr(limit, "astype") else cdt.type(limit)
     zero = cdt.type(0)
     outside = (coord < cdt.type(valid_lo)) | (coord > lim)
-    c = xp.where(coord <= 0, zero, coord) if clamp_low else coord
-    low = xp.where(outside, zero, c).astype(np.int32)  # (the cast truncates toward 0)
-    last = low >= limit - 1
-    # (astype(copy=False): no second pass where the type is already right -- on a small
-    # call the number of array operations is the cost)
-    low = xp.where(last, limit - 1, low).astype(np.int32, copy=False)
-    high = xp.where(last, low, low + 1).astype(np.int32, copy=False)
+    # (the masks are applied in place, into arrays made here: on a small call the number
+    # of array operations is the cost)
+    c = xp.where(coord <= 0, zero, coord) if clamp_low else coord.copy()
+    xp.copyto(c, zero, where=outside)  # outside: tap 0 (c is read there only for that)
+    low = c.astype(np.int32)  # (the cast truncates toward 0)
+    top = limit - 1
+    last = low >= top
+    xp.copyto(low, top, where=last, casting="unsafe")  # snapped to the last cell
+    high = low + np.int32(1)
+    xp.copyto(high, low, where=last)
     low_c = low.astype(cdt)
-    c = xp.where(last, low_c, c)
-    frac = (c - low_c).astype(cdt, copy=False)
-    w_high = xp.where(outside, zero, frac).astype(cdt, copy=False)
-    w_low = xp.where(outside, zero, cdt.type(1) - frac).astype(cdt, copy=False)
+    xp.copyto(c, low_c, where=last)
+    w_high = c - low_c
+    w_low = cdt.type(1) - w_high
+    xp.copyto(w_high, zero, where=outside)
+    xp.copyto(w_low, zero, where=outside)
     return low, high, w_low, w_high
 
 
@@ -260,12 +264,15 @@ def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, heig
     ``sample_ratio <= 0`` samples ``ceil(roi_size / pooled_size)`` points per bin side.
     """
     cdt = compute_dtype(rois.dtype)
-    r = rois.astype(cdt)
+    r = rois.astype(cdt, copy=False)
     s = _scale(spatial_scale, cdt)
-    offset = cdt.type(0.5 if aligned else 0.0)
     # rows: y then x (the same elementwise operations as column by column)
-    start = (r[:, [2, 1]] * s - offset).T                      # (2, R): y1, x1
-    size = (r[:, [4, 3]] * s - offset).T - start                # (2, R): y2 - y1, x2 - x1
+    box = r[:, 1:5] * s                                         # (R, 4): x1, y1, x2, y2
+    if aligned:
+        box -= cdt.type(0.5)
+    box = box.T
+    start = box[1::-1]                                          # (2, R): y1, x1
+    size = box[:1:-1] - start                                   # (2, R): y2 - y1, x2 - x1
     if not aligned:
         size = xp.maximum(size, cdt.type(1))
     P, Q = int(pooled_size[0]), int(pooled_size[1])
@@ -290,39 +297,45 @@ def _align_axes(start, size, pooled, limits, sample_ratio, xp, cdt):
     """
     A = start.shape[0]
     bin_size = size / cdt.type(pooled)
-    if sample_ratio > 0:
-        grid = xp.full(size.shape, sample_ratio, dtype=np.int32)
+    if sample_ratio > 0:  # every bin: sample_ratio points (no rois: a padded 1)
+        grid = None
+        gmaxes = [int(sample_ratio) if size.shape[-1] else 1] * A
     else:
         grid = xp.maximum(xp.ceil(size / cdt.type(pooled)), 0).astype(np.int32)
-    gmaxes = [max(int(g), 1) for g in (grid.max(axis=1).tolist() if grid.size else [0] * A)]
+        gmaxes = [max(int(g), 1) for g in (grid.max(axis=1).tolist() if grid.size
+                                           else [0] * A)]
     if len(set(gmaxes)) > 1:  # one axis at a time, (R,) arrays
         return [_align_samples(start[k], bin_size[k], grid[k], gmaxes[k], pooled, limits[k],
-                               sample_ratio <= 0, xp, cdt)
+                               xp, cdt)
                 for k in range(A)]
     if A == 1:
-        return [_align_samples(start[0], bin_size[0], grid[0], gmaxes[0], pooled, limits[0],
-                               sample_ratio <= 0, xp, cdt)]
+        return [_align_samples(start[0], bin_size[0], None if grid is None else grid[0],
+                               gmaxes[0], pooled, limits[0], xp, cdt)]
     return _align_samples(start, bin_size, grid, gmaxes[0], pooled,
-                          xp.asarray(limits, dtype=np.int32).reshape(A, 1, 1, 1),
-                          sample_ratio <= 0, xp, cdt)
+                          xp.asarray(limits, dtype=np.int32).reshape(A, 1, 1, 1), xp, cdt)
 
 
-def _align_samples(start, bin_size, grid, gmax, pooled, limit, padded, xp, cdt):
+def _align_samples(start, bin_size, grid, gmax, pooled, limit, xp, cdt):
     """:func:`_align_axes` for one axis (``start``, ``bin_size``, ``grid`` (R,), ``limit``
     an int; returns a SampleAxis) or stacked axes sharing the padded sample count
-    ``gmax`` ((A, R), ``limit`` (A, 1, 1, 1); returns a list of A)."""
+    ``gmax`` ((A, R), ``limit`` (A, 1, 1, 1); returns a list of A).  ``grid`` None: a
+    fixed sample_ratio, ``gmax`` points in every bin (no padding)."""
     _check_samples(gmax * pooled)
+    padded = grid is not None
     i = xp.arange(pooled, dtype=cdt)
     # y = start + p*bin + (iy + .5) * bin / grid   (operation order as in Caffe2/MXNet)
     first = start[..., None] + i * bin_size[..., None]                    # (..., R, P)
     g = xp.arange(gmax, dtype=cdt) + cdt.type(0.5)
-    safe_grid = xp.maximum(grid, 1).astype(cdt)
-    coord = (first[..., None] + (g * bin_size[..., None, None])
-             / safe_grid[..., None, None]).astype(cdt, copy=False)        # (..., R, P, G)
+    step = g * bin_size[..., None, None]
+    if padded:
+        step /= xp.maximum(grid, 1).astype(cdt)[..., None, None]
+    else:  # the same division by a scalar
+        step /= cdt.type(gmax)
+    coord = first[..., None] + step                                       # (..., R, P, G)
     if padded:
         count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
     else:  # a fixed sample_ratio: gmax in every bin
-        count = xp.full(grid.shape + (pooled,), gmax, dtype=np.int32)
+        count = xp.full(start.shape + (pooled,), gmax, dtype=np.int32)
     low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
     if padded:  # padding past a bin's count: no tap, weight 0
         live = xp.arange(gmax, dtype=np.int32) < count[..., None]
