@@ -405,74 +405,74 @@ struct ChannelsLast {
   }
 };
 
-#if defined(__AVX__)
-// (unpack, shuffle, then the 128-bit halves recombined; ncp is a multiple of 8: 16-lane
-// blocks, PSROIAlign's 8-lane passes)
-template <>
-struct ChannelsLast<float, float> {
-  static void run(float* cells, const float* const* planes, int C, long long HW, int ncp) {
-    const long long H8 = HW / 8 * 8;
-    for (long long j0 = 0; j0 < H8; j0 += 64) {
-      const long long j1 = j0 + 64 < H8 ? j0 + 64 : H8;
-      for (int c = 0; c < C; c += 8) {
-        const float* p[8];
-        for (int i = 0; i < 8; ++i)  // (padding lanes: a copy of the last channel)
-          p[i] = planes[c + i < C ? c + i : C - 1];
-        float* dst = cells + c;
-        for (long long j = j0; j < j1; j += 8) {
-          if ((j & 15) == 0)  // a line ahead of each plane (a hint: never faults)
-            for (int i = 0; i < 8; ++i) __builtin_prefetch(p[i] + j + 64, 0, 0);
-          __m256 r[8], t[8];
-          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(p[i] + j);
-          for (int i = 0; i < 8; i += 2) {
-            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-          }
-          for (int i = 0; i < 8; i += 4) {
-            r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-            r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-            r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-            r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-          }
-          for (int i = 0; i < 4; ++i) {  // cells j + i and j + 4 + i
-            _mm256_storeu_ps(dst + (j + i) * ncp, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-            _mm256_storeu_ps(dst + (j + 4 + i) * ncp,
-                             _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-          }
-        }
+#if defined(__SSE2__)
+// float: tiles of K channels x K cells, each one K x K transpose (Tile::run: the cells
+// j .. j+K-1 of planes p[0..K-1] to their rows at dst + (j + i) * ncp); padding lanes up
+// to the next multiple of K are copies of the last channel (ncp is a multiple of 8:
+// 16-lane blocks, PSROIAlign's 8-lane passes).
+template <int K, typename Tile>
+inline void channels_last_tiles(float* cells, const float* const* planes, int C,
+                                long long HW, int ncp) {
+  const long long HK = HW / K * K;
+  for (long long j0 = 0; j0 < HK; j0 += 64) {
+    const long long j1 = j0 + 64 < HK ? j0 + 64 : HK;
+    for (int c = 0; c < C; c += K) {
+      const float* p[K];
+      for (int i = 0; i < K; ++i) p[i] = planes[c + i < C ? c + i : C - 1];
+      for (long long j = j0; j < j1; j += K) {
+        if ((j & 15) == 0)  // a line ahead of each plane (a hint: never faults)
+          for (int i = 0; i < K; ++i) __builtin_prefetch(p[i] + j + 64, 0, 0);
+        Tile::run(p, j, cells + c, ncp);
       }
     }
-    for (int c = 0; c < C; ++c)  // the last HW % 8 cells
-      for (long long j = H8; j < HW; ++j) cells[j * ncp + c] = planes[c][j];
+  }
+  for (int c = 0; c < C; ++c)  // the last HW % K cells
+    for (long long j = HK; j < HW; ++j) cells[j * ncp + c] = planes[c][j];
+}
+
+#if defined(__AVX__)
+struct Tile8 {  // unpack, shuffle, then the 128-bit halves recombined
+  static void run(const float* const* p, long long j, float* dst, int ncp) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(p[i] + j);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {  // cells j + i and j + 4 + i
+      _mm256_storeu_ps(dst + (j + i) * ncp, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(dst + (j + 4 + i) * ncp, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
   }
 };
-#elif defined(__SSE2__)
+#else
+struct Tile4 {
+  static void run(const float* const* p, long long j, float* dst, int ncp) {
+    __m128 a = _mm_loadu_ps(p[0] + j), b = _mm_loadu_ps(p[1] + j);
+    __m128 e = _mm_loadu_ps(p[2] + j), f = _mm_loadu_ps(p[3] + j);
+    _MM_TRANSPOSE4_PS(a, b, e, f);
+    _mm_storeu_ps(dst + j * ncp, a);
+    _mm_storeu_ps(dst + (j + 1) * ncp, b);
+    _mm_storeu_ps(dst + (j + 2) * ncp, e);
+    _mm_storeu_ps(dst + (j + 3) * ncp, f);
+  }
+};
+#endif
+
 template <>
 struct ChannelsLast<float, float> {
   static void run(float* cells, const float* const* planes, int C, long long HW, int ncp) {
-    const long long H4 = HW / 4 * 4;
-    for (long long j0 = 0; j0 < H4; j0 += 64) {
-      const long long j1 = j0 + 64 < H4 ? j0 + 64 : H4;
-      for (int c = 0; c < C; c += 4) {
-        const float* p[4];
-        for (int i = 0; i < 4; ++i)  // (padding lanes: a copy of the last channel)
-          p[i] = planes[c + i < C ? c + i : C - 1];
-        float* dst = cells + c;
-        for (long long j = j0; j < j1; j += 4) {
-          if ((j & 15) == 0)  // a line ahead of each plane (a hint: never faults)
-            for (int i = 0; i < 4; ++i) __builtin_prefetch(p[i] + j + 64, 0, 0);
-          __m128 a = _mm_loadu_ps(p[0] + j), b = _mm_loadu_ps(p[1] + j);
-          __m128 e = _mm_loadu_ps(p[2] + j), f = _mm_loadu_ps(p[3] + j);
-          _MM_TRANSPOSE4_PS(a, b, e, f);
-          _mm_storeu_ps(dst + j * ncp, a);
-          _mm_storeu_ps(dst + (j + 1) * ncp, b);
-          _mm_storeu_ps(dst + (j + 2) * ncp, e);
-          _mm_storeu_ps(dst + (j + 3) * ncp, f);
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c)  // the last HW % 4 cells
-      for (long long j = H4; j < HW; ++j) cells[j * ncp + c] = planes[c][j];
+#if defined(__AVX__)
+    channels_last_tiles<8, Tile8>(cells, planes, C, HW, ncp);
+#else
+    channels_last_tiles<4, Tile4>(cells, planes, C, HW, ncp);
+#endif
   }
 };
 #endif
