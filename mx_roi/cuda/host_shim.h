@@ -313,9 +313,12 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
     // one thread walks the same blocks in turn: a block's channels-last scratch stays a
     // fraction of the call's (cache-sized, and not a second copy of the whole map)
     const int blocks = units < MX_ROI_SERIAL_BLOCKS ? units : MX_ROI_SERIAL_BLOCKS;
-    for (int b = 0; b < (blocks > 0 ? blocks : 1); ++b) {
-      if (blocks > 0) mx_roi_block_range(C, blocks, quantum, b);
-      else mx_roi_c_begin = mx_roi_c_end = 0;
+    if (blocks <= 0) {  // no channels: one call over the empty range, as ever
+      mx_roi_c_begin = mx_roi_c_end = 0;
+      fn();
+    }
+    for (int b = 0; b < blocks; ++b) {
+      mx_roi_block_range(C, blocks, quantum, b);
       fn();
     }
     return;
