@@ -64,12 +64,8 @@ struct PsLanes<float> {
       const PsTap<float>& t = tp[i];
       for (int k = 0; k < NV; ++k) {
         const int o = k * mx_roi::VW;
-        mx_roi::vf a, b, c, e;
-        memcpy(&a, lane + t.o1 + o, sizeof a);
-        memcpy(&b, lane + t.o2 + o, sizeof b);
-        memcpy(&c, lane + t.o3 + o, sizeof c);
-        memcpy(&e, lane + t.o4 + o, sizeof e);
-        s[k] += (t.w1 * a + t.w2 * b) + t.w3 * c + t.w4 * e;
+        s[k] += mx_roi::interp_vector(lane + t.o1 + o, lane + t.o2 + o, lane + t.o3 + o,
+                                      lane + t.o4 + o, t.w1, t.w2, t.w3, t.w4);
       }
     }
     for (int k = 0; k < NV; ++k) {

@@ -711,18 +711,26 @@ struct InterpLanes {
   }
 };
 
+// One vector of VW lanes of sample_value: (w1*v1 + w2*v2) + w3*v3 + w4*v4, the four tap
+// vectors read unaligned (InterpLanes, PSROIAlign's PsLanes).
+inline vf interp_vector(const float* v1, const float* v2, const float* v3, const float* v4,
+                        float w1, float w2, float w3, float w4) {
+  vf a, b, c, d;
+  memcpy(&a, v1, sizeof a);
+  memcpy(&b, v2, sizeof b);
+  memcpy(&c, v3, sizeof c);
+  memcpy(&d, v4, sizeof d);
+  return (w1 * a + w2 * b) + w3 * c + w4 * d;
+}
+
 template <>
 struct InterpLanes<float> {
   static void run(float* v, const float* v1, const float* v2, const float* v3, const float* v4,
                   float w1, float w2, float w3, float w4) {
     for (int i = 0; i < VN; ++i) {
-      vf a, b, c, d;
-      memcpy(&a, v1 + VW * i, sizeof a);
-      memcpy(&b, v2 + VW * i, sizeof b);
-      memcpy(&c, v3 + VW * i, sizeof c);
-      memcpy(&d, v4 + VW * i, sizeof d);
-      const vf r = (w1 * a + w2 * b) + w3 * c + w4 * d;
-      memcpy(v + VW * i, &r, sizeof r);
+      const int o = VW * i;
+      const vf r = interp_vector(v1 + o, v2 + o, v3 + o, v4 + o, w1, w2, w3, w4);
+      memcpy(v + o, &r, sizeof r);
     }
   }
 };
