@@ -973,15 +973,19 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
                           where)
 
 
-@pytest.mark.parametrize("mode", ["avg", "max-argmax", "max-rescan"])
-def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
+                                      ("max-argmax", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
+                                      ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0")])
+def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch, mode, vec):
     """The native ROIAlign backwards read a roi's samples once into a table of block
     offsets (CellTaps) when it has at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them -- the
     average backward only with more than one 16-channel pass --, else directly (max: per
     lane).  A build with the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the
     table; 3x3 samples: direct; 20 channels: two passes), aligned and not, adaptive bins
     of fewer samples than the padded grid (the table's row stride), max with the kept
-    argmax and rescanning, on 1 and 3 threads: the emulation's bits."""
+    argmax and rescanning, on 1 and 3 threads: the emulation's bits.  The max backwards
+    add a pass's bin as vectors per winning sample (WinnerLanes); built with
+    MX_ROI_MAX_VEC_SAMPLES=0 they take the scalar walk per lane, tested the same way."""
     from mx_roi.cuda import backend as cuda_backend
     rng = np.random.default_rng(8)
     data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
@@ -991,7 +995,7 @@ def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch,
     small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
                      np.float32)
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
-    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16")
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16" + vec)
     monkeypatch.setattr(loader, "_MODULES", {})
     if mode == "max-rescan":
         monkeypatch.setattr(cuda_backend, "ARGMAX_KEEP_MAX_ELEMENTS", 0)
