@@ -128,54 +128,14 @@ bool psroi_align_forward_native(const T* data, const int* batch, const int* chan
         });
     return true;
   }
-  // the channels-last walk: the calling thread's bins (mx_roi::ps_forward_native's split)
-  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
-  if (k1 <= k0) return true;
-  static thread_local std::vector<char> used;  // the images a roi reads
-  used.assign((size_t)images, 0);
-  for (long long r = 0; r < R; ++r)
-    if (batch[r] >= 0) used[batch[r]] = 1;
-  const int ncp = (C + 7) / 8 * 8;
-  static thread_local std::vector<A> block;  // (images, H*W, ncp)
-  static thread_local int block_ncp = 0;     // the lane count block was zeroed for
-  static thread_local std::vector<const T*> planes;
-  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the thread's outputs
-  // zeroed only when the layout changes (a launch calls this once per block of channels,
-  // 16 times on 2 threads: a 365 KB memset each time for the R-FCN bench): the padding
-  // lanes are never written, and every real lane of a bin is written before it is read
-  if (block.size() != (size_t)(images * HW * ncp) || block_ncp != ncp) {
-    block.assign((size_t)(images * HW * ncp), (A)0);
-    block_ncp = ncp;
-  }
-  staged.resize((size_t)((k1 - k0) * R * C));
-  planes.resize((size_t)C);
-  A* const cells = block.data();
-  for (long long k = k0; k < k1; ++k) {
-    const int p = (int)(k / Q), q = (int)(k % Q);
-    for (int b = 0; b < images; ++b) {
-      if (!used[b]) continue;
-      for (int c = 0; c < C; ++c)
-        planes[c] = data + mx_roi::plane_offset(b, channel_map[c * plane_out + k], Cin, H, W);
-      mx_roi::ChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
-    }
-    for (long long r = 0; r < R; ++r) {
-      T* o = staged.data() + ((k - k0) * R + r) * C;
-      const int b = batch[r];
-      if (b < 0) {
-        for (int c = 0; c < C; ++c) o[c] = mx_roi::Traits<T>::store((A)0);
-        continue;
-      }
-      const A* img = cells + (size_t)b * HW * ncp;
-      const int m = bin_taps(r, p, q, ncp);
-      for (int cc = 0; cc < C; cc += 8) {
-        A res[8];
-        PsLanes<A>::pass(img + cc, tp, m, divisor[r * plane_out + k], res);
-        const int lanes = C - cc < 8 ? C - cc : 8;
-        for (int c = 0; c < lanes; ++c) o[cc + c] = mx_roi::Traits<T>::store(res[c]);
-      }
-    }
-  }
-  mx_roi::staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
+  // the channels-last walk (mx_roi::ps_forward_channels_last): 8 channels per pass
+  mx_roi::ps_forward_channels_last<T, A>(
+      data, batch, channel_map, C, Cin, H, W, P, Q, out, n,
+      [&](long long r, int p, int q, long long k, int ncp) {
+        const int m = bin_taps(r, p, q, ncp);
+        const A d = divisor[r * plane_out + k];
+        return [tp, m, d](const A* lane, A* res) { PsLanes<A>::pass(lane, tp, m, d, res); };
+      });
   return true;
 }
 #endif

@@ -598,6 +598,70 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
   staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
 }
 
+// The other native walk of a position-sensitive forward, for many reads per input cell (a
+// detector's hundreds of rois on a map): each bin's C planes (per image a roi reads) are
+// first copied channels-last -- cell (b, y, x) holding the C channels' values side by
+// side, padded to a multiple of 8 lanes (computed, never stored) --, then
+// ``roi_bin(r, p, q, k, ncp)`` prepares roi r's bin k and returns ``pass(lane, res)``,
+// which computes 8 channels' outputs res[0..8) from the copy at their first lane (cell
+// i's channel c at lane[i * ncp + c]): called for channels 0, 8, ... of the roi's image.
+// Bins are split as by ps_forward_native; the outputs are staged.
+template <typename T, typename A, typename RoiBin>
+void ps_forward_channels_last(const T* data, const int* batch, const int* channel_map, int C,
+                              int Cin, int H, int W, int P, int Q, T* out, long long n,
+                              RoiBin&& roi_bin) {
+  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
+  const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
+  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
+  if (R <= 0 || k1 <= k0) return;
+  const int images = images_read(batch, R);
+  static thread_local std::vector<char> used;  // the images a roi reads
+  used.assign((size_t)images, 0);
+  for (long long r = 0; r < R; ++r)
+    if (batch[r] >= 0) used[batch[r]] = 1;
+  const int ncp = (C + 7) / 8 * 8;
+  static thread_local std::vector<A> block;  // (images, H*W, ncp)
+  static thread_local int block_ncp = 0;     // the lane count block was zeroed for
+  static thread_local std::vector<const T*> planes;
+  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the thread's outputs
+  // zeroed only when the layout changes (a launch calls this once per block of channels,
+  // 16 times on 2 threads: a 365 KB memset each time for the R-FCN bench): the padding
+  // lanes are never written, and every real lane of a bin is written before it is read
+  if (block.size() != (size_t)(images * HW * ncp) || block_ncp != ncp) {
+    block.assign((size_t)(images * HW * ncp), (A)0);
+    block_ncp = ncp;
+  }
+  staged.resize((size_t)((k1 - k0) * R * C));
+  planes.resize((size_t)C);
+  A* const cells = block.data();
+  for (long long k = k0; k < k1; ++k) {
+    const int p = (int)(k / Q), q = (int)(k % Q);
+    for (int b = 0; b < images; ++b) {
+      if (!used[b]) continue;
+      for (int c = 0; c < C; ++c)
+        planes[c] = data + plane_offset(b, channel_map[c * plane_out + k], Cin, H, W);
+      ChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
+    }
+    for (long long r = 0; r < R; ++r) {
+      T* o = staged.data() + ((k - k0) * R + r) * C;
+      const int b = batch[r];
+      if (b < 0) {
+        for (int c = 0; c < C; ++c) o[c] = Traits<T>::store((A)0);
+        continue;
+      }
+      const A* img = cells + (size_t)b * HW * ncp;
+      const auto pass = roi_bin(r, p, q, k, ncp);
+      for (int cc = 0; cc < C; cc += 8) {
+        A res[8];
+        pass(img + cc, res);
+        const int lanes = C - cc < 8 ? C - cc : 8;
+        for (int c = 0; c < lanes; ++c) o[cc + c] = Traits<T>::store(res[c]);
+      }
+    }
+  }
+  staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
+}
+
 // The native walk of a per-channel kernel over its launch: R rois of C channels x (P, Q)
 // outputs, the calling thread's channel block [c0, c0 + nc) channels-last in ``cells``
 // (lanes padded to ncp), ``image(b)`` the cells of image b (null for a skipped roi).

@@ -973,6 +973,51 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
                           where)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_ps_pooling_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
+    """With at least 8 output channels and MX_ROI_PSP_LANES_READS (0.05) cell reads per
+    cell a bin's copy costs, PSROIPooling's native forward copies each bin's planes
+    channels-last (the walk PSROIAlign uses) and sums a roi's bin for 8 channels at a
+    time; else it walks plane by plane.  Builds with the threshold at 0 (every call with
+    8+ channels copies), the default and 1e30 (never) run both on the same problems -- 8,
+    9, 10 and 21 channels (a partial last pass), group grids other than the pooled one,
+    rois off the map (empty bins: 0) and skipped ones, NaN and infinite cells, the output
+    pre-filled with garbage -- on 1 and 3 threads: the emulation's bits every time."""
+    rng = np.random.RandomState(12)
+    cases = []
+    for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (10, (1, 1)))):
+        x, rois = _lane_case(rng, 1, ties=False)
+        P = (3, 2) if trial % 2 else (2, 2)
+        gh, gw = group if group != (0, 0) else P
+        x = rng.randn(x.shape[0], C * gh * gw, x.shape[2], x.shape[3])
+        x[rng.rand(*x.shape) < 0.03] = np.nan
+        x[rng.rand(*x.shape) < 0.02] = np.inf
+        x[rng.rand(*x.shape) < 0.02] = -np.inf
+        many = np.tile(rois, (40, 1))  # many reads per cell: the copy at the default
+        many[:, 1:] += rng.uniform(-8, 8, many[:, 1:].shape)
+        kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group)
+        cases += [(kw, x.astype(dtype), rois.astype(dtype)),
+                  (kw, x.astype(dtype), many.astype(dtype))]
+    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    for flags in ("-DMX_ROI_PSP_LANES_READS=0", "", "-DMX_ROI_PSP_LANES_READS=1e30"):
+        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
+        monkeypatch.setattr(loader, "_MODULES", {})
+        for kw, x, rois in cases:
+            op = make_op("PSROIPooling", kw)
+            grad = np.ones(op.out_shape(x.shape, rois.shape), dtype)
+            garbage = np.full(grad.shape, 7, dtype)
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+            want, _ = run(EMU, op, x, rois, grad)
+            assert (want == 0).any() and np.isfinite(want).any()
+            for t in (1, 3):
+                monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+                got, _ = run(NATIVE, op, x, rois, grad, init_out=garbage)
+                where = f"{flags or 'default'}, {kw}, {len(rois)} rois, {t} threads"
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), where)
+                identical(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want),
+                          where)
+
+
 @pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
                                       ("max-argmax", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
                                       ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0")])
@@ -1055,7 +1100,8 @@ def _float_vector_widths():
 def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
     """The float lanes are 8-wide vectors in a build for AVX and 4-wide otherwise, with
     the same operations per lane: both builds give the emulation's bits -- ROIPooling,
-    average and max ROIAlign (forward and backward), PSROIAlign's channels-last walk --
+    average and max ROIAlign (forward and backward), PSROIAlign's and PSROIPooling's
+    channels-last walks --
     for channel counts around the widths, NaN / -inf cells, skipped rois, 1 and 3
     threads; each library reports the width it was built with."""
     rng = np.random.RandomState(21)
@@ -1070,21 +1116,24 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
                          ("ROIAlign", dict(pooled_size=pooled, spatial_scale=0.0625,
                                            sample_ratio=2, pool_mode="max"))):
             cases.append((make_op(name, kw), x.astype(np.float32), rois.astype(np.float32)))
-        ps = make_op("PSROIAlign", dict(pooled_size=(2, 2), output_dim=channels,
-                                        spatial_scale=0.0625, sample_ratio=2))
         xp = rng.randn(x.shape[0], channels * 4, x.shape[2], x.shape[3]).astype(np.float32)
         xp[rng.rand(*xp.shape) < 0.03] = -np.inf
-        cases.append((ps, xp, rois.astype(np.float32)))
+        for ps in (make_op("PSROIAlign", dict(pooled_size=(2, 2), output_dim=channels,
+                                              spatial_scale=0.0625, sample_ratio=2)),
+                   make_op("PSROIPooling", dict(pooled_size=(2, 2), output_dim=channels,
+                                                spatial_scale=0.0625))):
+            cases.append((ps, xp, rois.astype(np.float32)))
     monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
     wants = []
     for op, x, rois in cases:
         grad = rng.randn(*op.out_shape(x.shape, rois.shape)).astype(np.float32)
         wants.append((grad, run(EMU, op, x, rois, grad)))
     for flags, width in _float_vector_widths():
-        # every PSROIAlign call with 8+ channels takes the channels-last walk
-        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags + " -DMX_ROI_PS_LANES_READS=0")
+        # every position-sensitive call with 8+ channels takes the channels-last walk
+        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags + " -DMX_ROI_PS_LANES_READS=0"
+                           " -DMX_ROI_PSP_LANES_READS=0")
         monkeypatch.setattr(loader, "_MODULES", {})
-        for src in ("roi_pooling.cu", "roi_align.cu", "psroi_align.cu"):
+        for src in ("roi_pooling.cu", "roi_align.cu", "psroi_align.cu", "psroi_pooling.cu"):
             lib = loader.get_module(src, Kind.NATIVE, 0)._lib
             assert loader.float_vector_width(lib) == width, (src, flags)
         for (op, x, rois), (grad, want) in zip(cases, wants):
