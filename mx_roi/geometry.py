@@ -231,8 +231,8 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     outside = (coord < cdt.type(valid_lo)) | (coord > lim)
     # (the masks are applied in place, into arrays made here: on a small call the number
     # of array operations is the cost)
-    c = xp.where(coord <= 0, zero, coord) if clamp_low else coord.copy()
-    xp.copyto(c, zero, where=outside)  # outside: tap 0 (c is read there only for that)
+    c = coord.copy()  # clamped to 0; outside: tap 0 (c is read there only for that)
+    xp.copyto(c, zero, where=((coord <= 0) | outside) if clamp_low else outside)
     low = c.astype(np.int32)  # (the cast truncates toward 0)
     top = limit - 1
     last = low >= top
@@ -283,8 +283,9 @@ def roi_align_grid(rois, pooled_size, spatial_scale, sample_ratio, aligned, heig
         ax, = _align_axes(start[1:], size[1:], Q, (width,), sample_ratio, xp, cdt)
     if sample_ratio > 0:  # every bin has sample_ratio^2 points (no product to take)
         divisor = xp.full((rois.shape[0], P, Q), sample_ratio * sample_ratio, dtype=cdt)
-    else:
-        divisor = xp.maximum(ay.count[:, :, None] * ax.count[:, None, :], 1).astype(cdt)
+    else:  # a roi's counts are the same in all its bins: one product per roi
+        per_roi = xp.maximum(ay.count[:, :1, None] * ax.count[:, None, :1], 1)
+        divisor = xp.broadcast_to(per_roi, (rois.shape[0], P, Q)).astype(cdt)
     return SampleGrid(batch_index(rois, xp), ay, ax, divisor)
 
 
@@ -331,7 +332,12 @@ def _align_samples(start, bin_size, grid, gmax, pooled, limit, xp, cdt):
         step /= xp.maximum(grid, 1).astype(cdt)[..., None, None]
     else:  # the same division by a scalar
         step /= cdt.type(gmax)
-    coord = first[..., None] + step                                       # (..., R, P, G)
+    if gmax <= 4:  # (..., R, P, G) a point at a time: broadcasting G <= 4 wide is slow
+        coord = xp.empty(first.shape + (gmax,), dtype=cdt)
+        for k in range(gmax):
+            xp.add(first, step[..., k], out=coord[..., k])
+    else:
+        coord = first[..., None] + step                                   # (..., R, P, G)
     if padded:
         count = xp.broadcast_to(grid[..., None], grid.shape + (pooled,)).astype(np.int32)
     else:  # a fixed sample_ratio: gmax in every bin
