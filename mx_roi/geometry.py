@@ -305,15 +305,25 @@ def _align_axes(start, size, pooled, limits, sample_ratio, xp, cdt):
         grid = xp.maximum(xp.ceil(size / cdt.type(pooled)), 0).astype(np.int32)
         gmaxes = [max(int(g), 1) for g in (grid.max(axis=1).tolist() if grid.size
                                            else [0] * A)]
-    if len(set(gmaxes)) > 1:  # one axis at a time, (R,) arrays
+    if len(set(gmaxes)) > 1 and max(gmaxes) - min(gmaxes) > 8:  # one axis at a time
         return [_align_samples(start[k], bin_size[k], grid[k], gmaxes[k], pooled, limits[k],
                                xp, cdt)
                 for k in range(A)]
     if A == 1:
         return [_align_samples(start[0], bin_size[0], None if grid is None else grid[0],
                                gmaxes[0], pooled, limits[0], xp, cdt)]
-    return _align_samples(start, bin_size, grid, gmaxes[0], pooled,
+    axes = _align_samples(start, bin_size, grid, max(gmaxes), pooled,
                           xp.asarray(limits, dtype=np.int32).reshape(A, 1, 1, 1), xp, cdt)
+    # padded to the larger count in one pass, then each axis cut to its own (a point's
+    # values do not depend on the padding)
+    return [ax if g == max(gmaxes) else _cut_samples(ax, g, xp) for ax, g in zip(axes, gmaxes)]
+
+
+def _cut_samples(ax, g, xp) -> SampleAxis:
+    """``ax`` with its sample tables cut to the first ``g`` points of each bin."""
+    cut = [xp.ascontiguousarray(a[..., :g]) for a in (ax.coord, ax.low, ax.high, ax.w_low,
+                                                      ax.w_high)]
+    return SampleAxis(ax.count, *cut)
 
 
 def _align_samples(start, bin_size, grid, gmax, pooled, limit, xp, cdt):
@@ -343,12 +353,10 @@ def _align_samples(start, bin_size, grid, gmax, pooled, limit, xp, cdt):
     else:  # a fixed sample_ratio: gmax in every bin
         count = xp.full(start.shape + (pooled,), gmax, dtype=np.int32)
     low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
-    if padded:  # padding past a bin's count: no tap, weight 0
+    if padded:  # padding past a bin's count: no tap, weight 0 (x * 1 is x, w >= 0 * 0 is +0)
         live = xp.arange(gmax, dtype=np.int32) < count[..., None]
-        zero = cdt.type(0)
-        low = xp.where(live, low, 0).astype(np.int32, copy=False)
-        high = xp.where(live, high, 0).astype(np.int32, copy=False)
-        w_low, w_high = xp.where(live, w_low, zero), xp.where(live, w_high, zero)
+        for a in (low, high, w_low, w_high):
+            xp.multiply(a, live, out=a)
     # (a fixed sample_ratio gives every bin gmax samples: no padding)
     if start.ndim == 1:
         return SampleAxis(count, coord, low, high, w_low, w_high)
