@@ -551,6 +551,36 @@ void staged_to_output(const T* staged, long long R, int C, long long plane_out, 
     }
 }
 
+// The bins [k0, k1) of the calling thread's share (its channels' share of the P*Q bins)
+// for the two walks below: ``at_bin(k, p, q)`` once per bin, then ``at_roi(r, b, p, q, k,
+// o)`` for every roi r of an image b >= 0, which stores the roi's C outputs of bin k at
+// o[c]; a negative batch index gives 0.  The outputs are staged (staged_to_output).
+template <typename T, typename A, typename AtBin, typename AtRoi>
+void ps_bins_staged(const int* batch, int C, int P, int Q, T* out, long long n, AtBin&& at_bin,
+                    AtRoi&& at_roi) {
+  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
+  const long long R = per_roi > 0 ? n / per_roi : 0;
+  if (R <= 0) return;
+  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
+  if (k1 <= k0) return;
+  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the block's outputs
+  staged.resize((size_t)((k1 - k0) * R * C));
+  for (long long k = k0; k < k1; ++k) {
+    const int p = (int)(k / Q), q = (int)(k % Q);
+    at_bin(k, p, q);
+    for (long long r = 0; r < R; ++r) {
+      T* o = staged.data() + ((k - k0) * R + r) * C;
+      const int b = batch[r];
+      if (b < 0) {
+        for (int c = 0; c < C; ++c) o[c] = Traits<T>::store((A)0);
+        continue;
+      }
+      at_roi(r, b, p, q, k, o);
+    }
+  }
+  staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
+}
+
 // The native forward of a position-sensitive op (each output channel c of bin (p, q)
 // reads its own input plane channel_map[c, p, q]): bin by bin, roi by roi, every output
 // channel of the bin.  ``bin(r, p, q, k)`` (k = p * Q + q) prepares roi r's bin once --
@@ -569,33 +599,19 @@ void staged_to_output(const T* staged, long long R, int C, long long plane_out, 
 template <typename T, typename A, typename Bin>
 void ps_forward_native(const T* data, const int* batch, const int* channel_map, int C, int Cin,
                        int H, int W, int P, int Q, T* out, long long n, Bin&& bin) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
-  if (R <= 0) return;
-  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
-  if (k1 <= k0) return;
-  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the block's outputs
-  staged.resize((size_t)((k1 - k0) * R * C));
-  for (long long k = k0; k < k1; ++k) {
-    const int p = (int)(k / Q), q = (int)(k % Q);
-    const long long kn = k + 1 < plane_out ? k + 1 : k;  // the next bin
-    for (long long r = 0; r < R; ++r) {
-      T* o = staged.data() + ((k - k0) * R + r) * C;
-      const int b = batch[r];
-      if (b < 0) {
-        for (int c = 0; c < C; ++c) o[c] = Traits<T>::store((A)0);
-        continue;
-      }
-      const auto value = bin(r, p, q, k);
-      const PlaneHint<T> hint(r, H, W);
-      for (int c = 0; c < C; ++c) {
-        const int* cm = channel_map + (long long)c * plane_out;
-        hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
-        o[c] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
-      }
-    }
-  }
-  staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
+  const long long plane_out = (long long)P * Q;
+  ps_bins_staged<T, A>(
+      batch, C, P, Q, out, n, [](long long, int, int) {},
+      [&](long long r, int b, int p, int q, long long k, T* o) {
+        const long long kn = k + 1 < plane_out ? k + 1 : k;  // the next bin
+        const auto value = bin(r, p, q, k);
+        const PlaneHint<T> hint(r, H, W);
+        for (int c = 0; c < C; ++c) {
+          const int* cm = channel_map + (long long)c * plane_out;
+          hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
+          o[c] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
+        }
+      });
 }
 
 // The other native walk of a position-sensitive forward, for many reads per input cell (a
@@ -605,15 +621,14 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
 // ``roi_bin(r, p, q, k, ncp)`` prepares roi r's bin k and returns ``pass(lane, res)``,
 // which computes 8 channels' outputs res[0..8) from the copy at their first lane (cell
 // i's channel c at lane[i * ncp + c]): called for channels 0, 8, ... of the roi's image.
-// Bins are split as by ps_forward_native; the outputs are staged.
+// Bins are split, and the outputs staged, as by ps_forward_native (ps_bins_staged).
 template <typename T, typename A, typename RoiBin>
 void ps_forward_channels_last(const T* data, const int* batch, const int* channel_map, int C,
                               int Cin, int H, int W, int P, int Q, T* out, long long n,
                               RoiBin&& roi_bin) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
   const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
-  const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
-  if (R <= 0 || k1 <= k0) return;
+  if (R <= 0) return;
   const int images = images_read(batch, R);
   static thread_local std::vector<char> used;  // the images a roi reads
   used.assign((size_t)images, 0);
@@ -623,7 +638,6 @@ void ps_forward_channels_last(const T* data, const int* batch, const int* channe
   static thread_local std::vector<A> block;  // (images, H*W, ncp)
   static thread_local int block_ncp = 0;     // the lane count block was zeroed for
   static thread_local std::vector<const T*> planes;
-  static thread_local std::vector<T> staged;  // (k1 - k0, R, C): the thread's outputs
   // zeroed only when the layout changes (a launch calls this once per block of channels,
   // 16 times on 2 threads: a 365 KB memset each time for the R-FCN bench): the padding
   // lanes are never written, and every real lane of a bin is written before it is read
@@ -631,35 +645,28 @@ void ps_forward_channels_last(const T* data, const int* batch, const int* channe
     block.assign((size_t)(images * HW * ncp), (A)0);
     block_ncp = ncp;
   }
-  staged.resize((size_t)((k1 - k0) * R * C));
   planes.resize((size_t)C);
   A* const cells = block.data();
-  for (long long k = k0; k < k1; ++k) {
-    const int p = (int)(k / Q), q = (int)(k % Q);
-    for (int b = 0; b < images; ++b) {
-      if (!used[b]) continue;
-      for (int c = 0; c < C; ++c)
-        planes[c] = data + plane_offset(b, channel_map[c * plane_out + k], Cin, H, W);
-      ChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
-    }
-    for (long long r = 0; r < R; ++r) {
-      T* o = staged.data() + ((k - k0) * R + r) * C;
-      const int b = batch[r];
-      if (b < 0) {
-        for (int c = 0; c < C; ++c) o[c] = Traits<T>::store((A)0);
-        continue;
-      }
-      const A* img = cells + (size_t)b * HW * ncp;
-      const auto pass = roi_bin(r, p, q, k, ncp);
-      for (int cc = 0; cc < C; cc += 8) {
-        A res[8];
-        pass(img + cc, res);
-        const int lanes = C - cc < 8 ? C - cc : 8;
-        for (int c = 0; c < lanes; ++c) o[cc + c] = Traits<T>::store(res[c]);
-      }
-    }
-  }
-  staged_to_output(staged.data(), R, C, plane_out, k0, k1, out);
+  ps_bins_staged<T, A>(
+      batch, C, P, Q, out, n,
+      [&](long long k, int, int) {
+        for (int b = 0; b < images; ++b) {
+          if (!used[b]) continue;
+          for (int c = 0; c < C; ++c)
+            planes[c] = data + plane_offset(b, channel_map[c * plane_out + k], Cin, H, W);
+          ChannelsLast<T, A>::run(cells + (size_t)b * HW * ncp, planes.data(), C, HW, ncp);
+        }
+      },
+      [&](long long r, int b, int p, int q, long long k, T* o) {
+        const A* img = cells + (size_t)b * HW * ncp;
+        const auto pass = roi_bin(r, p, q, k, ncp);
+        for (int cc = 0; cc < C; cc += 8) {
+          A res[8];
+          pass(img + cc, res);
+          const int lanes = C - cc < 8 ? C - cc : 8;
+          for (int c = 0; c < lanes; ++c) o[cc + c] = Traits<T>::store(res[c]);
+        }
+      });
 }
 
 // The native walk of a per-channel kernel over its launch: R rois of C channels x (P, Q)

@@ -922,17 +922,34 @@ def test_ps_align_forward_past_the_tap_limit_takes_the_item_loop(tmp_path, monke
             identical(got, want, f"sample_ratio={ratio}, {t} threads")
 
 
+#: the position-sensitive forwards' threshold of the channels-last walk (reads per cell)
+PS_WALK_FLAG = {"PSROIAlign": "MX_ROI_PS_LANES_READS", "PSROIPooling": "MX_ROI_PSP_LANES_READS"}
+
+
+def _ps_walk_kwargs(name, trial, P, C, group):
+    kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group)
+    if name == "PSROIAlign":
+        kw.update(sample_ratio=(-1, 2, 3, 2, 2)[trial], aligned=trial == 3)
+        if trial == 4:  # the R-FCN-PSROIAlign layer's sample grid, same kernels
+            kw.update(legacy="rfcn", sample_num=3)
+            del kw["aligned"]
+    return kw
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
-    """With at least 8 output channels and MX_ROI_PS_LANES_READS (0.5) taps per input
-    cell or more, PSROIAlign's native forward copies each bin's planes channels-last and
-    takes a roi's samples for 8 channels at a time; else it walks plane by plane.  Builds
-    with the threshold at 0 (every call with 8+ channels copies), the default and 1e30
-    (never) run both on the same problems -- 8, 9, 10 and 21 channels (a partial last
-    pass), group grids other than the pooled one, adaptive and fixed samples, aligned
-    boxes, legacy='rfcn' samples, rois off the map and skipped ones, NaN and infinite
-    cells, the output pre-filled with garbage -- on 1 and 3 threads: the emulation's bits
-    every time."""
+@pytest.mark.parametrize("name", ["PSROIAlign", "PSROIPooling"])
+def test_ps_forward_lanes_and_plane_walk(tmp_path, monkeypatch, name, dtype):
+    """With at least 8 output channels and enough reads per input cell (PSROIAlign:
+    MX_ROI_PS_LANES_READS = 0.5 sample taps; PSROIPooling: MX_ROI_PSP_LANES_READS = 0.05
+    cells, both per cell a bin's copy costs), the position-sensitive native forwards copy
+    each bin's planes channels-last (one walk, ps_forward_channels_last) and take a roi's
+    bin for 8 channels at a time; else they walk plane by plane.  Builds with the
+    threshold at 0 (every call with 8+ channels copies), the default and 1e30 (never) run
+    both on the same problems -- 8, 9, 10 and 21 channels (a partial last pass), group
+    grids other than the pooled one, adaptive and fixed samples, aligned boxes,
+    legacy='rfcn' samples, rois off the map (empty bins) and skipped ones, NaN and
+    infinite cells, the output pre-filled with garbage -- on 1 and 3 threads: the
+    emulation's bits every time."""
     rng = np.random.RandomState(11)
     cases = []
     for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (8, (1, 1)),
@@ -943,21 +960,19 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
         x = rng.randn(x.shape[0], C * gh * gw, x.shape[2], x.shape[3])
         x[rng.rand(*x.shape) < 0.03] = np.nan
         x[rng.rand(*x.shape) < 0.02] = np.inf
-        many = np.tile(rois, (40, 1))  # many taps per cell: the copy at the default
+        x[rng.rand(*x.shape) < 0.02] = -np.inf
+        many = np.tile(rois, (40, 1))  # many reads per cell: the copy at the default
         many[:, 1:] += rng.uniform(-8, 8, many[:, 1:].shape)
-        kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group,
-                  sample_ratio=(-1, 2, 3, 2, 2)[trial], aligned=trial == 3)
-        if trial == 4:  # the R-FCN-PSROIAlign layer's sample grid, same kernels
-            kw.update(legacy="rfcn", sample_num=3)
-            del kw["aligned"]
+        kw = _ps_walk_kwargs(name, trial, P, C, group)
         cases += [(kw, x.astype(dtype), rois.astype(dtype)),
                   (kw, x.astype(dtype), many.astype(dtype))]
     monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
-    for flags in ("-DMX_ROI_PS_LANES_READS=0", "", "-DMX_ROI_PS_LANES_READS=1e30"):
+    flag = PS_WALK_FLAG[name]
+    for flags in (f"-D{flag}=0", "", f"-D{flag}=1e30"):
         monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
         monkeypatch.setattr(loader, "_MODULES", {})
         for kw, x, rois in cases:
-            op = make_op("PSROIAlign", kw)
+            op = make_op(name, kw)
             grad = np.ones(op.out_shape(x.shape, rois.shape), dtype)
             garbage = np.full(grad.shape, 7, dtype)
             monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
@@ -968,51 +983,6 @@ def test_ps_align_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
                 where = f"{flags or 'default'}, {kw}, {len(rois)} rois, {t} threads"
                 # the same bits, but for which NaN's payload a sum of two NaNs keeps (the
                 # compiler may swap an addition's operands)
-                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), where)
-                identical(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want),
-                          where)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_ps_pooling_forward_lanes_and_plane_walk(tmp_path, monkeypatch, dtype):
-    """With at least 8 output channels and MX_ROI_PSP_LANES_READS (0.05) cell reads per
-    cell a bin's copy costs, PSROIPooling's native forward copies each bin's planes
-    channels-last (the walk PSROIAlign uses) and sums a roi's bin for 8 channels at a
-    time; else it walks plane by plane.  Builds with the threshold at 0 (every call with
-    8+ channels copies), the default and 1e30 (never) run both on the same problems -- 8,
-    9, 10 and 21 channels (a partial last pass), group grids other than the pooled one,
-    rois off the map (empty bins: 0) and skipped ones, NaN and infinite cells, the output
-    pre-filled with garbage -- on 1 and 3 threads: the emulation's bits every time."""
-    rng = np.random.RandomState(12)
-    cases = []
-    for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (10, (1, 1)))):
-        x, rois = _lane_case(rng, 1, ties=False)
-        P = (3, 2) if trial % 2 else (2, 2)
-        gh, gw = group if group != (0, 0) else P
-        x = rng.randn(x.shape[0], C * gh * gw, x.shape[2], x.shape[3])
-        x[rng.rand(*x.shape) < 0.03] = np.nan
-        x[rng.rand(*x.shape) < 0.02] = np.inf
-        x[rng.rand(*x.shape) < 0.02] = -np.inf
-        many = np.tile(rois, (40, 1))  # many reads per cell: the copy at the default
-        many[:, 1:] += rng.uniform(-8, 8, many[:, 1:].shape)
-        kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group)
-        cases += [(kw, x.astype(dtype), rois.astype(dtype)),
-                  (kw, x.astype(dtype), many.astype(dtype))]
-    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
-    for flags in ("-DMX_ROI_PSP_LANES_READS=0", "", "-DMX_ROI_PSP_LANES_READS=1e30"):
-        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
-        monkeypatch.setattr(loader, "_MODULES", {})
-        for kw, x, rois in cases:
-            op = make_op("PSROIPooling", kw)
-            grad = np.ones(op.out_shape(x.shape, rois.shape), dtype)
-            garbage = np.full(grad.shape, 7, dtype)
-            monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
-            want, _ = run(EMU, op, x, rois, grad)
-            assert (want == 0).any() and np.isfinite(want).any()
-            for t in (1, 3):
-                monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
-                got, _ = run(NATIVE, op, x, rois, grad, init_out=garbage)
-                where = f"{flags or 'default'}, {kw}, {len(rois)} rois, {t} threads"
                 np.testing.assert_array_equal(np.isnan(got), np.isnan(want), where)
                 identical(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want),
                           where)
