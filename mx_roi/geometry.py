@@ -353,7 +353,8 @@ def _align_samples(start, bin_size, grid, gmax, pooled, limit, xp, cdt):
     else:  # a fixed sample_ratio: gmax in every bin
         count = xp.full(start.shape + (pooled,), gmax, dtype=np.int32)
     low, high, w_low, w_high = bilinear_axis(coord, limit, xp)
-    if padded:  # padding past a bin's count: no tap, weight 0 (x * 1 is x, w >= 0 * 0 is +0)
+    if padded:  # padding past a bin's count: no tap, weight 0
+        # (x * 1 is x; a weight, >= 0, times 0 is +0: the bits of a where)
         live = xp.arange(gmax, dtype=np.int32) < count[..., None]
         for a in (low, high, w_low, w_high):
             xp.multiply(a, live, out=a)
