@@ -1,5 +1,13 @@
 """Packaging for mx_roi: RoI operators for MXNet as Python custom ops."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+# the one place of the version, read as text: importing mx_roi would import mxnet
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    (HERE / "mx_roi" / "_version.py").read_text(encoding="utf-8"), re.M).group(1)
 
 # mxnet 1.9.1 uses ``np.bool`` (removed in numpy 1.24), so numpy is pinned below 1.24.
 NUMPY = "numpy<1.24"
@@ -9,10 +17,10 @@ CUPY = "cupy-cuda11x>=12,<14"
 
 setup(
     name="mx_roi",
-    version="0.1.0",
+    version=VERSION,
     description="ROIPooling, ROIAlign, PSROIPooling and PSROIAlign for MXNet as custom operators "
                 "(NumPy on CPU, CuPy raw CUDA kernels on GPU)",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
     # mx_roi and every subpackage.  operators/ ships as mx_roi.operators through the
@@ -32,6 +40,8 @@ setup(
         # (PyPI's CUDA builds: ~2 GB of nvidia-* wheels, run on CPU) next to numpy 1.23.5.
         "torch": ["torch", "torchvision", NUMPY],
         "example": ["tqdm", "Pillow", "matplotlib<3.9"],
+        # `make docs`: the API reference (docs/api, Sphinx autodoc) built with -W
+        "docs": ["sphinx>=7,<9"],
         # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels;
         # CuPy (imports without a driver): tests/test_cupy_compile.py runs its compile path
         "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",

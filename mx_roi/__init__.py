@@ -9,6 +9,8 @@ import atexit
 
 import mxnet as _mx  # noqa: F401  (ops register against the imported mxnet)
 
+from ._version import __version__  # noqa: F401
+
 from . import errors, params, geometry, registry, mxpatch  # noqa: F401
 from .mxpatch import call_custom  # noqa: F401  (Custom nodes of our ops, oneDNN-guarded)
 from . import operators  # noqa: F401  (imports operators/*.py: registers every op)
@@ -35,6 +37,5 @@ def _finish_pending_ops():
 
 atexit.register(_finish_pending_ops)
 
-__version__ = "0.1.0"
 #: the registered op types (``mx.nd.Custom(op_type=...)``)
 OP_TYPES = tuple(registry.REGISTERED)

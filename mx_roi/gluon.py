@@ -348,10 +348,10 @@ def _custom_registered(op_type: str, attrs: dict, num_inputs: int) -> bool:
 def imports(symbol_file, input_names, param_file=None, ctx=None, **kwargs):
     """``SymbolBlock.imports`` for graphs with mx_roi ops.
 
-    Registers the ops (this module imports :mod:`mx_roi`), checks that every ``Custom``
-    op_type of the graph is registered (a clear error otherwise) and loads the block.
+    The ops are registered already (importing this module imports the package
+    :mod:`mx_roi` first, which registers them); this checks that every ``Custom`` op_type
+    of the graph is registered (a clear error otherwise) and loads the block.
     """
-    import mx_roi  # noqa: F401  (registers the ops; already done by importing this module)
     check_symbol_json(symbol_file)
     return SymbolBlock.imports(symbol_file, input_names, param_file=param_file, ctx=ctx,
                                **kwargs)

@@ -243,8 +243,8 @@ def is_standin(ctx) -> bool:
 
 def _all_cases():
     """``(name, params, dtype, rescan)`` of every check: each op x dtype, the max modes
-    also with the rescanning backward (:func:`mx_roi.selftest.rescan_variants`)."""
-    from .selftest import CASES, rescan_variants
+    also with the rescanning backward (:func:`mx_roi.opcheck.rescan_variants`)."""
+    from .opcheck import CASES, rescan_variants
     return [(name, params, dtype, rescan) for name, params in CASES for dtype in CASES_DTYPES
             for rescan in rescan_variants(name, params)]
 
@@ -259,7 +259,7 @@ def _against_emulation(gpu_id: int, what: str) -> str:
     every op x dtype bit-equal to ``emulated-cuda``."""
     import mxnet as mx
     from .backends import get
-    from .selftest import _op, _problem, _run
+    from .opcheck import make_op as _op, problem as _problem, run as _run
     gpu = gpu_context(gpu_id)
     n = 0
     for name, params, dtype, rescan in _all_cases():
@@ -287,7 +287,7 @@ def _emulated_references() -> str:
     (deterministic mode), twice, bit-identical."""
     import mxnet as mx
     from .backends import get
-    from .selftest import _op, _problem, _run
+    from .opcheck import make_op as _op, problem as _problem, run as _run
     n = 0
     for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
@@ -304,7 +304,7 @@ def _grid_wrap(backend: str, ctx) -> str:
     """ROIPooling over ``GRID_WRAP_ITEMS`` items (one 1x1 bin per channel): the last items
     are reached only when the grid-stride loop wraps; forward and gradient vs NumPy."""
     from .backends import get
-    from .selftest import _op, _run
+    from .opcheck import make_op as _op, run as _run
     op = _op("ROIPooling", dict(pooled_size=(1, 1), spatial_scale=1.0))
     C = GRID_WRAP_ITEMS
     data = (np.arange(C, dtype=np.float32) % 7).reshape(1, C, 1, 1)
@@ -321,7 +321,7 @@ def _grid_wrap(backend: str, ctx) -> str:
 def _device(gpu_id: int) -> str:
     import mxnet as mx
     from .backends import get
-    from .selftest import CASES, _close, _op, _problem, _run
+    from .opcheck import CASES, assert_close as _close, make_op as _op, problem as _problem, run as _run
     gpu = gpu_context(gpu_id)
     for name, params in CASES:
         op = _op(name, params)
@@ -380,7 +380,7 @@ def _standin_step(gpu):
     """The same step on CuPy arrays: the backend's forward (keeping its saved state) and
     backward, then a read of the gradient."""
     from .backends import get
-    from .selftest import _op
+    from .opcheck import make_op as _op
     op, cuda = _op("ROIAlign", _MEMORY_PARAMS), get("cuda")
     x = gpu.array(np.random.default_rng(0).standard_normal((2, 256, 64, 64)), np.float32)
     rois = gpu.array(np.array(_MEMORY_ROIS, np.float32))
@@ -421,7 +421,7 @@ def gpu_kernels_main() -> int:
     MXNet GPU context, or CuPy arrays standing in for it): what compute-sanitizer
     watches."""
     from .backends import get
-    from .selftest import _op, _problem, _run
+    from .opcheck import make_op as _op, problem as _problem, run as _run
     gpu = gpu_context(0)
     for name, params, dtype, rescan in _all_cases():
         for det in (False, True):

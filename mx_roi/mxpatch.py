@@ -10,8 +10,8 @@
   ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too.
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
-* :data:`GUARD_BOUND`: the bound of the guard's ``clip``, which the ops' input
-  validation and the ONNX export also know.
+* :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
+  the guard's ``clip``, which the ops' input validation and the ONNX export also know.
 
 :func:`call_custom` is the one way mx_roi builds a ``Custom`` node (``mx_roi.nd``/``sym``,
 the Gluon blocks, and users calling ``Custom`` by hand).
@@ -26,13 +26,11 @@ from typing import Any, Sequence
 import mxnet as mx
 import numpy as np
 
+from . import errors, onnx
+from .onednn import GUARD_BOUND, guard_inputs, guard_output, onednn_enabled
+
 __all__ = ["GUARD_BOUND", "call_custom", "install"]
 
-#: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
-#: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
-#: value='inf'" / "value='3.4028234663852886e+38'").  Since the guard turns inf into this
-#: bound, the ops count |x| >= GUARD_BOUND as infinite.
-GUARD_BOUND = 3.0e38
 
 #: ``F.__name__`` -> MXNet's own ``Custom`` (before :func:`install` wrapped it)
 _ORIGINAL_CUSTOM = {}
@@ -46,7 +44,6 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
 
     An imperative call of one of our ops usually runs as a cached graph
     (:func:`_cached_call`): the same ``Custom`` node at a lower per-call cost."""
-    from .onednn import guard_inputs, guard_output
     name = kwargs.get("name")
     guarded = guard_inputs(F, *inputs, name=name)
     if F is not mx.sym:
@@ -83,7 +80,6 @@ def _cached_call(op_type, inputs, kwargs):
     MXNet 1.9.1 keeps the backward dependency list of the last recorded ``Custom`` node
     process-wide (``mxnet.operator._registry.result_deps``); a recorded imperative call
     sets it, so this path sets it to our op's list too."""
-    from .onednn import onednn_enabled
     from .registry import REGISTERED
     op_cls = REGISTERED.get(op_type)
     if op_cls is None or len(inputs) != 2 or "out" in kwargs or \
@@ -157,14 +153,12 @@ def install(op_types) -> None:
     (the registry)."""
     _install_error_translation()
     _install_custom_guard(op_types)
-    from . import onnx
     onnx.install()  # mx2onnx translations of our Custom nodes (onnx itself imported lazily)
 
 
 def _install_error_translation() -> None:
     import mxnet.base as base
     import mxnet.operator as operator
-    from . import errors
     if getattr(operator, "print", None) is not errors.print_hook:
         operator.print = errors.print_hook
     original = base.get_last_ffi_error

@@ -2,7 +2,7 @@
 
 A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the backward)
 can be handed memory MXNet has already freed.  The guard: every array input and output
-of the node goes through ``clip(x, -B, B)`` (B = :data:`mx_roi.mxpatch.GUARD_BOUND`),
+of the node goes through ``clip(x, -B, B)`` (B = :data:`GUARD_BOUND`),
 which always computes into a fresh plain-layout buffer; imperative inputs are instead
 reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
 recorded slice view whose backward writes a fresh plain gradient
@@ -22,10 +22,16 @@ import ctypes
 import mxnet as mx
 from mxnet.base import _LIB, check_call
 
-from .mxpatch import GUARD_BOUND as _BOUND, call_custom  # noqa: F401  (re-exported)
+#: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
+#: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
+#: value='inf'" / "value='3.4028234663852886e+38'").  Since the guard turns inf into this
+#: bound, the ops count |x| >= GUARD_BOUND as infinite (the registry's input check and
+#: the ONNX export read it from here).
+GUARD_BOUND = 3.0e38
+_BOUND = GUARD_BOUND
 
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "plain_grad_view", "call_custom"]
+           "plain_grad_view", "GUARD_BOUND"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
 

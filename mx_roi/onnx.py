@@ -298,7 +298,7 @@ _PREVIOUS_CLIP: Dict[int, Callable] = {}
 
 
 def _is_guard_clip(attrs):
-    from .mxpatch import GUARD_BOUND as _BOUND
+    from .onednn import GUARD_BOUND as _BOUND
     try:
         return (float(attrs.get("a_min", "nan")) == -_BOUND
                 and float(attrs.get("a_max", "nan")) == _BOUND)
@@ -331,7 +331,7 @@ def _guard_bounds(dtype):
     """The bounds MXNet's clip really applies in ``dtype`` (its parser makes 3e38 one ulp
     larger than ``np.float32(3e38)``): measured once by clipping -inf and inf."""
     import mxnet as mx
-    from .mxpatch import GUARD_BOUND as _BOUND
+    from .onednn import GUARD_BOUND as _BOUND
     ends = mx.nd.array([-np.inf, np.inf], dtype=dtype)
     lo, hi = mx.nd.clip(ends, -_BOUND, _BOUND).asnumpy()
     return lo, hi

@@ -16,8 +16,9 @@ import mxnet as mx
 import numpy as np
 
 from . import backends, ndio
+from .cuda import source as kernel_sources
 from .errors import issuer, recording
-from .mxpatch import GUARD_BOUND
+from .onednn import GUARD_BOUND
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
@@ -274,6 +275,8 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
     mx.operator.register(op_cls.name)(_Prop)
     op_cls.CustomOp, op_cls.CustomOpProp = _Op, _Prop
     REGISTERED[op_cls.name] = op_cls
+    # the kernel layer compiles only the files of registered ops; it is told, never asks
+    kernel_sources.set_sources(op.cuda_source for op in REGISTERED.values())
     return op_cls
 
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 __all__ = ["HEADER", "TYPE_PAIRS", "INDEX_TYPES", "TEMPLATE_VALUES", "CTYPES", "NVRTC_OPTIONS",
-           "Param", "Signature", "sources", "read_source", "module_source", "name_expressions",
+           "Param", "Signature", "sources", "set_sources", "read_source", "module_source", "name_expressions",
            "kernel_signatures", "instantiate", "expression", "ctype_of", "deduced_from",
            "cuda_include_dirs"]
 
@@ -80,17 +80,28 @@ def ctype_of(dtype) -> str:
 def _operators_dir() -> str:
     """The directory of the package ``mx_roi.operators``, where the ``.cu`` files are: in
     a checkout (and an editable install) the symlink ``mx_roi/operators -> ../operators``,
-    in a wheel the copy that setuptools made of it."""
-    from .. import operators
-    return os.path.dirname(os.path.abspath(operators.__file__))
+    in a wheel the copy that setuptools made of it.  Found from this file's place, so the
+    kernel layer never imports the operators (which import the layers above it)."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(package_dir, "operators")
+
+
+#: The kernel files of the registered ops, in registration order.  The registry hands the
+#: list over (:func:`set_sources`) each time it registers an op: this layer sits below it
+#: and never asks.
+_SOURCES: Tuple[str, ...] = ()
+
+
+def set_sources(filenames) -> None:
+    """Make ``filenames`` (each registered op's ``cuda_source``; empty ones skipped,
+    duplicates once) the known kernel files.  Called by :func:`mx_roi.registry.register`."""
+    global _SOURCES
+    _SOURCES = tuple(dict.fromkeys(f for f in filenames if f))
 
 
 def sources() -> Tuple[str, ...]:
     """The kernel files of the registered ops (each op's ``cuda_source``), in order."""
-    from .. import operators  # noqa: F401  (registers every op in operators/)
-    from ..registry import REGISTERED
-    return tuple(dict.fromkeys(op.cuda_source for op in REGISTERED.values()
-                               if op.cuda_source))
+    return _SOURCES
 
 
 @functools.lru_cache(maxsize=None)
