@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-emulated bench bench-step selftest docs wheel clean
+.PHONY: demo test test-fast test-emulated bench bench-step bench-docs selftest docs pictures wheel clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,test,plot,example,onnx]"
+	$(PY) -m pip install -q -e ".[cpu,test,plot,example,onnx,docs]"
 	# onnxruntime declares numpy>=1.24.2 (mxnet 1.9.1 needs <1.24); 1.16.3 runs with 1.23.5.
 	# Its other requirements are not needed to import and run it (README "Export to ONNX").
 	$(PY) -m pip install -q --no-deps onnxruntime==1.16.3
@@ -38,8 +38,21 @@ bench-step: $(STAMP)
 selftest: $(STAMP)
 	$(PY) -m mx_roi.selftest
 
+# The API reference (docs/api: autodoc of the docstrings, the op tables from the registry),
+# warnings as errors; HTML in build/docs.
 docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
+
+# The sampling pictures in docs/ (drawn from the geometry tables; needs the plot extra).
+pictures: $(STAMP)
 	$(PY) -m mx_roi.viz.regenerate docs
+
+# The benchmark page's tables: python -m mx_roi.bench --markdown on this machine at this
+# commit, written into docs/benchmarks.md between its markers.  BENCH_ARGS picks the run
+# (the published tables: --threads default,1,all on a quiet machine, several minutes).
+BENCH_ARGS ?= --threads default,1,all
+bench-docs: $(STAMP)
+	$(PY) tools/bench_docs.py docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

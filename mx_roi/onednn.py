@@ -25,7 +25,7 @@ from mxnet.base import _LIB, check_call
 #: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
 #: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
 #: value='inf'" / "value='3.4028234663852886e+38'").  Since the guard turns inf into this
-#: bound, the ops count |x| >= GUARD_BOUND as infinite (the registry's input check and
+#: bound, the ops count ``|x| >= GUARD_BOUND`` as infinite (the registry's input check and
 #: the ONNX export read it from here).
 GUARD_BOUND = 3.0e38
 _BOUND = GUARD_BOUND

@@ -1,12 +1,5 @@
-"""PSROIAlign: position-sensitive ROIAlign (average of bilinear samples per bin).
-
-Semantics of ``mx.nd.contrib.ROIAlign(..., position_sensitive=True)``, whose group grid
-is the pooled grid (``group_size=0``, square or not: input channel ``c*P*Q + p*Q + q``),
-generalised to any group grid ``(Gh, Gw)`` the way PSROIPooling does it: output channel
-``c`` at bin (p, q) reads input channel ``(c*Gh + floor(p*Gh/P))*Gw + floor(q*Gw/Q)``.
-The gradient is the true gradient of this forward (the R-FCN-PSROIAlign layer's
-backward is not).
-"""
+"""PSROIAlign: position-sensitive ROIAlign (average of bilinear samples per bin); semantics
+in the class docstring."""
 from __future__ import annotations
 
 from mx_roi import geometry, kernels_numpy as K
@@ -19,6 +12,26 @@ from .psroi_pooling import PositionSensitive
 
 @register
 class PSROIAlign(PositionSensitive):
+    """Position-sensitive ROIAlign: the average of bilinear samples per bin, each bin on its
+    own score map: ``mx.nd.contrib.ROIAlign(..., position_sensitive=True)``.
+
+    ``data`` (N, output_dim * Gh * Gw, H, W) and ``rois`` (R, 5) = (batch index, x1, y1,
+    x2, y2), of one dtype; output (R, output_dim, P, Q) for ``pooled_size`` (P, Q).
+
+    The samples are ROIAlign's (``sample_ratio``, ``aligned``); the channel rule is
+    PSROIPooling's: output channel ``c`` at bin ``(p, q)`` reads input channel
+    ``(c * Gh + floor(p * Gh / P)) * Gw + floor(q * Gw / Q)``.  ``group_size=0`` is the
+    built-in's grid, the pooled grid (channel ``c * P * Q + p * Q + q``); an int G or
+    ``(gh, gw)`` gives any other group grid.
+
+    ``legacy='rfcn'`` reproduces the forward of the R-FCN-PSROIAlign layer (box
+    ``x1 * s .. (x2 + 1) * s``, ``sample_num`` x ``sample_num`` interior points per bin,
+    bins clipped to ``[0, H - 1] x [0, W - 1]``, the sum divided by ``sample_num ** 2``
+    even when points were dropped), with the true gradient of that forward.
+
+    Differences from the built-in: any group grid, padding rois (a negative batch index:
+    output 0, no gradient), and errors naming the roi or the channel count.
+    """
     name = "PSROIAlign"
     param_cls = PSROIAlignParam
     cuda_source = "psroi_align.cu"

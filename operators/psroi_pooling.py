@@ -1,13 +1,6 @@
-"""PSROIPooling: position-sensitive average pooling over quantised bins (R-FCN, Dai 2016).
-
-Semantics of ``mx.nd.contrib.PSROIPooling``: corners C-rounded *before* scaling, end
-``round(x2) + 1``, size at least 0.1, ``floor``/``ceil`` bins clipped to the map, mean
-over the bin (0 if empty).  Output channel ``c`` at bin (p, q) reads input channel
-``(c*Gh + gh)*Gw + gw`` with ``gh = floor(p*Gh/P)``, ``gw = floor(q*Gw/Q)`` on the group
-grid ``(Gh, Gw)`` (``group_size``; 0 = the pooled grid): the input must have
-``output_dim * Gh * Gw`` channels.  The built-in takes ints only (square pool, square
-group grid); with those this is its rule exactly.
-"""
+"""PSROIPooling: position-sensitive average pooling over quantised bins (R-FCN, Dai 2016);
+semantics in the class docstring.  :class:`PositionSensitive` holds the channel rule both
+position-sensitive ops share."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,6 +97,25 @@ def _spelled(group):
 
 @register
 class PSROIPooling(PositionSensitive):
+    """Position-sensitive average over quantised bins (R-FCN, Dai et al. 2016):
+    ``mx.nd.contrib.PSROIPooling``.
+
+    ``data`` (N, output_dim * Gh * Gw, H, W) and ``rois`` (R, 5) = (batch index, x1, y1,
+    x2, y2), of one dtype; output (R, output_dim, P, Q) for ``pooled_size`` (P, Q).
+
+    Every bin reads its own score map: on the group grid (Gh, Gw) = ``group_size`` (0:
+    the pooled grid; an int G: G x G; or ``(gh, gw)``) output channel ``c`` at bin
+    ``(p, q)`` reads input channel ``(c * Gh + floor(p * Gh / P)) * Gw + floor(q * Gw /
+    Q)``.  The corners are rounded in image coordinates *before* scaling (C ``round``),
+    the end is ``round(x2) + 1``, the box is at least 0.1 cell, bins are ``floor`` /
+    ``ceil`` cells clipped to the map, and each output is the mean over its bin (0 if the
+    bin is empty).
+
+    Differences from the built-in: ``pooled_size`` and ``group_size`` may be ``(h, w)``
+    (the built-in takes ints only: with those this is its rule exactly); a negative batch
+    index marks a padding roi (output 0, no gradient); a batch index >= N or a channel
+    count other than ``output_dim * Gh * Gw`` is an error naming the numbers.
+    """
     name = "PSROIPooling"
     param_cls = PSROIPoolingParam
     cuda_source = "psroi_pooling.cu"

@@ -1,14 +1,5 @@
-"""ROIAlign: bilinear samples averaged (or maxed) per bin (Mask R-CNN, He et al. 2017).
-
-Semantics of ``mx.nd.contrib.ROIAlign`` (Caffe2/Detectron) for ``pool_mode='avg'``;
-``pool_mode='max'`` takes the maximum over the same sample points (out-of-map samples
-count as 0) and routes the gradient to the four taps of the winning sample, with
-ROIPooling's NaN rule (:data:`mx_roi.kernels_numpy.MAX_INIT`): a bin starts at -FLT_MAX
-and only a strictly greater sample replaces it, so a NaN sample (a NaN on any of its
-taps) never wins, and a bin none of whose samples wins gives -FLT_MAX and no gradient.
-Differences from the built-in: a zero-size or reversed box with ``aligned=True`` samples
-nothing and gives 0 (MXNet aborts the process), a negative batch index gives 0.
-"""
+"""ROIAlign: bilinear samples averaged (or maxed) per bin (Mask R-CNN, He et al. 2017);
+semantics in the class docstring."""
 from __future__ import annotations
 
 from mx_roi import geometry, kernels_numpy as K
@@ -19,6 +10,41 @@ from mx_roi.cuda.tables import sample_grid_tables
 
 @register
 class ROIAlign(RoIOp):
+    """Bilinear samples averaged (or maxed) per bin (Mask R-CNN, He et al. 2017):
+    ``mx.nd.contrib.ROIAlign``.
+
+    ``data`` (N, C, H, W) and ``rois`` (R, 5) = (batch index, x1, y1, x2, y2) in image
+    coordinates, of one dtype; output (R, C, P, Q) for ``pooled_size`` (P, Q).
+
+    No coordinate is rounded: the scaled box is cut into P x Q equal bins, each bin holds
+    a regular grid of sample points, each sample is interpolated bilinearly from its four
+    taps, and the output is the average of the bin's samples (``pool_mode='avg'``, the
+    built-in) or their maximum (``pool_mode='max'``, an extension: the gradient goes to
+    the four taps of the winning sample).  ``sample_ratio = n > 0`` puts n x n samples in
+    every bin; ``sample_ratio <= 0`` uses ``ceil(roi_h / P) x ceil(roi_w / Q)`` per bin,
+    per roi.
+
+    ``aligned=False`` (MXNet's default, the original Mask R-CNN) samples as if pixel
+    centres lay on integer coordinates and clamps the box to at least 1 x 1 cell;
+    ``aligned=True`` (Detectron2) subtracts 0.5 from the scaled corners and uses the size
+    as is.  A sample more than one cell outside the map has weight 0 but still counts in
+    the average's divisor; one between the last pixel centre and the edge snaps to the
+    last pixel.
+
+    The max mode follows ROIPooling's NaN rule: a bin starts at ``-FLT_MAX``, only a
+    strictly greater sample replaces it, a NaN on any tap makes the sample NaN (it never
+    wins), and a bin without a winner gives ``-FLT_MAX`` and no gradient.
+
+    ``legacy='caffe'`` reproduces the forward of the Caffe ``ROIAlign`` layer of
+    caffe-faster-rcnn forks (box ``+1``, unit-step points from each bin's corner, max;
+    ``sample_ratio``, ``aligned`` and ``pool_mode`` ignored) with the true gradient of
+    that forward, for porting weights trained with it.
+
+    Differences from the built-in: a zero-size or reversed box with ``aligned=True``
+    samples nothing and gives 0 (MXNet aborts the process); a batch index >= N is an
+    error; a negative batch index marks a padding roi (output 0, no gradient);
+    ``position_sensitive=True`` is refused with a pointer to :class:`PSROIAlign`.
+    """
     name = "ROIAlign"
     param_cls = ROIAlignParam
     cuda_source = "roi_align.cu"

@@ -1,14 +1,5 @@
-"""ROIPooling: max over quantised bins (Fast R-CNN, Girshick 2015).
-
-Semantics of ``mx.nd.ROIPooling``: box corners scaled and C-rounded (half away from
-zero), end inclusive, ``floor``/``ceil`` bins clipped to the map, an empty bin gives 0,
-the first maximum in row-major order wins and receives the whole gradient.  NaN never
-wins (MXNet's rule, :data:`mx_roi.kernels_numpy.MAX_INIT`): a non-empty bin starts at
--FLT_MAX and only a strictly greater value replaces it, so a bin of NaN / -inf / values
-<= -FLT_MAX gives -FLT_MAX (float16: -inf) and no gradient.
-Differences from the built-in: a batch index >= N is an error (MXNet silently gives 0),
-a negative batch index marks a padding roi (output 0, no gradient).
-"""
+"""ROIPooling: max over quantised bins (Fast R-CNN, Girshick 2015); semantics in the class
+docstring."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +12,30 @@ from mx_roi.cuda.tables import int_bins_max_cells, int_bins_tables
 
 @register
 class ROIPooling(RoIOp):
+    """Max over quantised bins (Fast R-CNN, Girshick 2015): ``mx.nd.ROIPooling``.
+
+    ``data`` (N, C, H, W) and ``rois`` (R, 5) = (batch index, x1, y1, x2, y2) in image
+    coordinates, of one dtype (float16, float32 or float64); output (R, C, P, Q) for
+    ``pooled_size`` (P, Q).
+
+    The box corners are scaled by ``spatial_scale`` and rounded to whole cells (C
+    ``round``: half away from zero; the end corner is inclusive, a reversed box is forced
+    to 1 x 1 cell).  Bin ``(p, q)`` covers rows ``floor(p * bin_h)`` to
+    ``ceil((p + 1) * bin_h)`` of the box (columns alike), clipped to the map, so
+    neighbouring bins overlap by a row or column when the bin size is not an integer.
+    Each output is the maximum over its bin's cells; the first maximum in row-major order
+    wins and receives the whole gradient.  A bin clipped to nothing is empty: output 0, no
+    gradient.
+
+    NaN rule (MXNet's, on every backend): a non-empty bin starts at ``-FLT_MAX`` (also for
+    float64 data) and only a strictly greater value replaces it, so NaN never wins, nor
+    does ``-inf``; a bin that nothing beat outputs ``-FLT_MAX`` (``-inf`` once stored as
+    float16) and passes no gradient.
+
+    Differences from the built-in: a batch index >= N is an error naming the roi (MXNet
+    silently gives 0); a negative batch index marks a padding roi (output 0, no
+    gradient).  ``deterministic=True`` makes the GPU backward bit-identical run to run.
+    """
     name = "ROIPooling"
     param_cls = ROIPoolingParam
     cuda_source = "roi_pooling.cu"
