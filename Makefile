@@ -50,7 +50,10 @@ pictures: $(STAMP)
 # The benchmark page's tables: python -m mx_roi.bench --markdown on this machine at this
 # commit, written into docs/benchmarks.md between its markers.  BENCH_ARGS picks the run
 # (the published tables: --threads default,1,all on a quiet machine, several minutes).
+# BENCH_NOTE: a sentence about the run, printed with it (read from the environment, never
+# through the shell).
 BENCH_ARGS ?= --threads default,1,all
+export BENCH_NOTE
 bench-docs: $(STAMP)
 	$(PY) tools/bench_docs.py docs/benchmarks.md $(BENCH_ARGS)
 
