@@ -1,4 +1,5 @@
-"""The package's import graph has no circle, counting imports inside functions too.
+"""The package's import graph has no circle, counting imports inside functions too, and
+no import goes up the layer table of docs/ARCHITECTURE.md.
 
 Every ``.py`` of ``mx_roi`` (``mx_roi/operators`` through its symlink) is parsed with
 ``ast``; each ``import`` / ``from ... import`` anywhere in it -- module level, inside a
@@ -8,6 +9,7 @@ first) is not an edge: Python does it for every module.
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -91,6 +93,41 @@ def test_the_package_has_no_import_cycle():
     graph = import_graph()
     assert "mx_roi.operators.roi_align" in graph and "mx_roi.cuda.source" in graph
     assert cycles(graph) == []
+
+
+def layers(known, path=os.path.join(ROOT, "docs", "ARCHITECTURE.md")):
+    """``{module: row index}`` from the table under "## Layers" (row 0 = the top).  A cell
+    names modules in backticks: ``mx_roi.x.y``, or a bare ``z`` after it for
+    ``mx_roi.x.z``; a package covers its submodules."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| Layer")]
+    found = {}
+    for index, cell in enumerate(rows):
+        parent = PACKAGE
+        for token in re.findall(r"`([A-Za-z_][\w.]*)`", cell):
+            name = token if token.startswith(PACKAGE + ".") else f"{parent}.{token}"
+            if name in known:
+                found[name] = index
+                parent = name.rpartition(".")[0]
+    for name in known:  # submodules of a listed package
+        package = next((p for p in sorted(found, key=len, reverse=True)
+                        if name.startswith(p + ".")), None)
+        if name not in found and package:
+            found[name] = found[package]
+    return found
+
+
+def test_no_import_goes_up_the_layer_table():
+    graph = import_graph()
+    layer = layers(graph)
+    for must in ("mx_roi.mxpatch", "mx_roi.registry", "mx_roi.onednn", "mx_roi.cuda.loader",
+                 "mx_roi.operators.roi_align", "mx_roi.gluon"):
+        assert must in layer, must
+    upward = sorted(f"{a} -> {b}" for a in graph for b in graph[a]
+                    if a in layer and b in layer and layer[b] < layer[a])
+    assert upward == []
 
 
 @pytest.mark.parametrize("source, expected", [
