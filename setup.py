@@ -34,7 +34,7 @@ setup(
         "cpu": ["mxnet==1.9.1", NUMPY],
         "gpu": ["mxnet-cu112==1.9.1", CUPY, "nvidia-cuda-nvrtc-cu11", NUMPY],
         "plot": ["matplotlib<3.9"],
-        "onnx": ["onnx==1.14.1"],  # + onnxruntime==1.16.3 with --no-deps: README "Export to ONNX"
+        "onnx": ["onnx==1.14.1"],  # + onnxruntime==1.16.3 with --no-deps: docs/installing.md
         # python -m mx_roi.bench's torchvision column; never needed by make test (its tests
         # use the stand-in in tests/fake_torch).  Checked: torch 2.14.1, torchvision 0.29.1
         # (PyPI's CUDA builds: ~2 GB of nvidia-* wheels, run on CPU) next to numpy 1.23.5.

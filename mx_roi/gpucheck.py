@@ -444,7 +444,7 @@ def _gpu_count(pieces: List[Piece]) -> int:
 
 def checklist(pieces: Optional[List[Piece]] = None,
               gpus: Optional[int] = None, sanitizer: Optional[str] = None) -> List[Step]:
-    """The first-GPU-run checklist (README, "GPU runs"): host parts run here, GPU
+    """The first-GPU-run checklist (docs/gpu.md, "The first-run checklist"): host parts run here, GPU
     parts when :func:`diagnose` found everything and a GPU is visible."""
     pieces = diagnose() if pieces is None else pieces
     missing = [p.name for p in pieces if not p.ok and p.name in KERNEL_PIECES]

@@ -24,7 +24,7 @@ loads, ``cuda_fp16.h`` -- each OK or MISSING with the command that fixes it
 (:mod:`mx_roi.gpucheck`).  A CPU-only machine passes with these missing.
 
 Options: ``--archs 70,80,90`` (NVRTC architectures), ``--quick`` (float32 only),
-``--gpu`` (also the first-GPU-run checklist of the README: host parts here, GPU-only
+``--gpu`` (also the first-GPU-run checklist of docs/gpu.md: host parts here, GPU-only
 steps SKIP with their reason without a GPU), ``--require-gpu`` (exit 1 unless the GPU
 setup is complete and no GPU step was skipped: for the first run on a GPU machine).
 """
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
 
     pieces = gpucheck.diagnose()
     print("-" * 79)
-    print("GPU setup (README, 'What a GPU machine needs')")
+    print("GPU setup (docs/installing.md, 'What a GPU machine needs')")
     for p in pieces:
         print(f"  {p.name:<8} {'OK' if p.ok else 'MISSING':<8} {p.detail}")
         if not p.ok:
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     if args.gpu:
         steps = gpucheck.checklist(pieces)
         print("-" * 79)
-        print("GPU checklist (README, 'GPU runs')")
+        print("GPU checklist (docs/gpu.md, 'The first-run checklist')")
         for st in steps:
             print(f"  {st.name:<25} {st.where:<5} {st.status:<5} {st.detail}")
         failed += [f"{st.name} ({st.where})" for st in steps if st.status == "FAIL"]

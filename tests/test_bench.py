@@ -368,7 +368,7 @@ def test_torchvision_column_with_stand_in(tmp_path):
 
 
 def test_markdown_table_from_runs():
-    """``--markdown``: the README's table from the runs of each thread setting -- the
+    """``--markdown``: the benchmark page's table from the runs of each thread setting -- the
     first setting's milliseconds, every setting's ratio, '-' where there is no built-in,
     torchvision's ratios where measured, and the geometric means."""
     from mx_roi.bench.report import format_markdown

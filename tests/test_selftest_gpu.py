@@ -242,7 +242,7 @@ def test_selftest_says_the_kernels_ran_on_cupy_arrays(monkeypatch, capsys, host_
     monkeypatch.setattr(gpucheck, "checklist", lambda pieces: host_steps)
     assert selftest.main(["--gpu"]) == 0
     out = capsys.readouterr().out
-    assert "GPU checklist (README, 'GPU runs')" in out
+    assert "GPU checklist (docs/gpu.md, 'The first-run checklist')" in out
     assert out.rstrip().endswith(
         "OK: every usable backend passed (numpy, cuda); MXNet is a CPU build: the GPU kernels "
         "ran on CuPy arrays (mx.gpu contexts need mxnet-cu112)")

@@ -49,7 +49,7 @@ def _parse_args(argv=None):
                         "ROIAlign-max, PSROIAlign, ...) to run")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     p.add_argument("--markdown", default=None,
-                   help="write the README's speed table (Markdown; with --threads, every "
+                   help="write the speed table of docs/benchmarks.md (Markdown; with --threads, every "
                         "setting's ratios side by side) to this file")
     p.add_argument("--plot", default=None,
                    help="PNG: median time vs number of boxes (64..2048) for ours and built-in")
@@ -97,7 +97,7 @@ def _load_torchvision(args, machine):
                                    device_id=0 if args.ctx == "gpu" else None)
     if tv is None:
         return None, (f"not importable ({why}); no torchvision column (optional: pip install "
-                      "'mx_roi[torch]', README \"Speed\")")
+                      "'mx_roi[torch]', docs/installing.md)")
     if args.ctx == "gpu" and torchvision_ops.gpu_available(tv):
         return None, torchvision_ops.gpu_available(tv) + "; no torchvision column"
     machine["torchvision"] = tv.info

@@ -202,7 +202,7 @@ def _setting_label(setting, run) -> str:
 
 
 def format_markdown(runs) -> str:
-    """The README's speed table, in Markdown, from bench runs (``--markdown``).
+    """The speed table of docs/benchmarks.md, in Markdown, from bench runs (``--markdown``).
 
     ``runs`` maps a thread setting ('default', '1', 'all', ...) to a run's ``--json``
     payload (None for a run that failed).  The first setting gives the milliseconds, every

@@ -8,7 +8,7 @@ compared with our output (and, for fwd+bwd, our data gradient) with the bench's
 sides, and its ratio ours / torchvision reported.  Where the semantics differ (max-mode
 RoIAlign has no counterpart; torchvision's position-sensitive ops place their bins
 differently from MXNet's) the column says '-' and the note says why.  torch is optional
-(``pip install "mx_roi[torch]"``, README "Speed"): nothing here imports it until
+(``pip install "mx_roi[torch]"``, docs/installing.md): nothing here imports it until
 :func:`load` is called.
 """
 from __future__ import annotations

@@ -863,7 +863,7 @@ def cupy_options(filename: str) -> Tuple[str, ...]:
     C++ dialect if none is given (CuPy 12 refuses templates without one; CuPy 13's
     ``RawModule`` adds ``--std=c++11`` itself).  CuPy appends ``-ftz=true`` to every
     compile (NVRTC rejects a second ``-ftz``), so float32 subnormals flush to zero on
-    the GPU, unlike NumPy and the host builds; see the README."""
+    the GPU, unlike NumPy and the host builds; see docs/gpu.md."""
     options = tuple(S.module_source(filename)[2])
     if not any(o.startswith(("-std", "--std")) for o in options):
         options += ("--std=c++11",)

@@ -7,7 +7,7 @@ copied from ``op.geometry(...)`` -- the tables the kernels run on -- and returne
 NumPy arrays, so tests can check that a picture does not lie.
 
 matplotlib is imported only when drawing: ``import mx_roi`` and :func:`sampling_coords`
-work without it.  Command line: ``python -m mx_roi.viz --help``; README pictures:
+work without it.  Command line: ``python -m mx_roi.viz --help``; the pictures of docs/semantics.md:
 ``python -m mx_roi.viz.regenerate docs``.
 """
 from ._coords import PIXEL_CENTRE, default_feature_shape, make_op, sampling_coords, to_jsonable

@@ -1,4 +1,4 @@
-"""``python -m mx_roi.viz.regenerate docs``: write the README pictures into ``docs/``.
+"""``python -m mx_roi.viz.regenerate docs``: write the pictures of docs/semantics.md into ``docs/`` (``make pictures``).
 
 The pictures use fixed rois and parameters (:data:`FIGURES`) and are written
 deterministically: Agg backend, fonts bundled with matplotlib, fixed ``svg.hashsalt``, no
@@ -136,7 +136,7 @@ def read_coords(path: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mx_roi.viz.regenerate",
-                                 description="write the README pictures of the four ops")
+                                 description="write the docs/ pictures of the four ops")
     ap.add_argument("outdir", nargs="?", default="docs")
     ap.add_argument("--only", nargs="*", choices=sorted(FIGURES), default=None)
     args = ap.parse_args(argv)
