@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[cpu,test,plot,example,onnx,docs]"
 	# onnxruntime declares numpy>=1.24.2 (mxnet 1.9.1 needs <1.24); 1.16.3 runs with 1.23.5.
-	# Its other requirements are not needed to import and run it (README "Export to ONNX").
+	# Its other requirements are not needed to import and run it (docs/installing.md).
 	$(PY) -m pip install -q --no-deps onnxruntime==1.16.3
 	touch $(STAMP)
 

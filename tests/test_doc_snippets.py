@@ -50,7 +50,7 @@ def test_the_extractor_finds_fenced_python_only(tmp_path):
 
 def test_every_python_block_of_the_docs_runs():
     blocks = [b for page in pages() for b in python_blocks(page)]
-    assert len(blocks) >= 3, [where for where, _ in blocks]
+    assert len(blocks) >= 6, [where for where, _ in blocks]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(blocks),
                          capture_output=True, text=True, env=env, timeout=300)
