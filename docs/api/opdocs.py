@@ -6,7 +6,6 @@ exists, and a parameter table read from its parameter struct (name, type, defaul
 field's doc line) with the positional order of every entry point.
 """
 import dataclasses
-import inspect
 import os
 
 from docutils import nodes
@@ -21,12 +20,21 @@ def _cell(text):
     return text.replace("|", "\\|") or " "
 
 
+def type_name(annotation) -> str:
+    """A field's annotation as written: a string under PEP 563, else the type's name."""
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
 def param_rows(op_cls):
     """``(name, type, default, meaning)`` of every field of the op's parameter struct."""
     rows = []
     for f in dataclasses.fields(op_cls.param_cls):
         required = f.default is dataclasses.MISSING
-        rows.append((f.name, str(f.type), "required" if required else repr(f.default),
+        rows.append((f.name, type_name(f.type), "required" if required else repr(f.default),
                      f.metadata.get("doc", "")))
     return rows
 
