@@ -181,6 +181,18 @@ class KernelModule:
             self._module, self._mangled = _cupy_module(toolchain, filename, device_id)
             self.array_type = toolchain.ndarray
 
+    def compiled_geometry(self):
+        """The geometry and roi-check entry points of this host library
+        (:class:`mx_roi.cuda.compiled_geometry.CompiledGeometry`, made once); host builds
+        only."""
+        cg = getattr(self, "_compiled_geometry", None)
+        if cg is None:
+            if not self.kind.on_host:
+                raise ValueError("the compiled geometry's entry points are in the host builds")
+            from .compiled_geometry import CompiledGeometry
+            cg = self._compiled_geometry = CompiledGeometry(self._lib)
+        return cg
+
     def get(self, expr: str) -> _Kernel:
         k = self._kernels.get(expr)
         if k is None:

@@ -1,0 +1,202 @@
+"""The geometry's two implementations are one: the compiled twin (``mx_roi::geo`` in
+operators/roi_common.cuh, through mx_roi.cuda.compiled_geometry) fills the very tables of
+mx_roi/geometry.py, bit for bit, and checks the rois as ``RoIOp.check_inputs`` does.
+
+Random grids, 1500 per dtype and mode (float16/32/64 x ROIPooling bins, PSROIPooling
+bins, the ROIAlign grid -- aligned or not, adaptive or fixed sampling, which the max mode
+shares -- the legacy Caffe and R-FCN grids), adversarially drawn: non-square pools,
+padding rois (batch -1), no rois, boxes off the map, reversed and zero-size boxes,
+coordinates on exact halves, -0.0, boxes so large that a float32 product overflows, and
+boxes needing too many sample points (the same ValueError).  Every table is compared
+byte for byte with its shape and dtype, in both host builds (native -O3 with its ISA
+flags, and the emulation).
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mx_roi import geometry as G
+from mx_roi.cuda import compiled_geometry as CG, loader
+from mx_roi.ndio import Kind
+from mx_roi.registry import get_op
+
+GRIDS = 1500
+DTYPES = (np.float16, np.float32, np.float64)
+MODES = tuple(CG.MODES)
+
+
+def _compiled(kind):
+    return loader.get_module("roi_align.cu", kind).compiled_geometry()
+
+
+def _tables(geo, prefix=""):
+    for f in dataclasses.fields(geo):
+        v = getattr(geo, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _tables(v, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, np.asarray(v)
+
+
+def _draw(rng, dtype):
+    """One random problem: (rois, pooled, scale, sample_ratio, aligned, sample_num, H, W)."""
+    R = int(rng.choice([0, 1, 2, 3, 5, 8]))
+    H, W = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    P = int(rng.integers(1, 8))
+    Q = P if rng.random() < 0.4 else int(rng.integers(1, 8))
+    scale = float(rng.choice([1.0, 0.5, 0.25, 1 / 16, 0.3, 2.0, 1 / 3]))
+    span = max(H, W) / scale
+    c = rng.uniform(-0.3 * span, 1.3 * span, (R, 4))
+    u = rng.random()
+    if u < 0.25:
+        c = np.floor(c * 2) / 2                  # exact halves and integers
+    elif u < 0.3:
+        c[:, 2:] = c[:, :2]                      # zero size
+    elif u < 0.35:
+        c = c[:, [2, 3, 0, 1]]                   # reversed
+    elif u < 0.4:
+        c *= -0.0 if rng.random() < 0.5 else 1e-30   # -0.0 / tiny
+    elif u < 0.45 and dtype != np.float16:
+        c *= 1e37                                # products overflow (float32: inf, NaN)
+    elif u < 0.5:
+        c *= 50                                  # far larger than the map
+    elif u < 0.53:
+        c *= 3e5                                 # too many sample points (adaptive grid)
+    rois = np.empty((R, 5), dtype)
+    rois[:, 0] = rng.integers(-1, 3, R)          # -1: padding rois
+    rois[:, 1:] = c.astype(dtype)
+    sample_ratio = int(rng.choice([-1, 0, 1, 2, 3, 5]))
+    aligned = bool(rng.random() < 0.5)
+    sample_num = int(rng.integers(1, 5))
+    return rois, (P, Q), scale, sample_ratio, aligned, sample_num, H, W
+
+
+def _numpy_and_spec(mode, rois, pooled, scale, sample_ratio, aligned, sample_num, H, W):
+    if mode == "pool_bins":
+        return (lambda: G.roi_pooling_bins(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    if mode == "ps_pool_bins":
+        return (lambda: G.psroi_pooling_bins(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    if mode == "align_grid":
+        return (lambda: G.roi_align_grid(rois, pooled, scale, sample_ratio, aligned, H, W),
+                CG.Spec(mode, pooled, scale, sample_ratio, aligned))
+    if mode == "caffe_grid":
+        return (lambda: G.caffe_align_grid(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    return (lambda: G.rfcn_align_grid(rois, pooled, scale, sample_num, H, W),
+            CG.Spec(mode, pooled, scale, sample_num))
+
+
+def _outcome(build):
+    try:
+        return build()
+    except ValueError as exc:
+        return exc
+
+
+def _compare(ref, got, what):
+    if isinstance(ref, Exception) or isinstance(got, Exception):
+        assert type(ref) is type(got) and str(ref) == str(got), what
+        return
+    assert type(ref) is type(got), what
+    ref_tables, got_tables = list(_tables(ref)), list(_tables(got))
+    assert [n for n, _ in ref_tables] == [n for n, _ in got_tables], what
+    for (name, a), (_, b) in zip(ref_tables, got_tables):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape,
+                                                           a.dtype, b.dtype)
+        if a.tobytes() != b.tobytes():
+            k = next(k for k, (x, y) in enumerate(zip(a.reshape(-1), b.reshape(-1)))
+                     if x.tobytes() != y.tobytes())
+            pytest.fail(f"{what}: table {name} differs at flat index {k}: geometry.py "
+                        f"{a.reshape(-1)[k]!r}, compiled {b.reshape(-1)[k]!r}")
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("mode", MODES)
+def test_tables_bit_equal_on_random_grids(mode, dtype, kind):
+    grids = GRIDS if kind is Kind.NATIVE else GRIDS // 5
+    cg = _compiled(kind)
+    rng = np.random.default_rng([MODES.index(mode), DTYPES.index(dtype), 34])
+    with np.errstate(all="ignore"):
+        for i in range(grids):
+            problem = _draw(rng, dtype)
+            build, spec = _numpy_and_spec(mode, *problem)
+            ref = _outcome(build)
+            got = _outcome(lambda: cg.build(spec, problem[0], *problem[-2:]))
+            _compare(ref, got, f"grid {i}: {spec}, {np.dtype(dtype).name}, R="
+                               f"{problem[0].shape[0]}, H, W = {problem[-2:]}")
+
+
+def test_the_draws_reach_every_case():
+    """The random grids above do reach what they claim: adaptive grids of unequal
+    padded counts (per axis and combined), the too-many-samples error, padding rois, no
+    rois, overflowing products, empty Caffe bins."""
+    rng = np.random.default_rng([2, 1, 34])
+    seen = set()
+    with np.errstate(all="ignore"):
+        for _ in range(GRIDS):
+            rois, pooled, scale, sr, aligned, n, H, W = _draw(rng, np.float32)
+            seen.add(("R", rois.shape[0] == 0))
+            seen.add(("padding", bool((rois[:, 0] < 0).any())))
+            seen.add(("square", pooled[0] == pooled[1]))
+            seen.add(("nonfinite", not bool(np.isfinite(rois[:, 1:] * np.float32(scale)).all())))
+            geo = _outcome(lambda: G.roi_align_grid(rois, pooled, scale, sr, aligned, H, W))
+            if isinstance(geo, ValueError):
+                seen.add("too many")
+            elif sr <= 0 and rois.shape[0]:
+                gy, gx = geo.y.low.shape[2], geo.x.low.shape[2]
+                seen.add(("adaptive, unequal", gy != gx, abs(gy - gx) > 8))
+    for case in [("R", True), ("R", False), ("padding", True), ("square", True),
+                 ("square", False), ("nonfinite", True), "too many",
+                 ("adaptive, unequal", True, True), ("adaptive, unequal", True, False)]:
+        assert case in seen, case
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+def test_group_index_bit_equal(kind):
+    cg = _compiled(kind)
+    for pooled in range(1, 33):
+        for group in range(1, 33):
+            np.testing.assert_array_equal(cg.group_index(pooled, group),
+                                          G.group_index(pooled, group))
+
+
+def _numpy_check(op, rois, n):
+    try:
+        op.check_inputs((n, 1, 4, 4), rois.dtype, rois, np)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_roi_check_finds_what_check_inputs_finds(dtype):
+    """The compiled check's first bad roi, formatted by ``RoIOp.roi_error``, is
+    ``check_inputs``'s message: NaN, +-inf, |x| at and just below the guard bound,
+    batch index >= N (and N = 0), negative padding indices."""
+    from mx_roi.mxpatch import GUARD_BOUND
+    cls = get_op("ROIAlign")
+    op = cls(cls.param_cls.from_kwargs(pooled_size=(2, 2), spatial_scale=1.0))
+    cg = _compiled(Kind.NATIVE)
+    rng = np.random.default_rng([DTYPES.index(dtype), 7])
+    big = float(np.finfo(dtype).max)
+    specials = [np.nan, np.inf, -np.inf, 3.0, -1.0, 2.0, 2.5, -0.5]
+    if big > GUARD_BOUND:
+        below = float(np.nextafter(dtype(GUARD_BOUND), dtype(0)))
+        specials += [GUARD_BOUND, -GUARD_BOUND, below, float(dtype(GUARD_BOUND))]
+    for _ in range(400):
+        R = int(rng.integers(0, 6))
+        n = int(rng.integers(0, 4))
+        rois = np.zeros((R, 5), dtype)
+        rois[:, 0] = rng.integers(-1, 3, R)
+        rois[:, 1:] = rng.uniform(-5, 20, (R, 4))
+        for _ in range(int(rng.integers(0, 3))):
+            if R:
+                rois[rng.integers(R), rng.integers(5)] = rng.choice(specials)
+        want = _numpy_check(op, rois, n)
+        code, row = cg.check(rois, n, GUARD_BOUND, GUARD_BOUND <= big)
+        got = op.roi_error(code, row, rois, n) if code else None
+        assert (str(got) if got else None) == want, (rois, n)
