@@ -34,6 +34,18 @@ __all__ = ["GUARD_BOUND", "call_custom", "install"]
 #: bound, the ops count |x| >= GUARD_BOUND as infinite.
 GUARD_BOUND = 3.0e38
 
+
+def bounded_dtype(dtype) -> bool:
+    """Whether ``dtype`` holds :data:`GUARD_BOUND` (float32, float64): there |x| >=
+    GUARD_BOUND counts as infinite (float16: only inf and NaN are)."""
+    held = _BOUNDED.get(dtype)
+    if held is None:
+        held = _BOUNDED[np.dtype(dtype)] = GUARD_BOUND <= float(np.finfo(dtype).max)
+    return held
+
+
+_BOUNDED = {}
+
 #: ``F.__name__`` -> MXNet's own ``Custom`` (before :func:`install` wrapped it)
 _ORIGINAL_CUSTOM = {}
 

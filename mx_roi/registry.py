@@ -17,14 +17,13 @@ import numpy as np
 
 from . import backends, ndio
 from .errors import issuer, recording
-from .mxpatch import GUARD_BOUND
+from .mxpatch import GUARD_BOUND, bounded_dtype
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
 REGISTERED: Dict[str, Type["RoIOp"]] = {}
 
 _DTYPES = (np.float16, np.float32, np.float64)
-_FINITE_MAX = {t: float(np.finfo(t).max) for t in _DTYPES}
 
 
 class RoIOp:
@@ -127,10 +126,20 @@ class RoIOp:
         raise NotImplementedError
 
     # ---- validation -------------------------------------------------------------
-    def check_inputs(self, data_shape, data_dtype, rois, xp):
-        """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N."""
+    def check_inputs(self, data_shape, data_dtype, rois, xp, compiled=None):
+        """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N.
+
+        ``compiled``: a :class:`mx_roi.cuda.compiled_geometry.CompiledGeometry` (host
+        rois of an op with a :meth:`geometry_spec`) finds the first bad roi in compiled
+        code instead of with array operations: the same roi, the same message."""
         self.check_dtypes(data_dtype, rois.dtype)
         if rois.shape[0] == 0:
+            return
+        if compiled is not None:
+            code, row = compiled.check(rois, data_shape[0], GUARD_BOUND,
+                                       bounded_dtype(rois.dtype))
+            if code:
+                raise self.roi_error(code, row, rois, data_shape[0])
             return
         # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it (float16
         # holds no such value: there, comparing would only cast the bound to inf).  One
@@ -169,11 +178,6 @@ class RoIOp:
         return ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
                           f"data holds only {n} image(s) (valid: 0..{n - 1}; a negative "
                           "index marks a padding roi)")
-
-
-def bounded_dtype(dtype) -> bool:
-    """Whether ``dtype`` holds GUARD_BOUND: there |x| >= GUARD_BOUND counts as infinite."""
-    return GUARD_BOUND <= _FINITE_MAX[np.dtype(dtype).type]
 
 
 def _zero(req, nd) -> None:
