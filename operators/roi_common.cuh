@@ -1,8 +1,10 @@
 // Shared device code of the mx_roi CUDA kernels (operators/*.cu).
 //
-// The kernels are *table driven*: the Python side builds the op's geometry tables
-// (mx_roi/geometry.py: IntBins or SampleGrid) and the kernels only read them, so no
-// kernel re-derives a bin or a sample point.  Every kernel is a template on
+// The kernels are *table driven*: they read the op's geometry tables (IntBins or
+// SampleGrid of mx_roi/geometry.py) and never re-derive a bin or a sample point.  The
+// tables come from geometry.py (NumPy) or, on the host builds, from its compiled twin at
+// the end of this file (mx_roi::geo: per-roi __host__ __device__ functions, proven
+// bit-equal to geometry.py by tests/test_geometry_compiled.py).  Every kernel is a template on
 //   T  the element type of data/output/out-grad (float, double, __half),
 //   A  the accumulation/table type (float for float and __half, double for double),
 //   O  (backward only) the gradient accumulator: A (atomicAdd in A) or

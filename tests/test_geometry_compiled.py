@@ -206,3 +206,45 @@ def test_roi_check_finds_what_check_inputs_finds(dtype):
         assert _message(op, rois, n, compiled=cg) == want, (rois, n)
         seen.add(want.split(" has ")[1][:5] if want else None)
     assert seen == {None, "a NaN", "batch"}
+
+
+# ---- end to end: the host backends run on the compiled tables, with today's bits -------
+
+def _garbage(shape, dtype):
+    return np.full(shape, 3.25, dtype)  # not 0, not 1: write must overwrite
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_host_backends_use_the_compiled_tables_with_the_same_bits(kind, dtype, monkeypatch):
+    """Every op and mode of tests/test_emulation.py's cases, adversarial rois (padding,
+    off the map, reversed), output and gradient buffers pre-filled with garbage: the
+    forward and backward through the host build never call ``op.geometry`` (NumPy), and
+    give bit for bit what they give on the NumPy-built tables."""
+    import mxnet as mx
+    from mx_roi.cuda.backend import CudaBackend
+    from tests.test_emulation import CASES, make_op, problem
+    backend = CudaBackend(kind)
+
+    def run(op, data, rois, grad):
+        x, r = mx.nd.array(data, dtype=dtype), mx.nd.array(rois, dtype=dtype)
+        out = mx.nd.array(_garbage(op.out_shape(data.shape, rois.shape), dtype), dtype=dtype)
+        dx = mx.nd.array(_garbage(data.shape, dtype), dtype=dtype)
+        saved = backend.forward(op, "write", x, r, out, keep=True)
+        backend.backward(op, "write", mx.nd.array(grad, dtype=dtype), x, r, dx, saved)
+        return out.asnumpy(), dx.asnumpy()
+
+    for i, (name, params) in enumerate(CASES):
+        op = make_op(name, params)
+        assert op.geometry_spec() is not None, name
+        data, rois, grad = problem(op, dtype, seed=i)
+        with monkeypatch.context() as m:  # the NumPy geometry: today's tables
+            m.setattr(CudaBackend, "_compiled", lambda self, op: (None, None))
+            want = run(make_op(name, params), data, rois, grad)
+        with monkeypatch.context() as m:
+            def refuse(*args, **kwargs):
+                raise AssertionError("the host build called the NumPy geometry")
+            m.setattr(type(op), "geometry", refuse)
+            got = run(op, data, rois, grad)
+        for w, g, what in zip(want, got, ("output", "gradient")):
+            assert w.tobytes() == g.tobytes(), f"{name} {params} {what}"

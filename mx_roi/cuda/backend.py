@@ -10,9 +10,15 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
    ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
    (``asnumpy``, ``dst[:] = value``);
 2. ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
-   rois on the host (a GPU call copies its (R, 5) rois back once);
-3. the op's geometry tables, once per training step: ``op.geometry(rois, H, W, np)`` on
-   the host -- on a GPU then moved in one packed copy (:func:`mx_roi.cuda.tables.to_device`:
+   rois on the host (a GPU call copies its (R, 5) rois back once); on the host builds,
+   for an op with a compiled geometry (``op.geometry_spec()``), the first bad roi is
+   found in compiled code (``check_inputs(..., compiled=...)``: the same roi, the same
+   message);
+3. the op's geometry tables, once per training step: on the host builds from the
+   compiled twin of :mod:`mx_roi.geometry` (:mod:`mx_roi.cuda.compiled_geometry`: the
+   same tables bit for bit, tests/test_geometry_compiled.py), else (a GPU call, an op
+   without a ``geometry_spec``) ``op.geometry(rois, H, W, np)`` on the host -- on a GPU
+   then moved in one packed copy (:func:`mx_roi.cuda.tables.to_device`:
    a few dozen tiny CuPy kernels and device reads cost more than the kernels themselves),
    and kept with the forward's argmax for its backward -- the kernels only read them (they
    never re-derive a bin or a sample), so every geometry the tables can express (legacy

@@ -956,7 +956,10 @@ _MODULES_LOCK = threading.RLock()
 def get_module(filename: str, kind: Kind, device_id: int = 0) -> KernelModule:
     """The memoised :class:`KernelModule` of ``filename`` built for ``kind``
     (``Kind.CUDA``: per device; ``Kind.EMULATED``/``Kind.NATIVE``: one per host build)."""
-    kind = _build_kind(kind)
+    if type(kind) is not Kind:  # (a Kind needs no conversion: the per-call path)
+        kind = _build_kind(kind)
+    elif kind is Kind.NUMPY:
+        _build_kind(kind)  # raises
     key = (filename, kind, -1 if kind.on_host else int(device_id))
     mod = _MODULES.get(key)
     if mod is None:
