@@ -20,6 +20,7 @@ from typing import Tuple
 import numpy as np
 
 from .. import geometry as G
+from .loader import _address
 
 __all__ = ["Spec", "MODES", "CompiledGeometry", "INT_BINS_MODES", "align_samples_problem"]
 
@@ -89,7 +90,7 @@ class CompiledGeometry:
         """The IntBins / SampleGrid of ``geometry.py`` for ``spec`` on (R, 5) ``rois``
         (any of the three dtypes) over a ``height`` x ``width`` map; raises the same
         ValueError as ``geometry.py`` for a box needing too many sample points."""
-        rois = np.ascontiguousarray(rois)
+        rois = _rows(rois)
         code = _DTYPE_CODES[rois.dtype]
         mode = MODES[spec.mode]
         R = int(rois.shape[0])
@@ -97,7 +98,7 @@ class CompiledGeometry:
         H, W = int(height), int(width)
         scale = float(np.float32(spec.spatial_scale))
         sample, aligned = int(spec.sample), int(bool(spec.aligned))
-        ptr = rois.ctypes.data
+        ptr = _address(rois)
         if spec.mode in INT_BINS_MODES:
             tables = [np.empty(R, np.int32), np.empty((R, P), np.int32),
                       np.empty((R, P), np.int32), np.empty((R, Q), np.int32),
@@ -127,7 +128,7 @@ class CompiledGeometry:
                             tables[13])
 
     def _run(self, mode, code, ptr, R, P, Q, H, W, sample, aligned, scale, gy, gx, tables):
-        slots = (ctypes.c_void_p * len(tables))(*[t.ctypes.data for t in tables])
+        slots = (ctypes.c_void_p * len(tables))(*[_address(t) for t in tables])
         rc = self._fill(mode, code, ptr, R, P, Q, H, W, sample, aligned, scale, gy, gx, slots)
         if rc:  # pragma: no cover - a dtype code the library does not know
             raise ValueError(f"mx_roi_geometry_fill: error {rc}")
@@ -141,8 +142,17 @@ class CompiledGeometry:
     def check(self, rois: np.ndarray, images: int, bound: float, use_bound: bool):
         """``(code, row)``: the first bad roi -- code 1 a NaN or infinite value (|x| >=
         ``bound`` where ``use_bound``), 2 a batch index >= ``images`` -- or ``(0, -1)``."""
-        rois = np.ascontiguousarray(rois)
+        rois = _rows(rois)
         row = ctypes.c_longlong(-1)
-        rc = self._check(_DTYPE_CODES[rois.dtype], rois.ctypes.data, int(rois.shape[0]),
+        rc = self._check(_DTYPE_CODES[rois.dtype], _address(rois), int(rois.shape[0]),
                          int(images), float(bound), int(bool(use_bound)), ctypes.byref(row))
         return (rc, int(row.value)) if rc else (0, -1)
+
+
+def _rows(rois: np.ndarray) -> np.ndarray:
+    """``rois`` as the compiled code reads them: C-contiguous (R, 5) of a known dtype (a
+    ValueError otherwise: the compiled code must never read past an array)."""
+    if rois.ndim != 2 or rois.shape[1] != 5 or rois.dtype not in _DTYPE_CODES:
+        raise ValueError(f"rois must be an (R, 5) float16/32/64 array, got {rois.shape} "
+                         f"{rois.dtype}")
+    return rois if rois.flags.c_contiguous else np.ascontiguousarray(rois)
