@@ -2,7 +2,10 @@
 
 Every backend (NumPy, the CUDA kernels, their host emulation) and the pictures in
 :mod:`mx_roi.viz` consume the *tables* built here; no kernel re-derives a bin or a
-sample point.  Functions take an array module ``xp`` (``numpy`` or ``cupy``) so the
+sample point.  A second implementation, in compiled code (``mx_roi::geo`` in
+``operators/roi_common.cuh``, :mod:`mx_roi.cuda.compiled_geometry`), fills the same
+tables for the host builds; tests/test_geometry_compiled.py proves the two bit-equal on
+random grids of every dtype and mode, so a change here must be made there too.  Functions take an array module ``xp`` (``numpy`` or ``cupy``) so the
 GPU path builds the same tables on the device.
 
 Arithmetic follows MXNet 1.9.1's C++ kernels operation by operation, in the

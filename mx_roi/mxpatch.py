@@ -27,9 +27,10 @@ import mxnet as mx
 import numpy as np
 
 from . import errors, onnx
-from .onednn import GUARD_BOUND, guard_inputs, guard_output, onednn_enabled
+from .onednn import GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, onednn_enabled
 
 __all__ = ["GUARD_BOUND", "call_custom", "install"]
+
 
 
 #: ``F.__name__`` -> MXNet's own ``Custom`` (before :func:`install` wrapped it)

@@ -19,6 +19,8 @@ from typing import Any
 
 import ctypes
 
+import numpy as np
+
 import mxnet as mx
 from mxnet.base import _LIB, check_call
 
@@ -30,8 +32,20 @@ from mxnet.base import _LIB, check_call
 GUARD_BOUND = 3.0e38
 _BOUND = GUARD_BOUND
 
+
+def bounded_dtype(dtype) -> bool:
+    """Whether ``dtype`` holds :data:`GUARD_BOUND` (float32, float64): there |x| >=
+    GUARD_BOUND counts as infinite (float16: only inf and NaN are)."""
+    held = _BOUNDED.get(dtype)
+    if held is None:
+        held = _BOUNDED[np.dtype(dtype)] = GUARD_BOUND <= float(np.finfo(dtype).max)
+    return held
+
+
+_BOUNDED = {}
+
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "plain_grad_view", "GUARD_BOUND"]
+           "plain_grad_view", "GUARD_BOUND", "bounded_dtype"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
 

@@ -18,14 +18,13 @@ import numpy as np
 from . import backends, ndio
 from .cuda import source as kernel_sources
 from .errors import issuer, recording
-from .onednn import GUARD_BOUND
+from .onednn import GUARD_BOUND, bounded_dtype
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
 REGISTERED: Dict[str, Type["RoIOp"]] = {}
 
 _DTYPES = (np.float16, np.float32, np.float64)
-_FINITE_MAX = {t: float(np.finfo(t).max) for t in _DTYPES}
 
 
 class RoIOp:
@@ -97,6 +96,15 @@ class RoIOp:
     def geometry(self, rois, height: int, width: int, xp):
         raise NotImplementedError
 
+    def geometry_spec(self):
+        """The compiled twin of :meth:`geometry` for these parameters, or None (the
+        default: the host builds then call :meth:`geometry` with NumPy).  An op whose
+        tables are one of ``geometry.py``'s builders over (R, 5) rois returns a
+        :class:`mx_roi.cuda.compiled_geometry.Spec` naming it; the ``native`` and
+        ``emulated-cuda`` backends then fill the same tables (proven bit-equal by
+        tests/test_geometry_compiled.py) and check the rois in compiled code."""
+        return None
+
     # ---- kernels (one set per backend) ---------------------------------------------
     def forward_numpy(self, geo, data, keep=True, out=None):
         """NumPy forward on the geometry tables: ``(output (R, C_out, P, Q), saved)``.
@@ -119,37 +127,58 @@ class RoIOp:
         raise NotImplementedError
 
     # ---- validation -------------------------------------------------------------
-    def check_inputs(self, data_shape, data_dtype, rois, xp):
-        """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N."""
-        if np.dtype(data_dtype) != np.dtype(rois.dtype):
-            raise TypeError(f"{self.name}: data and rois must have the same dtype, got data "
-                            f"{np.dtype(data_dtype).name} and rois {np.dtype(rois.dtype).name}")
-        if np.dtype(data_dtype).type not in _DTYPES:
-            raise TypeError(f"{self.name}: dtype {np.dtype(data_dtype).name} is not supported "
-                            "(float16, float32, float64)")
+    def check_inputs(self, data_shape, data_dtype, rois, xp, compiled=None):
+        """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N.
+
+        ``compiled``: a :class:`mx_roi.cuda.compiled_geometry.CompiledGeometry` (host
+        rois of an op with a :meth:`geometry_spec`) finds the first bad roi in compiled
+        code instead of with array operations: the same roi, the same message."""
+        self.check_dtypes(data_dtype, rois.dtype)
         if rois.shape[0] == 0:
+            return
+        if compiled is not None:
+            code, row = compiled.check(rois, data_shape[0], GUARD_BOUND,
+                                       bounded_dtype(rois.dtype))
+            if code:
+                raise self.roi_error(code, row, rois, data_shape[0])
             return
         # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it (float16
         # holds no such value: there, comparing would only cast the bound to inf).  One
         # comparison is also false for NaN and +-inf (a small call's cost is its number
         # of array operations; this check runs in the forward and again in the backward).
-        if GUARD_BOUND <= _FINITE_MAX[rois.dtype.type]:
+        if bounded_dtype(rois.dtype):
             finite = xp.abs(rois) < GUARD_BOUND
         else:
             finite = xp.isfinite(rois)
         if not bool(finite.all()):
-            r = int(xp.argwhere(~finite.all(axis=1))[0, 0])
-            raise ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
-                             f"{_row(rois, r)}; coordinates must be finite")
+            raise self.roi_error(1, int(xp.argwhere(~finite.all(axis=1))[0, 0]), rois,
+                                 data_shape[0])
         n = data_shape[0]
         # the batch index is trunc(rois[:, 0]); with n >= 1 images trunc(b) >= n exactly
         # when b >= n (n an integer), so the comparison needs no truncated copy
         bad = rois[:, 0] >= n if n > 0 else xp.trunc(rois[:, 0]) >= n
         if bool(bad.any()):
-            r = int(xp.argwhere(bad)[0, 0])
-            raise ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
-                             f"data holds only {n} image(s) (valid: 0..{n - 1}; a negative "
-                             "index marks a padding roi)")
+            raise self.roi_error(2, int(xp.argwhere(bad)[0, 0]), rois, n)
+
+    def check_dtypes(self, data_dtype, rois_dtype):
+        """TypeError unless data and rois share one of the supported dtypes."""
+        if np.dtype(data_dtype) != np.dtype(rois_dtype):
+            raise TypeError(f"{self.name}: data and rois must have the same dtype, got data "
+                            f"{np.dtype(data_dtype).name} and rois {np.dtype(rois_dtype).name}")
+        if np.dtype(data_dtype).type not in _DTYPES:
+            raise TypeError(f"{self.name}: dtype {np.dtype(data_dtype).name} is not supported "
+                            "(float16, float32, float64)")
+
+    def roi_error(self, code, r, rois, n) -> ValueError:
+        """The error of bad roi ``r`` (host ``rois``, ``n`` images): ``code`` 1 a NaN or
+        infinite value, 2 a batch index >= n -- the codes of the compiled check
+        (:meth:`mx_roi.cuda.compiled_geometry.CompiledGeometry.check`)."""
+        if code == 1:
+            return ValueError(f"{self.name}: rois[{r}] has a NaN or infinite value "
+                              f"{_row(rois, r)}; coordinates must be finite")
+        return ValueError(f"{self.name}: rois[{r}] has batch index {float(rois[r, 0]):g} but "
+                          f"data holds only {n} image(s) (valid: 0..{n - 1}; a negative "
+                          "index marks a padding roi)")
 
 
 def _zero(req, nd) -> None:

@@ -6,6 +6,7 @@ from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIAlignParam
 from mx_roi.registry import register
 from mx_roi.cuda.tables import sample_grid_tables
+from mx_roi.cuda.compiled_geometry import Spec
 
 from .psroi_pooling import PositionSensitive
 
@@ -46,6 +47,12 @@ class PSROIAlign(PositionSensitive):
                                             height, width, xp)
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
+
+    def geometry_spec(self):
+        p = self.param
+        if p.legacy == "rfcn":
+            return Spec("rfcn_grid", p.pooled_size, p.spatial_scale, p.sample_num)
+        return Spec("align_grid", p.pooled_size, p.spatial_scale, p.sample_ratio, p.aligned)
 
     def forward_numpy(self, geo, data, keep=True, out=None):
         sep = K.separable(geo, data.shape[2], data.shape[3])

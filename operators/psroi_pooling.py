@@ -9,6 +9,7 @@ from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import PSROIPoolingParam
 from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import int_bins_tables
+from mx_roi.cuda.compiled_geometry import Spec
 
 
 class PositionSensitive(RoIOp):
@@ -129,6 +130,9 @@ class PSROIPooling(PositionSensitive):
         p = self.param
         return geometry.psroi_pooling_bins(rois, p.pooled_size, p.spatial_scale, height, width,
                                            xp)
+
+    def geometry_spec(self):
+        return Spec("ps_pool_bins", self.param.pooled_size, self.param.spatial_scale)
 
     @staticmethod
     def _separable(bins, height, width, dtype):

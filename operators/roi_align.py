@@ -6,6 +6,7 @@ from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIAlignParam
 from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import sample_grid_tables
+from mx_roi.cuda.compiled_geometry import Spec
 
 
 @register
@@ -90,6 +91,12 @@ class ROIAlign(RoIOp):
                                              xp)
         return geometry.roi_align_grid(rois, p.pooled_size, p.spatial_scale, p.sample_ratio,
                                        p.aligned, height, width, xp)
+
+    def geometry_spec(self):
+        p = self.param
+        if p.legacy == "caffe":
+            return Spec("caffe_grid", p.pooled_size, p.spatial_scale)
+        return Spec("align_grid", p.pooled_size, p.spatial_scale, p.sample_ratio, p.aligned)
 
     def forward_numpy(self, geo, data, keep=True, out=None):
         if self.is_max:

@@ -1,8 +1,10 @@
 // Shared device code of the mx_roi CUDA kernels (operators/*.cu).
 //
-// The kernels are *table driven*: the Python side builds the op's geometry tables
-// (mx_roi/geometry.py: IntBins or SampleGrid) and the kernels only read them, so no
-// kernel re-derives a bin or a sample point.  Every kernel is a template on
+// The kernels are *table driven*: they read the op's geometry tables (IntBins or
+// SampleGrid of mx_roi/geometry.py) and never re-derive a bin or a sample point.  The
+// tables come from geometry.py (NumPy) or, on the host builds, from its compiled twin at
+// the end of this file (mx_roi::geo: per-roi __host__ __device__ functions, proven
+// bit-equal to geometry.py by tests/test_geometry_compiled.py).  Every kernel is a template on
 //   T  the element type of data/output/out-grad (float, double, __half),
 //   A  the accumulation/table type (float for float and __half, double for double),
 //   O  (backward only) the gradient accumulator: A (atomicAdd in A) or
@@ -922,3 +924,561 @@ __device__ __forceinline__ void align_avg_backward_item(
 }
 
 }  // namespace mx_roi
+
+// ==== geometry: the compiled twin of mx_roi/geometry.py ================================
+// The bins and sample points of every op, per roi, as __host__ __device__ functions in
+// the compute dtype A and in geometry.py's operation order (NumPy's semantics spelled
+// out: np.maximum/np.minimum propagate NaN and return the second operand on a tie,
+// np.fmax/np.fmin ignore NaN, a float -> int32 cast of NaN or an out-of-range value gives
+// INT_MIN, int32 sums and products wrap), so that the tables they fill are geometry.py's
+// bit for bit -- tests/test_geometry_compiled.py proves it on random grids of every dtype
+// and mode through the host entry points mx_roi_geometry_counts / _fill below.
+namespace mx_roi {
+namespace geo {
+
+__device__ __forceinline__ float floor_(float v) { return floorf(v); }
+__device__ __forceinline__ double floor_(double v) { return floor(v); }
+__device__ __forceinline__ float ceil_(float v) { return ceilf(v); }
+__device__ __forceinline__ double ceil_(double v) { return ceil(v); }
+__device__ __forceinline__ float trunc_(float v) { return truncf(v); }
+__device__ __forceinline__ double trunc_(double v) { return trunc(v); }
+__device__ __forceinline__ float fabs_(float v) { return fabsf(v); }
+__device__ __forceinline__ double fabs_(double v) { return fabs(v); }
+
+// np.maximum / np.minimum: NaN if either is NaN, else the larger / smaller; on a tie
+// (-0 vs +0) the second operand, as NumPy's SIMD loops give it
+template <typename A>
+__device__ __forceinline__ A np_maximum(A a, A b) { return (a > b || a != a) ? a : b; }
+template <typename A>
+__device__ __forceinline__ A np_minimum(A a, A b) { return (a < b || a != a) ? a : b; }
+// np.fmax / np.fmin: a NaN operand is ignored
+template <typename A>
+__device__ __forceinline__ A np_fmax(A a, A b) { return (a > b || b != b) ? a : b; }
+template <typename A>
+__device__ __forceinline__ A np_fmin(A a, A b) { return (a < b || b != b) ? a : b; }
+
+// float -> int32 as NumPy casts on x86 (cvttss2si): truncation, INT_MIN for NaN and for
+// values out of range
+template <typename A>
+__device__ __forceinline__ int to_i32(A v) {
+  return (v >= (A)-2147483648.0 && v < (A)2147483648.0) ? (int)v : (int)0x80000000u;
+}
+// int32 arithmetic that wraps, as NumPy's
+__device__ __forceinline__ int add_i32(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
+__device__ __forceinline__ int sub_i32(int a, int b) { return (int)((unsigned)a - (unsigned)b); }
+__device__ __forceinline__ int mul_i32(int a, int b) { return (int)((unsigned)a * (unsigned)b); }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// geometry.c_round: C round(), half away from zero
+template <typename A>
+__device__ __forceinline__ A c_round(A v) {
+  const A t = trunc_(v);
+  const A d = v - t;
+  const A sign = v > (A)0 ? (A)1 : (v < (A)0 ? (A)-1 : (A)0);
+  return t + (fabs_(d) >= (A)0.5 ? sign : (A)0);
+}
+
+// geometry.batch_index: trunc(rois[r, 0]) as int32
+template <typename A>
+__device__ __forceinline__ int batch_of(A b) { return to_i32(trunc_(b)); }
+
+// geometry._scale: spatial_scale is a C float, then the compute dtype
+template <typename A>
+__device__ __forceinline__ A scale_of(float spatial_scale) { return (A)spatial_scale; }
+
+// ---- integer bins (IntBins) ------------------------------------------------------------
+// ROIPooling (geometry.roi_pooling_bins) along one axis of one roi: v1, v2 the box's
+// coordinates (image units, A), bins [start, end) of ``pooled`` bins clipped to [0, limit].
+template <typename A>
+__device__ __forceinline__ void pool_bins_axis(A v1, A v2, A s, int pooled, int limit,
+                                               int* start, int* end) {
+  const int c1 = to_i32(c_round(v1 * s)), c2 = to_i32(c_round(v2 * s));
+  // malformed (reversed) rois are forced to 1x1, as in Caffe
+  const A size = (A)imax(add_i32(sub_i32(c2, c1), 1), 1);
+  const A bin = size / (A)pooled;
+  for (int p = 0; p < pooled; ++p) {
+    const int lo = add_i32(to_i32(floor_((A)p * bin)), c1);
+    const int hi = add_i32(to_i32(ceil_((A)(p + 1) * bin)), c1);
+    start[p] = imin(imax(lo, 0), limit);
+    end[p] = imin(imax(hi, 0), limit);
+  }
+}
+
+// PSROIPooling (geometry.psroi_pooling_bins) along one axis: corners rounded, then scaled;
+// end round(v2) + 1; size at least 0.1; the offset added in floating point and the edges
+// clipped there (fmax/fmin: a NaN edge gives 0).
+template <typename A>
+__device__ __forceinline__ void ps_pool_bins_axis(A v1, A v2, A s, int pooled, int limit,
+                                                  int* start, int* end) {
+  const A st = c_round(v1) * s;
+  const A en = (c_round(v2) + (A)1) * s;
+  const A size = np_maximum(en - st, (A)0.1);
+  const A bin = size / (A)pooled;
+  const A lim = (A)limit;
+  for (int p = 0; p < pooled; ++p) {
+    A lo = (A)p * bin, hi = (A)(p + 1) * bin;
+    lo = lo + st;
+    hi = hi + st;
+    start[p] = to_i32(np_fmin(np_fmax(floor_(lo), (A)0), lim));
+    end[p] = to_i32(np_fmin(np_fmax(ceil_(hi), (A)0), lim));
+  }
+}
+
+// ---- bilinear taps (geometry.bilinear_axis) -------------------------------------------
+template <typename A>
+struct Tap {
+  int low, high;
+  A w_low, w_high;
+};
+
+template <typename A>
+__device__ __forceinline__ Tap<A> bilinear_tap(A coord, int limit, A valid_lo) {
+  const A lim = (A)limit;
+  const bool outside = coord < valid_lo || coord > lim;
+  A c = (coord <= (A)0 || outside) ? (A)0 : coord;
+  Tap<A> t;
+  t.low = to_i32(c);
+  const int top = limit - 1;
+  const bool last = t.low >= top;
+  if (last) t.low = top;
+  t.high = last ? t.low : add_i32(t.low, 1);
+  const A low_c = (A)t.low;
+  if (last) c = low_c;
+  t.w_high = c - low_c;
+  t.w_low = (A)1 - t.w_high;
+  if (outside) {
+    t.w_high = (A)0;
+    t.w_low = (A)0;
+  }
+  return t;
+}
+
+// ---- ROIAlign sample grid (geometry.roi_align_grid) ------------------------------------
+// One axis of one roi: the box start and size along it (after the scale, the aligned
+// shift and the >= 1 clamp: align_box), its bins' sample count (adaptive: ceil(size /
+// pooled) >= 0, align_grid; fixed: sample_ratio) and the points.
+template <typename A>
+__device__ __forceinline__ void align_box(A v1, A v2, A s, bool aligned, A* start, A* size) {
+  A a = v1 * s, b = v2 * s;
+  if (aligned) {
+    a = a - (A)0.5;
+    b = b - (A)0.5;
+  }
+  *start = a;
+  *size = aligned ? b - a : np_maximum(b - a, (A)1);
+}
+
+template <typename A>
+__device__ __forceinline__ int align_grid(A size, int pooled) {
+  return to_i32(np_maximum(ceil_(size / (A)pooled), (A)0));
+}
+
+// Sample g of bin p (a padded sample, g >= count, gets no tap and weight 0); ``grid``
+// the adaptive count (padded) or, with padded false, the fixed sample_ratio ``G``.
+template <typename A>
+__device__ __forceinline__ Tap<A> align_sample(A start, A size, int pooled, int p, int g,
+                                               int grid, int G, bool padded, int limit,
+                                               A* coord) {
+  const A bin = size / (A)pooled;
+  const A first = start + (A)p * bin;
+  A step = ((A)g + (A)0.5) * bin;
+  step = padded ? step / (A)imax(grid, 1) : step / (A)G;
+  const A c = first + step;
+  *coord = c;
+  Tap<A> t = bilinear_tap(c, limit, (A)-1);
+  if (padded) {  // x * 1 is x, a weight times 0 is +0 (geometry multiplies by the mask)
+    const int live = g < grid ? 1 : 0;
+    t.low = mul_i32(t.low, live);
+    t.high = mul_i32(t.high, live);
+    t.w_low = t.w_low * (A)live;
+    t.w_high = t.w_high * (A)live;
+  }
+  return t;
+}
+
+// ---- legacy Caffe ROIAlign grid (geometry.caffe_align_grid) -----------------------------
+// Bin p's float range [lo, hi) along one axis, clipped to [0, limit].
+template <typename A>
+__device__ __forceinline__ void caffe_bin(A start, A end, int pooled, int p, int limit, A* lo,
+                                          A* hi) {
+  const A size = (end - start) + (A)1;
+  const A bin = size / (A)pooled;
+  const A lim = (A)limit;
+  *lo = np_minimum(np_maximum((A)p * bin + start, (A)0), lim);
+  *hi = np_minimum(np_maximum(((A)p + (A)1) * bin + start, (A)0), lim);
+}
+
+// The points lo, lo+1, ... (accumulated) while < hi: their number, at most ``cap`` + 1.
+template <typename A>
+__device__ __forceinline__ int caffe_count(A lo, A hi, int cap) {
+  int n = 0;
+  for (A cur = lo; cur < hi && n <= cap; cur = cur + (A)1) ++n;
+  return n;
+}
+
+// Point k (coordinate c: lo plus k additions of 1, as the kernel loops) of a bin with
+// ``count`` live points; y axis (ceil_first): tap 1 is the ceil row.
+template <typename A>
+__device__ __forceinline__ Tap<A> caffe_sample(A c, int k, int count, int limit,
+                                               bool ceil_first) {
+  const bool alive = k < count;
+  const A fl_i = floor_(c), ce_i = ceil_(c);
+  const int fl = to_i32(fl_i), ce = to_i32(ce_i);
+  const A w_fl = ((A)1 - c) + fl_i, w_ce = ((A)1 - ce_i) + c;
+  const int t1 = ceil_first ? ce : fl, t2 = ceil_first ? fl : ce;
+  const A w1 = ceil_first ? w_ce : w_fl, w2 = ceil_first ? w_fl : w_ce;
+  const bool in1 = alive && t1 >= 0 && t1 <= limit - 1;
+  const bool in2 = alive && t2 >= 0 && t2 <= limit - 1;
+  Tap<A> t;
+  t.low = in1 ? t1 : (in2 ? t2 : 0);
+  t.high = in2 ? t2 : (in1 ? t1 : 0);
+  t.w_low = in1 ? w1 : (A)0;
+  t.w_high = in2 ? w2 : (A)0;
+  return t;
+}
+
+// ---- legacy R-FCN PSROIAlign grid (geometry.rfcn_align_grid) ---------------------------
+template <typename A>
+__device__ __forceinline__ void rfcn_bin(A start, A end, int pooled, int p, int limit, A* lo,
+                                         A* hi, A* step, int sample_num) {
+  const A size = np_maximum(end - start, (A)0.1);
+  const A bin = size / (A)pooled;
+  const A last = (A)(limit - 1);
+  *lo = np_minimum(np_maximum((A)p * bin + start, (A)0), last);
+  *hi = np_minimum(np_maximum(((A)p + (A)1) * bin + start, (A)0), last);
+  *step = bin / (A)(sample_num + 1);
+}
+
+template <typename A>
+__device__ __forceinline__ A rfcn_point(A lo, A step, int k) { return lo + (A)(k + 1) * step; }
+
+template <typename A>
+__device__ __forceinline__ Tap<A> rfcn_sample(A c, int k, int count, int limit) {
+  Tap<A> t = bilinear_tap(c, limit, (A)-0.5);
+  const bool live = k < count && !(c > (A)((double)limit - 0.5));
+  if (!live) {
+    t.low = t.high = 0;
+    t.w_low = t.w_high = (A)0;
+  }
+  return t;
+}
+
+// ---- position-sensitive group cells (geometry.group_index), in float32 ---------------
+__device__ __forceinline__ int group_cell(int i, int pooled, int group) {
+  const int g = to_i32(floor_((float)i * (float)group / (float)pooled));
+  return imin(imax(g, 0), group - 1);
+}
+
+}  // namespace geo
+}  // namespace mx_roi
+
+// ==== geometry tables, filled roi by roi (the host entry points below; a GPU prologue
+// kernel can call geometry_roi with one thread per roi) ===================================
+namespace mx_roi {
+namespace geo {
+
+// Which geometry (mx_roi.cuda.compiled_geometry.MODES names them).
+enum Mode { POOL_BINS = 0, PS_POOL_BINS = 1, ALIGN_GRID = 2, CAFFE_GRID = 3, RFCN_GRID = 4 };
+
+// geometry.MAX_SAMPLES_PER_AXIS
+const int MAX_SAMPLES_PER_AXIS = 1 << 22;
+
+struct Params {
+  int mode, P, Q, H, W;
+  int sample;   // ROIAlign: sample_ratio (<= 0: adaptive); R-FCN: sample_num
+  int aligned;  // ROIAlign: the half-pixel shift
+  float scale;  // spatial_scale (a C float)
+  int Gy, Gx;   // the padded sample counts per bin side (sample grids)
+};
+
+// The tables of geometry.IntBins / SampleGrid, in the dataclasses' field order.
+template <typename A>
+struct Tables {
+  int* batch;
+  int *hstart, *hend, *wstart, *wend;  // IntBins
+  int *y_count, *y_low, *y_high;       // SampleGrid
+  A *y_coord, *y_wl, *y_wh;
+  int *x_count, *x_low, *x_high;
+  A *x_coord, *x_wl, *x_wh;
+  A* divisor;
+};
+
+template <typename A>
+__device__ __forceinline__ void put(int* low, int* high, A* wl, A* wh, A* coord, long long k,
+                                    const Tap<A>& t, A c) {
+  low[k] = t.low;
+  high[k] = t.high;
+  wl[k] = t.w_low;
+  wh[k] = t.w_high;
+  coord[k] = c;
+}
+
+// One axis of a ROIAlign roi: count and points of its ``pooled`` bins; returns the count.
+template <typename A>
+__device__ __forceinline__ int align_axis(A v1, A v2, const Params& g, int pooled, int limit,
+                                          int G, long long r, int* count, int* low, int* high,
+                                          A* wl, A* wh, A* coord) {
+  A start, size;
+  align_box(v1, v2, scale_of<A>(g.scale), g.aligned != 0, &start, &size);
+  const bool padded = g.sample <= 0;
+  const int grid = padded ? align_grid(size, pooled) : g.sample;
+  for (int p = 0; p < pooled; ++p) {
+    count[r * pooled + p] = padded ? grid : G;
+    for (int k = 0; k < G; ++k) {
+      A c;
+      const Tap<A> t = align_sample(start, size, pooled, p, k, grid, G, padded, limit, &c);
+      put(low, high, wl, wh, coord, (r * pooled + p) * (long long)G + k, t, c);
+    }
+  }
+  return grid;
+}
+
+template <typename A>
+__device__ __forceinline__ void caffe_axis(A v1, A v2, const Params& g, int pooled, int limit,
+                                           int G, bool ceil_first, long long r, int* count,
+                                           int* low, int* high, A* wl, A* wh, A* coord) {
+  const A s = scale_of<A>(g.scale);
+  const A start = v1 * s, end = v2 * s;
+  for (int p = 0; p < pooled; ++p) {
+    A lo, hi;
+    caffe_bin(start, end, pooled, p, limit, &lo, &hi);
+    const int n = caffe_count(lo, hi, G);
+    count[r * pooled + p] = n;
+    A c = lo;
+    for (int k = 0; k < G; ++k, c = c + (A)1)
+      put(low, high, wl, wh, coord, (r * pooled + p) * (long long)G + k,
+          caffe_sample(c, k, n, limit, ceil_first), c);
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ void rfcn_axis(A v1, A v2, const Params& g, int pooled, int limit,
+                                          long long r, int* count, int* low, int* high, A* wl,
+                                          A* wh, A* coord) {
+  const int G = g.sample;
+  for (int p = 0; p < pooled; ++p) {
+    A lo, hi, step;
+    rfcn_bin(v1, v2, pooled, p, limit, &lo, &hi, &step, G);
+    int n = 0;
+    for (int k = 0; k < G; ++k) n += rfcn_point(lo, step, k) < hi ? 1 : 0;
+    count[r * pooled + p] = n;
+    for (int k = 0; k < G; ++k) {
+      const A c = rfcn_point(lo, step, k);
+      put(low, high, wl, wh, coord, (r * pooled + p) * (long long)G + k,
+          rfcn_sample(c, k, n, limit), c);
+    }
+  }
+}
+
+// Every table row of roi r (rois (R, 5): batch, x1, y1, x2, y2).
+template <typename T, typename A>
+__device__ void geometry_roi(const Params& g, const T* rois, long long r, const Tables<A>& t) {
+  typedef Traits<T> Tr;
+  const T* row = rois + r * 5;
+  const A b = (A)Tr::load(row[0]), x1 = (A)Tr::load(row[1]), y1 = (A)Tr::load(row[2]);
+  const A x2 = (A)Tr::load(row[3]), y2 = (A)Tr::load(row[4]);
+  const A s = scale_of<A>(g.scale);
+  t.batch[r] = batch_of(b);
+  const int P = g.P, Q = g.Q;
+  if (g.mode == POOL_BINS || g.mode == PS_POOL_BINS) {
+    if (g.mode == POOL_BINS) {
+      pool_bins_axis(y1, y2, s, P, g.H, t.hstart + r * P, t.hend + r * P);
+      pool_bins_axis(x1, x2, s, Q, g.W, t.wstart + r * Q, t.wend + r * Q);
+    } else {
+      ps_pool_bins_axis(y1, y2, s, P, g.H, t.hstart + r * P, t.hend + r * P);
+      ps_pool_bins_axis(x1, x2, s, Q, g.W, t.wstart + r * Q, t.wend + r * Q);
+    }
+    return;
+  }
+  A* div = t.divisor + r * P * (long long)Q;
+  if (g.mode == ALIGN_GRID) {
+    const int gy = align_axis(y1, y2, g, P, g.H, g.Gy, r, t.y_count, t.y_low, t.y_high, t.y_wl,
+                              t.y_wh, t.y_coord);
+    const int gx = align_axis(x1, x2, g, Q, g.W, g.Gx, r, t.x_count, t.x_low, t.x_high, t.x_wl,
+                              t.x_wh, t.x_coord);
+    const A d = g.sample > 0 ? (A)((long long)g.sample * g.sample)
+                             : (A)imax(mul_i32(gy, gx), 1);
+    for (long long k = 0; k < (long long)P * Q; ++k) div[k] = d;
+    return;
+  }
+  if (g.mode == CAFFE_GRID) {
+    caffe_axis(y1, y2, g, P, g.H, g.Gy, true, r, t.y_count, t.y_low, t.y_high, t.y_wl, t.y_wh,
+               t.y_coord);
+    caffe_axis(x1, x2, g, Q, g.W, g.Gx, false, r, t.x_count, t.x_low, t.x_high, t.x_wl, t.x_wh,
+               t.x_coord);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q)
+        div[p * Q + q] = (A)imax(mul_i32(t.y_count[r * P + p], t.x_count[r * Q + q]), 1);
+    return;
+  }
+  // RFCN_GRID: box x1*s .. (x2 + 1)*s
+  rfcn_axis(y1 * s, (y2 + (A)1) * s, g, P, g.H, r, t.y_count, t.y_low, t.y_high, t.y_wl,
+            t.y_wh, t.y_coord);
+  rfcn_axis(x1 * s, (x2 + (A)1) * s, g, Q, g.W, r, t.x_count, t.x_low, t.x_high, t.x_wl,
+            t.x_wh, t.x_coord);
+  const A d = (A)((long long)g.sample * g.sample);
+  for (long long k = 0; k < (long long)P * Q; ++k) div[k] = d;
+}
+
+// The padded sample counts (Gy, Gx) of a sample grid over all R rois (geometry.py's table
+// widths): ROIAlign adaptive max(1, the largest ceil(size / pooled)), fixed sample_ratio
+// (1 without rois); Caffe the most points of any bin (1 if none; MAX_SAMPLES_PER_AXIS + 1
+// means "more than allowed"); R-FCN sample_num.  Integer bins: 0.
+template <typename T, typename A>
+__device__ void geometry_counts(const Params& g, const T* rois, long long R, int* G) {
+  typedef Traits<T> Tr;
+  G[0] = G[1] = 0;
+  if (g.mode == POOL_BINS || g.mode == PS_POOL_BINS) return;
+  if (g.mode == RFCN_GRID) {
+    G[0] = G[1] = g.sample;
+    return;
+  }
+  if (g.mode == ALIGN_GRID && g.sample > 0) {
+    G[0] = G[1] = R > 0 ? g.sample : 1;
+    return;
+  }
+  int gy = 0, gx = 0;
+  for (long long r = 0; r < R; ++r) {
+    const T* row = rois + r * 5;
+    const A x1 = (A)Tr::load(row[1]), y1 = (A)Tr::load(row[2]);
+    const A x2 = (A)Tr::load(row[3]), y2 = (A)Tr::load(row[4]);
+    if (g.mode == ALIGN_GRID) {
+      A start, size;
+      align_box(y1, y2, scale_of<A>(g.scale), g.aligned != 0, &start, &size);
+      gy = imax(gy, align_grid(size, g.P));
+      align_box(x1, x2, scale_of<A>(g.scale), g.aligned != 0, &start, &size);
+      gx = imax(gx, align_grid(size, g.Q));
+    } else {  // CAFFE_GRID
+      const A s = scale_of<A>(g.scale);
+      for (int axis = 0; axis < 2; ++axis) {
+        const int pooled = axis ? g.Q : g.P, limit = axis ? g.W : g.H;
+        int& most = axis ? gx : gy;
+        const A v1 = (axis ? x1 : y1) * s, v2 = (axis ? x2 : y2) * s;
+        for (int p = 0; p < pooled; ++p) {
+          A lo, hi;
+          caffe_bin(v1, v2, pooled, p, limit, &lo, &hi);
+          most = imax(most, caffe_count(lo, hi, MAX_SAMPLES_PER_AXIS));
+        }
+      }
+    }
+  }
+  G[0] = imax(gy, 1);
+  G[1] = imax(gx, 1);
+}
+
+// The first bad roi of R (rois (R, 5)) for images 0..N-1: 1 = a NaN or infinite value
+// (|x| >= bound counts as infinite where the dtype holds bound), checked over all rows
+// first; 2 = a batch index >= N (N = 0: trunc(b) >= 0); 0 = none.  ``row`` gets the row.
+template <typename T, typename A>
+__device__ int check_rois(const T* rois, long long R, long long N, double bound, bool use_bound,
+                          long long* row) {
+  typedef Traits<T> Tr;
+  const double b_t = (double)(A)bound;  // the bound in the rois' type, as NumPy compares
+  for (long long r = 0; r < R; ++r)
+    for (int k = 0; k < 5; ++k) {
+      const double v = (double)Tr::load(rois[r * 5 + k]);
+      if (use_bound ? !(fabs(v) < b_t) : !(v - v == 0)) {
+        *row = r;
+        return 1;
+      }
+    }
+  for (long long r = 0; r < R; ++r) {
+    const double b = (double)Tr::load(rois[r * 5]);
+    if (N > 0 ? b >= (double)N : trunc(b) >= (double)N) {
+      *row = r;
+      return 2;
+    }
+  }
+  return 0;
+}
+
+}  // namespace geo
+}  // namespace mx_roi
+
+#ifdef MX_ROI_HOST_SHIM
+// ---- host entry points of the geometry (mx_roi.cuda.compiled_geometry) -----------------
+// dtype: the rois' element type, 0 float16, 1 float32, 2 float64.
+#define MX_ROI_GEO_DISPATCH(dtype, ...)                 \
+  switch (dtype) {                                       \
+    case 0: { typedef __half T; typedef float A; __VA_ARGS__; } break;  \
+    case 1: { typedef float T; typedef float A; __VA_ARGS__; } break;   \
+    case 2: { typedef double T; typedef double A; __VA_ARGS__; } break; \
+    default: return -1;                                  \
+  }
+
+static inline mx_roi::geo::Params mx_roi_geo_params(int mode, int P, int Q, int H, int W,
+                                                    int sample, int aligned, float scale,
+                                                    int Gy, int Gx) {
+  mx_roi::geo::Params g;
+  g.mode = mode;
+  g.P = P;
+  g.Q = Q;
+  g.H = H;
+  g.W = W;
+  g.sample = sample;
+  g.aligned = aligned;
+  g.scale = scale;
+  g.Gy = Gy;
+  g.Gx = Gx;
+  return g;
+}
+
+// G[0], G[1] = the padded sample counts (geometry_counts).  Returns 0, -1 for a bad dtype.
+extern "C" int mx_roi_geometry_counts(int mode, int dtype, const void* rois, long long R, int P,
+                                      int Q, int H, int W, int sample, int aligned, float scale,
+                                      int* G) {
+  const mx_roi::geo::Params g = mx_roi_geo_params(mode, P, Q, H, W, sample, aligned, scale, 0, 0);
+  MX_ROI_GEO_DISPATCH(dtype, mx_roi::geo::geometry_counts<T, A>(g, (const T*)rois, R, G));
+  return 0;
+}
+
+// Fills the tables t[] (the dataclass's arrays in field order: IntBins 5, SampleGrid 14,
+// C-contiguous, int32 / the compute dtype) for R rois.  Returns 0, -1 for a bad dtype.
+extern "C" int mx_roi_geometry_fill(int mode, int dtype, const void* rois, long long R, int P,
+                                    int Q, int H, int W, int sample, int aligned, float scale,
+                                    int Gy, int Gx, void* const* t) {
+  const mx_roi::geo::Params g =
+      mx_roi_geo_params(mode, P, Q, H, W, sample, aligned, scale, Gy, Gx);
+  MX_ROI_GEO_DISPATCH(dtype, {
+    mx_roi::geo::Tables<A> tb = {};
+    tb.batch = (int*)t[0];
+    if (mode == mx_roi::geo::POOL_BINS || mode == mx_roi::geo::PS_POOL_BINS) {
+      tb.hstart = (int*)t[1];
+      tb.hend = (int*)t[2];
+      tb.wstart = (int*)t[3];
+      tb.wend = (int*)t[4];
+    } else {
+      tb.y_count = (int*)t[1];
+      tb.y_coord = (A*)t[2];
+      tb.y_low = (int*)t[3];
+      tb.y_high = (int*)t[4];
+      tb.y_wl = (A*)t[5];
+      tb.y_wh = (A*)t[6];
+      tb.x_count = (int*)t[7];
+      tb.x_coord = (A*)t[8];
+      tb.x_low = (int*)t[9];
+      tb.x_high = (int*)t[10];
+      tb.x_wl = (A*)t[11];
+      tb.x_wh = (A*)t[12];
+      tb.divisor = (A*)t[13];
+    }
+    for (long long r = 0; r < R; ++r)
+      mx_roi::geo::geometry_roi<T, A>(g, (const T*)rois, r, tb);
+  });
+  return 0;
+}
+
+// gh[i] = group_index(pooled, group) (geometry.group_index, float32), i < pooled.
+extern "C" void mx_roi_group_index(int pooled, int group, int* out) {
+  for (int i = 0; i < pooled; ++i) out[i] = mx_roi::geo::group_cell(i, pooled, group);
+}
+
+// The first bad roi (check_rois): 0 none, 1 non-finite, 2 batch index; -1 a bad dtype.
+extern "C" int mx_roi_check_rois(int dtype, const void* rois, long long R, long long N,
+                                 double bound, int use_bound, long long* row) {
+  MX_ROI_GEO_DISPATCH(dtype, return mx_roi::geo::check_rois<T, A>((const T*)rois, R, N, bound,
+                                                                use_bound != 0, row));
+  return 0;
+}
+#endif

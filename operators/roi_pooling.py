@@ -8,6 +8,7 @@ from mx_roi import geometry, kernels_numpy as K
 from mx_roi.params import ROIPoolingParam
 from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import int_bins_max_cells, int_bins_tables
+from mx_roi.cuda.compiled_geometry import Spec
 
 
 @register
@@ -53,6 +54,9 @@ class ROIPooling(RoIOp):
     def geometry(self, rois, height, width, xp):
         p = self.param
         return geometry.roi_pooling_bins(rois, p.pooled_size, p.spatial_scale, height, width, xp)
+
+    def geometry_spec(self):
+        return Spec("pool_bins", self.param.pooled_size, self.param.spatial_scale)
 
     def forward_numpy(self, bins, data, keep=True, out=None):
         """Max of every bin and its argmax (``h * W + w`` in the plane, -1 if empty).

@@ -53,6 +53,8 @@ def instrument(op_name: str) -> Timers:
     for attr in ("backward_numpy", "backward_cuda"):
         timers.wrap(cls, attr, "kernel_bwd")
     timers.wrap(cls, "geometry", "geometry")
+    from ..cuda.compiled_geometry import CompiledGeometry  # the host builds' geometry
+    timers.wrap(CompiledGeometry, "build", "geometry")
     timers.wrap(cls, "check_inputs", "check_inputs")
     for name in ("numpy", "native"):
         try:

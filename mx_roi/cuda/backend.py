@@ -10,9 +10,15 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
    ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
    (``asnumpy``, ``dst[:] = value``);
 2. ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
-   rois on the host (a GPU call copies its (R, 5) rois back once);
-3. the op's geometry tables, once per training step: ``op.geometry(rois, H, W, np)`` on
-   the host -- on a GPU then moved in one packed copy (:func:`mx_roi.cuda.tables.to_device`:
+   rois on the host (a GPU call copies its (R, 5) rois back once); on the host builds,
+   for an op with a compiled geometry (``op.geometry_spec()``), the first bad roi is
+   found in compiled code (``check_inputs(..., compiled=...)``: the same roi, the same
+   message);
+3. the op's geometry tables, once per training step: on the host builds from the
+   compiled twin of :mod:`mx_roi.geometry` (:mod:`mx_roi.cuda.compiled_geometry`: the
+   same tables bit for bit, tests/test_geometry_compiled.py), else (a GPU call, an op
+   without a ``geometry_spec``) ``op.geometry(rois, H, W, np)`` on the host -- on a GPU
+   then moved in one packed copy (:func:`mx_roi.cuda.tables.to_device`:
    a few dozen tiny CuPy kernels and device reads cost more than the kernels themselves),
    and kept with the forward's argmax for its backward -- the kernels only read them (they
    never re-derive a bin or a sample), so every geometry the tables can express (legacy
@@ -487,9 +493,31 @@ class CudaBackend:
             return cupy.asnumpy(ndio.read_cupy(rois_nd))
         return self._read(rois_nd)
 
+    def _compiled(self, op):
+        """``(spec, CompiledGeometry)`` when ``op`` has a compiled geometry
+        (:meth:`~mx_roi.registry.RoIOp.geometry_spec`) and this is a host build, else
+        ``(None, None)``.  The spec depends on the parameters only: kept on the op."""
+        if not self.kind.on_host:
+            return None, None
+        spec = op.__dict__.get("_compiled_spec", _UNSET)
+        if spec is _UNSET:
+            spec = op.__dict__["_compiled_spec"] = op.geometry_spec()
+        if spec is None:
+            return None, None
+        return spec, loader.get_module(op.cuda_source, self.kind).compiled_geometry()
+
+    def _check(self, op, shape, dtype, rois):
+        """``op.check_inputs``, in compiled code for an op with a compiled geometry on the
+        host builds (the same first bad roi, the same message)."""
+        op.check_inputs(shape, dtype, rois, np, compiled=self._compiled(op)[1])
+
     def _geometry(self, op, rois, height, width):
         """``op``'s geometry tables for host ``rois``, where the kernels read them (on a
-        GPU: one packed copy, :func:`mx_roi.cuda.tables.to_device`)."""
+        GPU: one packed copy, :func:`mx_roi.cuda.tables.to_device`); on the host builds
+        from the compiled geometry when the op has one."""
+        spec, cg = self._compiled(op)
+        if spec is not None:
+            return cg.build(spec, rois, height, width)
         geo = op.geometry(rois, height, width, np)
         if self.kind is Kind.CUDA:
             import cupy
@@ -499,7 +527,7 @@ class CudaBackend:
     def _forward(self, op, req, data_nd, rois_nd, out_nd, keep):
         xp = self._xp()
         data, rois = self._read(data_nd), self._host_rois(rois_nd)
-        op.check_inputs(data.shape, data.dtype, rois, np)
+        self._check(op, data.shape, data.dtype, rois)
         _check_plane(op, data.shape)
         if req == "null" or rois.shape[0] == 0:
             return None
@@ -535,7 +563,7 @@ class CudaBackend:
         rois = self._host_rois(rois_nd)
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
-        op.check_inputs(shape, in_grad_nd.dtype, rois, np)
+        self._check(op, shape, in_grad_nd.dtype, rois)
         if rois.shape[0] == 0 or math.prod(shape) == 0:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
@@ -583,6 +611,9 @@ def _check_plane(op, shape):
     if len(shape) == 4 and int(shape[2]) * int(shape[3]) >= 2 ** 31:
         raise ValueError(f"{op.name}: a feature map of {shape[2]}x{shape[3]} has 2^31 or more "
                          "elements per channel, more than the CUDA kernels index")
+
+
+_UNSET = object()
 
 
 class _NullContext:

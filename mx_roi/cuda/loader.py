@@ -181,6 +181,18 @@ class KernelModule:
             self._module, self._mangled = _cupy_module(toolchain, filename, device_id)
             self.array_type = toolchain.ndarray
 
+    def compiled_geometry(self):
+        """The geometry and roi-check entry points of this host library
+        (:class:`mx_roi.cuda.compiled_geometry.CompiledGeometry`, made once); host builds
+        only."""
+        cg = getattr(self, "_compiled_geometry", None)
+        if cg is None:
+            if not self.kind.on_host:
+                raise ValueError("the compiled geometry's entry points are in the host builds")
+            from .compiled_geometry import CompiledGeometry
+            cg = self._compiled_geometry = CompiledGeometry(self._lib)
+        return cg
+
     def get(self, expr: str) -> _Kernel:
         k = self._kernels.get(expr)
         if k is None:
@@ -944,7 +956,10 @@ _MODULES_LOCK = threading.RLock()
 def get_module(filename: str, kind: Kind, device_id: int = 0) -> KernelModule:
     """The memoised :class:`KernelModule` of ``filename`` built for ``kind``
     (``Kind.CUDA``: per device; ``Kind.EMULATED``/``Kind.NATIVE``: one per host build)."""
-    kind = _build_kind(kind)
+    if type(kind) is not Kind:  # (a Kind needs no conversion: the per-call path)
+        kind = _build_kind(kind)
+    elif kind is Kind.NUMPY:
+        _build_kind(kind)  # raises
     key = (filename, kind, -1 if kind.on_host else int(device_id))
     mod = _MODULES.get(key)
     if mod is None:

@@ -1,0 +1,253 @@
+"""The geometry's two implementations are one: the compiled twin (``mx_roi::geo`` in
+operators/roi_common.cuh, through mx_roi.cuda.compiled_geometry) fills the very tables of
+mx_roi/geometry.py, bit for bit, and checks the rois as ``RoIOp.check_inputs`` does.
+
+Random grids, 1500 per dtype and mode (float16/32/64 x ROIPooling bins, PSROIPooling
+bins, the ROIAlign grid -- aligned or not, adaptive or fixed sampling, which the max mode
+shares -- the legacy Caffe and R-FCN grids), adversarially drawn: non-square pools,
+padding rois (batch -1), no rois, boxes off the map, reversed and zero-size boxes,
+coordinates on exact halves, -0.0, boxes so large that a float32 product overflows, and
+boxes needing too many sample points (the same ValueError).  Every table is compared
+byte for byte with its shape and dtype, in both host builds (native -O3 with its ISA
+flags, and the emulation).
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mx_roi import geometry as G
+from mx_roi.cuda import compiled_geometry as CG, loader
+from mx_roi.ndio import Kind
+from mx_roi.registry import get_op
+
+GRIDS = 1500
+DTYPES = (np.float16, np.float32, np.float64)
+MODES = tuple(CG.MODES)
+
+
+def _compiled(kind):
+    return loader.get_module("roi_align.cu", kind).compiled_geometry()
+
+
+def _tables(geo, prefix=""):
+    for f in dataclasses.fields(geo):
+        v = getattr(geo, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _tables(v, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, np.asarray(v)
+
+
+def _draw(rng, dtype):
+    """One random problem: (rois, pooled, scale, sample_ratio, aligned, sample_num, H, W)."""
+    R = int(rng.choice([0, 1, 2, 3, 5, 8]))
+    H, W = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    P = int(rng.integers(1, 8))
+    Q = P if rng.random() < 0.4 else int(rng.integers(1, 8))
+    scale = float(rng.choice([1.0, 0.5, 0.25, 1 / 16, 0.3, 2.0, 1 / 3]))
+    span = max(H, W) / scale
+    c = rng.uniform(-0.3 * span, 1.3 * span, (R, 4))
+    u = rng.random()
+    if u < 0.25:
+        c = np.floor(c * 2) / 2                  # exact halves and integers
+    elif u < 0.3:
+        c[:, 2:] = c[:, :2]                      # zero size
+    elif u < 0.35:
+        c = c[:, [2, 3, 0, 1]]                   # reversed
+    elif u < 0.4:
+        c *= -0.0 if rng.random() < 0.5 else 1e-30   # -0.0 / tiny
+    elif u < 0.45 and dtype != np.float16:
+        c *= 1e37                                # products overflow (float32: inf, NaN)
+    elif u < 0.5:
+        c *= 50                                  # far larger than the map
+    elif u < 0.53:
+        c *= 3e5                                 # too many sample points (adaptive grid)
+    rois = np.empty((R, 5), dtype)
+    rois[:, 0] = rng.integers(-1, 3, R)          # -1: padding rois
+    rois[:, 1:] = c.astype(dtype)
+    if rng.random() < 0.1:  # single -0.0 corners (a tie -0 vs +0 in np.maximum)
+        rois[:, 1:][rng.random((R, 4)) < 0.4] = -0.0
+    sample_ratio = int(rng.choice([-1, 0, 1, 2, 3, 5]))
+    aligned = bool(rng.random() < 0.5)
+    sample_num = int(rng.integers(1, 5))
+    return rois, (P, Q), scale, sample_ratio, aligned, sample_num, H, W
+
+
+def _numpy_and_spec(mode, rois, pooled, scale, sample_ratio, aligned, sample_num, H, W):
+    if mode == "pool_bins":
+        return (lambda: G.roi_pooling_bins(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    if mode == "ps_pool_bins":
+        return (lambda: G.psroi_pooling_bins(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    if mode == "align_grid":
+        return (lambda: G.roi_align_grid(rois, pooled, scale, sample_ratio, aligned, H, W),
+                CG.Spec(mode, pooled, scale, sample_ratio, aligned))
+    if mode == "caffe_grid":
+        return (lambda: G.caffe_align_grid(rois, pooled, scale, H, W),
+                CG.Spec(mode, pooled, scale))
+    return (lambda: G.rfcn_align_grid(rois, pooled, scale, sample_num, H, W),
+            CG.Spec(mode, pooled, scale, sample_num))
+
+
+def _outcome(build):
+    try:
+        return build()
+    except ValueError as exc:
+        return exc
+
+
+def _compare(ref, got, what):
+    if isinstance(ref, Exception) or isinstance(got, Exception):
+        assert type(ref) is type(got) and str(ref) == str(got), what
+        return
+    assert type(ref) is type(got), what
+    ref_tables, got_tables = list(_tables(ref)), list(_tables(got))
+    assert [n for n, _ in ref_tables] == [n for n, _ in got_tables], what
+    for (name, a), (_, b) in zip(ref_tables, got_tables):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape,
+                                                           a.dtype, b.dtype)
+        if a.tobytes() != b.tobytes():
+            k = next(k for k, (x, y) in enumerate(zip(a.reshape(-1), b.reshape(-1)))
+                     if x.tobytes() != y.tobytes())
+            pytest.fail(f"{what}: table {name} differs at flat index {k}: geometry.py "
+                        f"{a.reshape(-1)[k]!r}, compiled {b.reshape(-1)[k]!r}")
+
+
+# the emulation compiles the same functions at -O2: its 1500 grids are slow-marked, its
+# tables checked lean end to end (test_host_backends_use_the_compiled_tables_...)
+@pytest.mark.parametrize("kind", [Kind.NATIVE,
+                                  pytest.param(Kind.EMULATED, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("mode", MODES)
+def test_tables_bit_equal_on_random_grids(mode, dtype, kind):
+    grids = GRIDS
+    cg = _compiled(kind)
+    rng = np.random.default_rng([MODES.index(mode), DTYPES.index(dtype), 34])
+    with np.errstate(all="ignore"):
+        for i in range(grids):
+            problem = _draw(rng, dtype)
+            build, spec = _numpy_and_spec(mode, *problem)
+            ref = _outcome(build)
+            got = _outcome(lambda: cg.build(spec, problem[0], *problem[-2:]))
+            _compare(ref, got, f"grid {i}: {spec}, {np.dtype(dtype).name}, R="
+                               f"{problem[0].shape[0]}, H, W = {problem[-2:]}")
+
+
+def test_the_draws_reach_every_case():
+    """The random grids above do reach what they claim: adaptive grids of unequal
+    padded counts (per axis and combined), the too-many-samples error, padding rois, no
+    rois, overflowing products, empty Caffe bins."""
+    rng = np.random.default_rng([2, 1, 34])
+    seen = set()
+    with np.errstate(all="ignore"):
+        for _ in range(GRIDS):
+            rois, pooled, scale, sr, aligned, n, H, W = _draw(rng, np.float32)
+            seen.add(("R", rois.shape[0] == 0))
+            seen.add(("padding", bool((rois[:, 0] < 0).any())))
+            seen.add(("square", pooled[0] == pooled[1]))
+            seen.add(("nonfinite", not bool(np.isfinite(rois[:, 1:] * np.float32(scale)).all())))
+            geo = _outcome(lambda: G.roi_align_grid(rois, pooled, scale, sr, aligned, H, W))
+            if isinstance(geo, ValueError):
+                seen.add("too many")
+            elif sr <= 0 and rois.shape[0]:
+                gy, gx = geo.y.low.shape[2], geo.x.low.shape[2]
+                seen.add(("adaptive, unequal", gy != gx, abs(gy - gx) > 8))
+    for case in [("R", True), ("R", False), ("padding", True), ("square", True),
+                 ("square", False), ("nonfinite", True), "too many",
+                 ("adaptive, unequal", True, True), ("adaptive, unequal", True, False)]:
+        assert case in seen, case
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+def test_group_index_bit_equal(kind):
+    cg = _compiled(kind)
+    for pooled in range(1, 33):
+        for group in range(1, 33):
+            np.testing.assert_array_equal(cg.group_index(pooled, group),
+                                          G.group_index(pooled, group))
+
+
+def _message(op, rois, n, compiled=None):
+    try:
+        op.check_inputs((n, 1, 4, 4), rois.dtype, rois, np, compiled=compiled)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_roi_check_finds_what_check_inputs_finds(dtype):
+    """``check_inputs(..., compiled=...)`` (the compiled check, the backends of the host
+    builds) raises NumPy's ``check_inputs`` message: the same first bad roi for NaN,
+    +-inf, |x| at, just below and just above the guard bound, batch index >= N (and
+    N = 0), negative padding indices."""
+    from mx_roi.onednn import GUARD_BOUND
+    cls = get_op("ROIAlign")
+    op = cls(cls.param_cls.from_kwargs(pooled_size=(2, 2), spatial_scale=1.0))
+    cg = _compiled(Kind.NATIVE)
+    rng = np.random.default_rng([DTYPES.index(dtype), 7])
+    big = float(np.finfo(dtype).max)
+    specials = [np.nan, np.inf, -np.inf, 3.0, -1.0, 2.0, 2.5, -0.5, -0.0, 1e4]
+    if big > GUARD_BOUND:
+        below = float(np.nextafter(dtype(GUARD_BOUND), dtype(0)))
+        above = float(np.nextafter(dtype(GUARD_BOUND), dtype(np.inf)))
+        specials += [GUARD_BOUND, -GUARD_BOUND, below, -below, above,
+                     float(dtype(GUARD_BOUND))]
+    seen = set()
+    for _ in range(400):
+        R = int(rng.integers(0, 6))
+        n = int(rng.integers(0, 4))
+        rois = np.zeros((R, 5), dtype)
+        rois[:, 0] = rng.integers(-1, 3, R)
+        rois[:, 1:] = rng.uniform(-5, 20, (R, 4))
+        for _ in range(int(rng.integers(0, 3))):
+            if R:
+                rois[rng.integers(R), rng.integers(5)] = rng.choice(specials)
+        want = _message(op, rois, n)
+        assert _message(op, rois, n, compiled=cg) == want, (rois, n)
+        seen.add(want.split(" has ")[1][:5] if want else None)
+    assert seen == {None, "a NaN", "batch"}
+
+
+# ---- end to end: the host backends run on the compiled tables, with today's bits -------
+
+def _garbage(shape, dtype):
+    return np.full(shape, 3.25, dtype)  # not 0, not 1: write must overwrite
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_host_backends_use_the_compiled_tables_with_the_same_bits(kind, dtype, monkeypatch):
+    """Every op and mode of tests/test_emulation.py's cases, adversarial rois (padding,
+    off the map, reversed), output and gradient buffers pre-filled with garbage: the
+    forward and backward through the host build never call ``op.geometry`` (NumPy), and
+    give bit for bit what they give on the NumPy-built tables."""
+    import mxnet as mx
+    from mx_roi.cuda.backend import CudaBackend
+    from tests.test_emulation import CASES, make_op, problem
+    backend = CudaBackend(kind)
+
+    def run(op, data, rois, grad):
+        x, r = mx.nd.array(data, dtype=dtype), mx.nd.array(rois, dtype=dtype)
+        out = mx.nd.array(_garbage(op.out_shape(data.shape, rois.shape), dtype), dtype=dtype)
+        dx = mx.nd.array(_garbage(data.shape, dtype), dtype=dtype)
+        saved = backend.forward(op, "write", x, r, out, keep=True)
+        backend.backward(op, "write", mx.nd.array(grad, dtype=dtype), x, r, dx, saved)
+        return out.asnumpy(), dx.asnumpy()
+
+    for i, (name, params) in enumerate(CASES):
+        op = make_op(name, params)
+        assert op.geometry_spec() is not None, name
+        data, rois, grad = problem(op, dtype, seed=i)
+        with monkeypatch.context() as m:  # the NumPy geometry: today's tables
+            m.setattr(CudaBackend, "_compiled", lambda self, op: (None, None))
+            want = run(make_op(name, params), data, rois, grad)
+        with monkeypatch.context() as m:
+            def refuse(*args, **kwargs):
+                raise AssertionError("the host build called the NumPy geometry")
+            m.setattr(type(op), "geometry", refuse)
+            got = run(op, data, rois, grad)
+        for w, g, what in zip(want, got, ("output", "gradient")):
+            assert w.tobytes() == g.tobytes(), f"{name} {params} {what}"
