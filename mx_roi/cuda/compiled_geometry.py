@@ -20,7 +20,7 @@ from typing import Tuple
 import numpy as np
 
 from .. import geometry as G
-from .loader import _address
+from .pointers import address as _address
 
 __all__ = ["Spec", "MODES", "CompiledGeometry", "INT_BINS_MODES", "align_samples_problem"]
 

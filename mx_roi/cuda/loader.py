@@ -53,6 +53,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from . import source as S
+from .pointers import address as _address
 from ..ndio import Kind  # the backend kind (an enum; ndio imports nothing of ours)
 
 __all__ = ["KernelArgumentError", "KernelModule", "get_module", "check_args", "cache_dir",
@@ -282,16 +283,6 @@ def _slot_packer(params):
         pack_into(buf, 0, *[base + o for o in offsets], *values)
         return buf
     return pack
-
-
-def _address(a: np.ndarray) -> int:
-    """The data address of NumPy array ``a``: through the buffer protocol when ``a`` is
-    writable (3x cheaper than ``a.ctypes.data``, which builds a helper object -- a small
-    launch passes a dozen arrays), else ``a.ctypes.data``."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
-    except (TypeError, ValueError, BufferError):  # read-only (e.g. a DLPack view), empty
-        return a.ctypes.data
 
 
 def _generic_packer(args):
