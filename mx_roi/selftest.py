@@ -100,11 +100,16 @@ def _run(backend, op, data, rois, grad, ctx, rescan=False):
     keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
     if rescan:  # (the checks run on one thread)
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
+    # an op that differentiates its rois: their gradient joins the data's (one array)
+    rg = _nd(np.zeros(rois.shape, rois.dtype), ctx) if op.differentiates_rois else None
     try:
         saved = backend.forward(op, "write", x, r, out, keep=True)
-        backend.backward(op, "write", _nd(grad, ctx), x, r, dg, saved)
+        backend.backward(op, "write", _nd(grad, ctx), x, r, dg, saved,
+                         *(("write", rg) if rg is not None else ()))
     finally:
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
+    if rg is not None:
+        return out.asnumpy(), np.concatenate([dg.asnumpy().ravel(), rg.asnumpy().ravel()])
     return out.asnumpy(), dg.asnumpy()
 
 
