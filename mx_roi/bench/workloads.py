@@ -189,6 +189,17 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
     add(7, boxes)
     if variants:
         add(14, big_boxes, suffix="-big")
+    for size, nboxes, suffix in ((7, boxes, ""),) + (((14, big_boxes, "-big"),) if variants
+                                                      else ()):
+        p = (size, size)
+        out.append(Workload(f"RROIAlign/{size}x{size}{suffix}", "RROIAlign",
+                            f"{size}x{size}, {nboxes} rotated boxes, sampling_ratio=2",
+                            channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s, sampling_ratio=2),
+                            "mx.nd.contrib.RROIAlign",
+                            dict(pooled_size=p, spatial_scale=s, sampling_ratio=2),
+                            note="built-in: forward only", rois_columns=6,
+                            builtin_directions=("fwd",)))
     return out
 
 
