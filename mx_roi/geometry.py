@@ -24,7 +24,8 @@ __all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "
            "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index",
            "ps_channel_map",
            "bilinear_axis", "MAX_SAMPLES_PER_AXIS", "RotatedGrid", "rotated_boxes",
-           "rotated_grid", "MAX_ROTATED_SAMPLES"]
+           "rotated_grid", "MAX_ROTATED_SAMPLES", "IntegralAxis", "PreciseBins",
+           "precise_bins", "hat_antiderivative"]
 
 #: Guard against boxes so large that the per-axis sample tables would not fit in memory.
 MAX_SAMPLES_PER_AXIS = 1 << 22
@@ -666,3 +667,87 @@ def rotated_grid(rois, pooled_size, spatial_scale, sampling_ratio, aligned, cloc
                        np.maximum(count, 1).astype(cdt), y, x, taps[0][0], taps[0][1],
                        taps[1][0], taps[1][1], *w)
 
+
+# ---- precise pooling (PrRoIPool) ---------------------------------------------------------
+@dataclass
+class IntegralAxis:
+    """PrRoIPool's bins along one axis: each bin's window [lo, hi] of the bilinear surface
+    and, for the map nodes it touches, the exact integral of their hat function over it.
+
+    Attributes
+    ----------
+    start, count : (R, P) int32   first node and number of nodes (clipped to the map)
+    weight : (R, P, K)   integral over the window of max(0, 1 - |t - node|), padding 0
+    edge_lo, edge_hi : (R, P, K)   the hat values at the window's two ends (the roi
+                                   gradient), padding 0
+    """
+
+    start: Any
+    count: Any
+    weight: Any
+    edge_lo: Any
+    edge_hi: Any
+
+
+@dataclass
+class PreciseBins:
+    """PrRoIPool's geometry: ``batch`` (R,) int32, ``area`` (R,) of a bin (0: output 0),
+    ``bin_size`` (R, 2) = (bh, bw), ``y`` / ``x`` :class:`IntegralAxis` over P / Q bins."""
+
+    batch: Any
+    area: Any
+    bin_size: Any
+    y: Any
+    x: Any
+
+
+def hat_antiderivative(t, cdt):
+    """``F(t) = t - t|t|/2`` of ``clip(t, -1, 1)``: the integral of max(0, 1 - |u|) from 0
+    to t (the compiled ``hat_integral`` uses the same operations)."""
+    t = np.minimum(np.maximum(t, cdt.type(-1)), cdt.type(1))
+    return t - (t * np.abs(t)) * cdt.type(0.5)
+
+
+def _integral_axis(lo, size, pooled, limit, cdt) -> IntegralAxis:
+    """Windows ``lo + p*size .. + size`` (lo, size (R,)) over nodes 0..limit-1."""
+    p = np.arange(pooled, dtype=cdt)[None, :]
+    a = lo[:, None] + size[:, None] * p                              # (R, P) window start
+    b = a + size[:, None]                                            # window end
+    top = cdt.type(limit - 1)
+    first = np.fmin(np.fmax(np.floor(a), cdt.type(0)), top).astype(np.int32)
+    last = np.fmin(np.fmax(np.ceil(b), cdt.type(0)), top).astype(np.int32)
+    count = np.maximum(last - first + 1, 0).astype(np.int32)
+    K = int(count.max()) if count.size else 0
+    node = first[..., None] + np.arange(K, dtype=np.int32)           # (R, P, K)
+    live = np.arange(K)[None, None, :] < count[..., None]
+    nf = node.astype(cdt)
+    u, v = a[..., None] - nf, b[..., None] - nf
+    zero = cdt.type(0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weight = hat_antiderivative(v, cdt) - hat_antiderivative(u, cdt)
+        hat = [np.maximum(cdt.type(1) - np.abs(t), zero) for t in (u, v)]
+    return IntegralAxis(first, count, np.where(live, weight, zero),
+                        np.where(live, hat[0], zero), np.where(live, hat[1], zero))
+
+
+def precise_bins(rois, pooled_size, spatial_scale, height, width) -> PreciseBins:
+    """PrRoIPool's bins (Jiang et al., ECCV 2018, as in its reference code and mmcv): the
+    box scaled by ``spatial_scale`` (no half-pixel offset), a reversed box has size 0, bin
+    (p, q) the window ``y1 + p*bh .. + bh`` x ``x1 + q*bw .. + bw`` with ``bh = h / P``,
+    area ``bw * bh``.  The bilinear surface has the map's values at integer nodes (0
+    beyond the map), so a bin's integral is ``sum_ij f_ij * wy_i * wx_j`` with the hat
+    integrals of :class:`IntegralAxis`.  The kernels (``operators/prroi_pool.cu``) derive
+    the same numbers; a test proves them equal bit for bit.  NumPy only."""
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    x1, y1, x2, y2 = r[:, 1] * s, r[:, 2] * s, r[:, 3] * s, r[:, 4] * s
+    zero = cdt.type(0)
+    h, w = np.maximum(y2 - y1, zero), np.maximum(x2 - x1, zero)
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    bh, bw = h / cdt.type(P), w / cdt.type(Q)
+    with np.errstate(over="ignore"):
+        area = np.maximum(bw * bh, zero)
+    return PreciseBins(batch_index(rois), area, np.stack([bh, bw], axis=1),
+                       _integral_axis(y1, bh, P, height, cdt),
+                       _integral_axis(x1, bw, Q, width, cdt))

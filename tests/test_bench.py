@@ -18,6 +18,7 @@ EXPECTED = {
     "PSROIPooling/7x7": True,
     "PSROIAlign/7x7": True,
     "RROIAlign/7x7": ("fwd",),   # MXNet's RROIAlign has no backward
+    "PrRoIPool/7x7": False,
 }
 DIRECTIONS = ("fwd", "fwd+bwd")
 
@@ -68,7 +69,7 @@ def test_every_op_and_direction_has_positive_times(quick_run):
             else:
                 assert r["builtin_ms"] is None and r["ratio"] is None
     assert {r["op"] for r in payload["results"]} == {
-        "ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign", "RROIAlign"}
+        "ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign", "RROIAlign", "PrRoIPool"}
     assert payload["failures"] == []
     assert _positive(payload["geomean_fwd_bwd_ratio"])
 
@@ -408,7 +409,7 @@ def test_markdown_of_a_single_run(quick_run):
     t = payload["machine"]["threads"]
     assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
                                f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
-    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI"))]
+    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI"))]
     assert len(rows) == len(payload["results"])
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "

@@ -200,6 +200,10 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
                             dict(pooled_size=p, spatial_scale=s, sampling_ratio=2),
                             note="built-in: forward only", rois_columns=6,
                             builtin_directions=("fwd",)))
+        out.append(Workload(f"PrRoIPool/{size}x{size}{suffix}", "PrRoIPool",
+                            f"{size}x{size}, {nboxes} boxes", channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s), None,
+                            note="no built-in (mmcv's PrRoIPool)"))
     return out
 
 
