@@ -314,3 +314,15 @@ def test_cli_options(tmp_path, capsys):
         main(["--op", "ROIPooling", "--roi", "0,1,2,3,4", "--spatial-scale", "1",
               "--pooled-size", "2", "--aligned", "-o", str(tmp_path / "x.png")])
     assert exc.value.code == 2
+
+
+def test_cli_rotated_and_precise_ops(tmp_path):
+    """The CLI draws RROIAlign (sampling_ratio, clockwise) and PrRoIPool."""
+    from mx_roi.viz.__main__ import main
+    for argv in (["--op", "rroialign", "--roi", "0,40,30,50,20,-40", "--spatial-scale", "0.125",
+                  "--pooled-size", "2,3", "--sample-ratio", "2", "--clockwise"],
+                 ["--op", "PrRoIPool", "--roi", "0,10,10,60,50", "--spatial-scale", "0.125",
+                  "--pooled-size", "2", "--feature-shape", "8,9"]):
+        out = tmp_path / f"{argv[1]}.png"
+        assert main(argv + ["--dpi", "40", "-o", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
