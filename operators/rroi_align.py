@@ -40,6 +40,13 @@ class RROIAlignParam(ParamBase):
     clockwise: bool = param_field(parse_bool, False, "angles clockwise (mmcv)")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sampling_ratio ** 2 > geometry.MAX_ROTATED_SAMPLES:  # samples per bin
+            raise ValueError(f"parameter 'sampling_ratio': expected at most "
+                             f"{int(geometry.MAX_ROTATED_SAMPLES ** 0.5)} (samples per bin "
+                             f"side), got {self.sampling_ratio}")
+
 
 def _bin_values(data, grid, k):
     """The bilinear values of sample ``k`` of every bin: (R, P, Q, C), MXNet's order

@@ -381,6 +381,7 @@ def test_bad_parameters():
     for kw, match in ((dict(pooled_size=0), "pooled_size"),
                       (dict(spatial_scale=-1), "spatial_scale"),
                       (dict(sampling_ratio=1.5), "sampling_ratio"),
+                      (dict(sampling_ratio=1025), "sampling_ratio.*at most 1024"),
                       (dict(clockwise="maybe"), "clockwise")):
         with pytest.raises((MXNetError, ValueError), match=f"RROIAlign: .*{match}"):
             mx_roi.nd.RROIAlign(mx.nd.array(x), mx.nd.array(rois), **dict(PARAMS, **kw))
