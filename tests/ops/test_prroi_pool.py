@@ -383,3 +383,58 @@ def test_native_walk_same_bits_as_the_generic_kernels(dtype, monkeypatch):
                                grad=grad)
     for a, b, what in zip(got["native"], got["emulated-cuda"], ("output", "data", "rois")):
         assert_close(a, b, dtype, f"native vs emulation: {what}", exact=True)
+
+
+_TRAINING_STEPS = r"""
+import sys
+import numpy as np
+import mxnet as mx
+from mxnet import autograd
+import mx_roi.gluon as G
+op, steps = sys.argv[1], int(sys.argv[2])
+if op == "RROIAlign":
+    block = G.RROIAlign((2, 2), 0.5, 2)
+    good = np.array([[0, 8, 6, 10, 6, 30], [1, 4, 9, 6, 12, -120]], np.float32)
+else:
+    block = G.PrRoIPool((2, 2), 0.5)
+    good = np.array([[0, 1, 2, 12, 10], [1, 4, 3, 15, 14]], np.float32)
+block.hybridize()
+x = mx.nd.array(np.random.default_rng(0).standard_normal((2, 3, 8, 9)).astype(np.float32))
+x.attach_grad()
+first, raised = None, 0
+for i in range(steps):
+    r = good.copy()
+    bad = i % 2 == 1
+    if bad:
+        r[1, 1 + i % 4] = np.nan
+    try:
+        with autograd.record():
+            y = block(x, mx.nd.array(r))
+        y.backward()
+        out, g = y.asnumpy(), x.grad.asnumpy()
+    except mx.base.MXNetError as e:
+        assert bad and "NaN or infinite" in str(e), (i, str(e)[:300])
+        raised += 1
+        continue
+    assert not bad, f"step {i}: a NaN roi passed, output {out.ravel()[:4]}"
+    if first is None:
+        first = out, g
+    assert np.array_equal(out, first[0]) and np.array_equal(g, first[1]), f"step {i}"
+print(raised)
+"""
+
+
+@pytest.mark.parametrize("op", ["RROIAlign", "PrRoIPool"])
+def test_training_steps_with_bad_rois_in_a_child_process(op):
+    """Hybridized Gluon training steps (record -> backward -> read, no wait), a NaN roi
+    every other step, 120 steps in a child process: every bad step raises, every good one
+    gives the same output and gradient, nothing aborts."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _TRAINING_STEPS, op, "120"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "60", proc.stdout
