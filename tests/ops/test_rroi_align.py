@@ -189,10 +189,25 @@ class TestRROIAlign(RoIOpTester):
         ps = params["pooled_size"]
         return (int(ps), int(ps)) if np.isscalar(ps) or isinstance(ps, str) else tuple(ps)
 
-    def test_vs_builtin(self, case):
-        """(The built-in has no backward and knows neither aligned nor clockwise: its
-        parity is test_forward_vs_builtin.)"""
-        assert case["sampling_ratio"] in (-1, 2)
+    @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+    def test_vs_builtin(self, case, dtype):
+        """The built-in (forward only) to the bit on the tester's rois: ours with
+        ``aligned=False``, and ``clockwise=True`` equal to the built-in on negated angles."""
+        import mx_roi  # noqa: F401
+        rng = np.random.default_rng(2)
+        data, rois, _ = self.make_problem(rng, case, dtype)
+        rois = np.concatenate([rois, self.ordinary(rng, 6, self.N, self.H, self.W,
+                                                   case["spatial_scale"], dtype)])
+        rois = rois[rois[:, 0] >= 0]
+        ours = run_custom(self.op_type, data, rois, dict(case, aligned=False))[0]
+        theirs_rois = rois.copy()
+        if case.get("clockwise"):
+            theirs_rois[:, 5] = -theirs_rois[:, 5]
+        theirs = mx.nd.contrib.RROIAlign(
+            mx.nd.array(data, dtype=dtype), mx.nd.array(theirs_rois, dtype=dtype),
+            pooled_size=self.pooled(case), spatial_scale=case["spatial_scale"],
+            sampling_ratio=case["sampling_ratio"]).asnumpy()
+        assert_close(ours, theirs, dtype, f"RROIAlign vs contrib.RROIAlign {case}", exact=True)
 
 
 # ---- parity with mx.nd.contrib.RROIAlign ------------------------------------------------
