@@ -273,7 +273,25 @@ __global__ void prroi_pool_backward(const T* __restrict__ grad, const T* __restr
 // native build splits the rois over its threads, no two write the same row).  A bin's
 // integral I over [y1, y2] x [x1, x2] has dI/dy2 = the integral over x of the surface at
 // y2 (dI/dy1 the negative at y1), and out = I / (bh * bw) with y1 = ys + p * bh,
-// y2 = y1 + bh, bh = (ye - ys) / P (x alike); chained to the image coordinates.
+// y2 = y1 + bh, bh = (ye - ys) / P (x alike); chained to the image coordinates.  Per
+// node row i the three row sums over j (weights wx_j, and the hat values at x1 and x2)
+// give all five integrals.  The native build takes each bin's node weights from a table
+// made once per bin instead of once per channel (the same values: the same bits).
+template <typename A>
+struct PreciseNodeWeights {
+  A w, lo, hi;  // the hat integral over the window, the hat values at its two ends
+};
+
+template <typename A>
+__host__ __device__ __forceinline__ PreciseNodeWeights<A> precise_node(
+    const mx_roi::PreciseAxis<A>& a, int node) {
+  PreciseNodeWeights<A> n;
+  n.w = mx_roi::hat_integral(a, node);
+  n.lo = mx_roi::hat_value(a.lo - (A)node);
+  n.hi = mx_roi::hat_value(a.hi - (A)node);
+  return n;
+}
+
 template <typename T, typename A>
 __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          const T* __restrict__ data,
@@ -281,6 +299,9 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          int channels, int H, int W, int P, int Q, int C,
                                          A* __restrict__ rois_grad, long long n) {
   typedef mx_roi::Traits<T> Tr;
+#ifdef MX_ROI_HOST_NATIVE
+  static thread_local std::vector<PreciseNodeWeights<A>> ny, nx;
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, 1, 1, false) {
     const long long r = it.c;
     A* out = rois_grad + r * 5;
@@ -291,8 +312,16 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
     A d_ys = 0, d_ye = 0, d_xs = 0, d_xe = 0;
     for (int p = 0; p < P; ++p) {
       const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
+#ifdef MX_ROI_HOST_NATIVE
+      ny.resize((size_t)ay.count);
+      for (int i = 0; i < ay.count; ++i) ny[i] = precise_node(ay, ay.first + i);
+#endif
       for (int q = 0; q < Q; ++q) {
         const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
+#ifdef MX_ROI_HOST_NATIVE
+        nx.resize((size_t)ax.count);
+        for (int j = 0; j < ax.count; ++j) nx[j] = precise_node(ax, ax.first + j);
+#endif
         for (int c = 0; c < channels; ++c) {
           const A g = (A)Tr::load(grad[((r * channels + c) * P + p) * Q + q]);
           if (g == (A)0) continue;
@@ -300,18 +329,29 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
           A I = 0, ey1 = 0, ey2 = 0, ex1 = 0, ex2 = 0;
           for (int i = 0; i < ay.count; ++i) {
             const int y = ay.first + i;
-            const A wy = mx_roi::hat_integral(ay, y);
-            const A hy1 = mx_roi::hat_value(ay.lo - (A)y), hy2 = mx_roi::hat_value(ay.hi - (A)y);
+#ifdef MX_ROI_HOST_NATIVE
+            const PreciseNodeWeights<A> wy = ny[i];
+#else
+            const PreciseNodeWeights<A> wy = precise_node(ay, y);
+#endif
+            const T* row = plane + (long long)y * W + ax.first;
+            A rs = 0, r1 = 0, r2 = 0;
             for (int j = 0; j < ax.count; ++j) {
-              const int x = ax.first + j;
-              const A f = (A)Tr::load(plane[(long long)y * W + x]);
-              const A wx = mx_roi::hat_integral(ax, x);
-              I += wy * wx * f;
-              ey1 += hy1 * wx * f;
-              ey2 += hy2 * wx * f;
-              ex1 += wy * mx_roi::hat_value(ax.lo - (A)x) * f;
-              ex2 += wy * mx_roi::hat_value(ax.hi - (A)x) * f;
+#ifdef MX_ROI_HOST_NATIVE
+              const PreciseNodeWeights<A> wx = nx[j];
+#else
+              const PreciseNodeWeights<A> wx = precise_node(ax, ax.first + j);
+#endif
+              const A f = (A)Tr::load(row[j]);
+              rs += wx.w * f;
+              r1 += wx.lo * f;
+              r2 += wx.hi * f;
             }
+            I += wy.w * rs;
+            ey1 += wy.lo * rs;
+            ey2 += wy.hi * rs;
+            ex1 += wy.w * r1;
+            ex2 += wy.w * r2;
           }
           const A o = I / b.area;
           const A fp = (A)p / (A)P, fp1 = (A)(p + 1) / (A)P;
