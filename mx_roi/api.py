@@ -112,8 +112,8 @@ def make_function(F, op_cls):
     fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
                   f"'{op_cls.name}')``.\n\n{(op_cls.__doc__ or '').strip()}\n\n"
                   f"Positional parameters after data, rois: {', '.join(order)}.\n\n"
-                  "Parameters\n----------\ndata : (N, C, H, W)\nrois : (R, 5) "
-                  f"(batch_index, x1, y1, x2, y2)\n{params}\n")
+                  "Parameters\n----------\ndata : (N, C, H, W)\n"
+                  f"rois : (R, {op_cls.rois_columns}) {op_cls.rois_layout}\n{params}\n")
     return fn
 
 

@@ -17,6 +17,7 @@ builds the op's geometry tables once per call and calls the op's kernels
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -114,22 +115,32 @@ class NumpyBackend:
             write_numpy(out_nd, req, out)
         return keep_for_backward(saved, rois, data.shape[2:], geo) if keep else None
 
-    def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
-        if req == "null":
+    def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
+                 rois_req="null", rois_grad_nd=None):
+        """The data gradient (``req``) and, for an op that differentiates its rois, the
+        rois' gradient (``rois_req``, into ``rois_grad_nd``)."""
+        if req == "null" and rois_req == "null":
             return
-        shape = in_grad_nd.shape
-        cdt = compute_dtype(in_grad_nd.dtype)
+        shape = tuple(data_nd.shape)
+        cdt = compute_dtype(data_nd.dtype)
         rois = read_numpy(rois_nd)
         # validated again here: the backward never indexes with rois it has not checked
-        op.check_inputs(shape, in_grad_nd.dtype, rois, np)
-        if rois.shape[0] == 0 or in_grad_nd.size == 0:
+        op.check_inputs(shape, data_nd.dtype, rois, np)
+        if rois.shape[0] == 0 or math.prod(shape) == 0:
             write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
+            write_numpy(rois_grad_nd, rois_req, np.zeros(rois.shape, cdt))
             return
         saved, geo = unpack_saved(saved, rois, shape[2:])
         if geo is None:
             geo = op.geometry(rois, shape[2], shape[3], np)
         grad = read_numpy(grad_nd).astype(cdt, copy=False)
-        if saved is None and op.backward_needs_data:
+        data = None
+        if rois_req != "null" or (req != "null" and saved is None and op.backward_needs_data):
             data = read_numpy(data_nd).astype(cdt, copy=False)
-            _, saved = op.forward_numpy(geo, data)
-        write_numpy(in_grad_nd, req, op.backward_numpy(geo, grad, shape, saved))
+        if req != "null":
+            if saved is None and op.backward_needs_data:
+                _, saved = op.forward_numpy(geo, data)
+            write_numpy(in_grad_nd, req, op.backward_numpy(geo, grad, shape, saved))
+        if rois_req != "null":
+            write_numpy(rois_grad_nd, rois_req,
+                        op.rois_backward_numpy(geo, grad, data, rois.astype(cdt, copy=False)))

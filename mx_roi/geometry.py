@@ -17,6 +17,7 @@ count along an axis (tables are padded to it; entries past a bin's count have we
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,9 @@ import numpy as np
 __all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "SampleGrid",
            "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index",
            "ps_channel_map",
-           "bilinear_axis", "MAX_SAMPLES_PER_AXIS"]
+           "bilinear_axis", "MAX_SAMPLES_PER_AXIS", "RotatedGrid", "rotated_boxes",
+           "rotated_grid", "MAX_ROTATED_SAMPLES", "IntegralAxis", "PreciseBins",
+           "precise_bins", "hat_antiderivative"]
 
 #: Guard against boxes so large that the per-axis sample tables would not fit in memory.
 MAX_SAMPLES_PER_AXIS = 1 << 22
@@ -509,3 +512,245 @@ def rfcn_align_grid(rois, pooled_size, spatial_scale, sample_num, height, width,
 
 
 __all__ += ["caffe_align_grid", "rfcn_align_grid"]
+
+
+# ---- rotated boxes (RROIAlign) --------------------------------------------------------
+#: Most bilinear samples of one RROIAlign bin (an adaptive grid of a box a thousand
+#: times the map); RROIAlign refuses rois that need more (op check, every backend)
+MAX_ROTATED_SAMPLES = 1 << 20
+
+
+@dataclass
+class RotatedGrid:
+    """Bilinear sample points of rotated bins: they do not split into a y and an x axis,
+    so every sample of every bin has its own taps and weights.
+
+    Attributes
+    ----------
+    batch : (R,) int32
+    count : (R,) int32          samples of each of the roi's bins (gy * gx)
+    divisor : (R,)              what a bin's sum is divided by: max(count, 1)
+    y, x : (R, P, Q, G)         sample points in feature-map cells before the bilinear
+                                 rule's clamp (pictures); 0 for the padding k >= count
+    y_low, y_high, x_low, x_high : (R, P, Q, G) int32   the taps
+    w1, w2, w3, w4 : (R, P, Q, G)   weights of taps (yl, xl), (yl, xh), (yh, xl), (yh, xh);
+                                 all 0 for out-of-map samples and the padding
+    """
+
+    batch: Any
+    count: Any
+    divisor: Any
+    y: Any
+    x: Any
+    y_low: Any
+    y_high: Any
+    x_low: Any
+    x_high: Any
+    w1: Any
+    w2: Any
+    w3: Any
+    w4: Any
+
+
+_LIBM = None
+
+
+def _libm_cos_sin(theta):
+    """cos and sin of ``theta`` (float32 or float64) as the C library gives them: ``cosf``
+    / ``sinf`` for float32 (MXNet's built-in and our kernels call them; NumPy's float32 cos
+    differs in 17% of the last bits, cos in double rounded to float in about 1%), ``cos`` /
+    ``sin`` for float64 (NumPy's own float64 sin differs from it too)."""
+    global _LIBM
+    if theta.dtype == np.float64:
+        values = theta.tolist()
+        return (np.array([math.cos(t) for t in values], np.float64),
+                np.array([math.sin(t) for t in values], np.float64))
+    if _LIBM is None:
+        import ctypes
+        import ctypes.util
+        lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        for name in ("cosf", "sinf"):
+            getattr(lib, name).restype = ctypes.c_float
+            getattr(lib, name).argtypes = [ctypes.c_float]
+        _LIBM = lib
+    values = theta.tolist()
+    return (np.array([_LIBM.cosf(t) for t in values], np.float32),
+            np.array([_LIBM.sinf(t) for t in values], np.float32))
+
+
+def rotated_boxes(rois, spatial_scale, sampling_ratio, aligned, clockwise, pooled_size):
+    """Per-roi quantities of RROIAlign in the compute dtype, MXNet's operation order
+    (``rroi_align.cc``): ``(cy, cx, cos, sin, start_h, start_w, bin_h, bin_w, gy, gx)``,
+    each (R,); gy, gx int64 (samples per bin side).
+
+    rois (R, 6) = (batch, x_center, y_center, width, height, angle in degrees); MXNet
+    forces a box to at least 1x1 cell; ``aligned`` (Detectron2's ROIAlignRotated) shifts
+    the centre by -0.5 and does not; ``clockwise`` (mmcv's) negates the angle."""
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    off = cdt.type(0.5) if aligned else cdt.type(0)
+    cx, cy = r[:, 1] * s - off, r[:, 2] * s - off
+    w, h = r[:, 3] * s, r[:, 4] * s
+    # MXNet: DType theta = rois[5] * M_PI / 180.0, in double
+    theta = (rois[:, 5].astype(np.float64) * np.pi / 180.0).astype(cdt)
+    if clockwise:
+        theta = -theta
+    cos, sin = _libm_cos_sin(theta)
+    if not aligned:  # "force malformed ROIs to be 1 * 1"
+        w, h = np.maximum(w, cdt.type(1)), np.maximum(h, cdt.type(1))
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    bin_h, bin_w = h / cdt.type(P), w / cdt.type(Q)
+    if sampling_ratio > 0:
+        gy = np.full(r.shape[0], int(sampling_ratio), np.int64)
+        gx = gy.copy()
+    else:
+        with np.errstate(invalid="ignore", over="ignore"):
+            # (a reversed box, aligned: no 1x1 floor, has no samples)
+            gy = np.clip(np.ceil(h / cdt.type(P)), 0, MAX_ROTATED_SAMPLES).astype(np.int64)
+            gx = np.clip(np.ceil(w / cdt.type(Q)), 0, MAX_ROTATED_SAMPLES).astype(np.int64)
+    return cy, cx, cos, sin, -h / cdt.type(2), -w / cdt.type(2), bin_h, bin_w, gy, gx
+
+
+def rotated_grid(rois, pooled_size, spatial_scale, sampling_ratio, aligned, clockwise,
+                 height, width, xp=np) -> RotatedGrid:
+    """RROIAlign's sample points (:class:`RotatedGrid`), in MXNet's operation order.
+
+    Bin (p, q) of a roi holds gy x gx samples, sample (iy, ix) (k = iy * gx + ix) at box
+    coordinates ``yy = start_h + p*bin_h + (iy + .5)*bin_h/gy`` (xx alike), rotated about
+    the centre: ``x = xx*cos + yy*sin + cx``, ``y = yy*cos - xx*sin + cy``; then ROIAlign's
+    bilinear rule (outside [-1, H] x [-1, W]: no sample, else clamped to the map).  The
+    kernels derive the same points in ``operators/rroi_align.cu`` (``rotated_box``,
+    ``rotated_sample``); a test proves the two equal bit for bit.  NumPy only (``xp``).
+    """
+    cdt = compute_dtype(rois.dtype)
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    R = rois.shape[0]
+    cy, cx, cos, sin, start_h, start_w, bin_h, bin_w, gy, gx = rotated_boxes(
+        rois, spatial_scale, sampling_ratio, aligned, clockwise, pooled_size)
+    count = gy * gx
+    G = int(count.max()) if R else 0
+    k = np.arange(G, dtype=np.int64)[None, :]                        # (1, G)
+    valid = k < count[:, None]                                       # (R, G)
+    gxs = np.maximum(gx, 1)[:, None]
+    iy, ix = k // gxs, k % gxs
+    half = np.float32(0.5)
+    with np.errstate(divide="ignore", invalid="ignore"):  # an empty grid: padding only
+        fy = ((iy.astype(np.float32) + half).astype(cdt) * bin_h[:, None]) / \
+            gy[:, None].astype(cdt)
+        fx = ((ix.astype(np.float32) + half).astype(cdt) * bin_w[:, None]) / \
+            gx[:, None].astype(cdt)
+    p = np.arange(P, dtype=cdt)[None, :, None]
+    q = np.arange(Q, dtype=cdt)[None, :, None]
+    yy = ((start_h[:, None, None] + p * bin_h[:, None, None]) + fy[:, None, :])[:, :, None, :]
+    xx = ((start_w[:, None, None] + q * bin_w[:, None, None]) + fx[:, None, :])[:, None, :, :]
+    c, s = cos[:, None, None, None], sin[:, None, None, None]
+    x = (xx * c + yy * s) + cx[:, None, None, None]                  # (R, P, Q, G)
+    y = (yy * c - xx * s) + cy[:, None, None, None]
+    keep = ~((y < -1) | (y > height) | (x < -1) | (x > width)) & valid[:, None, None, :]
+    taps, weights = [], []
+    for v, limit in ((y, height), (x, width)):
+        v = np.where(v <= 0, cdt.type(0), v)
+        lo = np.trunc(np.where(keep, v, 0)).astype(np.int32)
+        top = lo >= limit - 1
+        lo = np.where(top, np.int32(limit - 1), lo)
+        hi = np.where(top, lo, lo + 1).astype(np.int32)
+        v = np.where(top, lo.astype(cdt), v)
+        lw = v - lo.astype(cdt)
+        taps.append((np.where(keep, lo, 0).astype(np.int32),
+                     np.where(keep, hi, 0).astype(np.int32)))
+        weights.append((cdt.type(1) - lw, lw))
+    (hy, ly), (hx, lx) = weights
+    zero = cdt.type(0)
+    w = [np.where(keep, a * b, zero) for a, b in ((hy, hx), (hy, lx), (ly, hx), (ly, lx))]
+    pad = np.broadcast_to(~valid[:, None, None, :], y.shape)
+    y[pad] = 0
+    x[pad] = 0
+    return RotatedGrid(batch_index(rois, xp), count.astype(np.int32),
+                       np.maximum(count, 1).astype(cdt), y, x, taps[0][0], taps[0][1],
+                       taps[1][0], taps[1][1], *w)
+
+
+# ---- precise pooling (PrRoIPool) ---------------------------------------------------------
+@dataclass
+class IntegralAxis:
+    """PrRoIPool's bins along one axis: each bin's window [lo, hi] of the bilinear surface
+    and, for the map nodes it touches, the exact integral of their hat function over it.
+
+    Attributes
+    ----------
+    start, count : (R, P) int32   first node and number of nodes (clipped to the map)
+    weight : (R, P, K)   integral over the window of max(0, 1 - |t - node|), padding 0
+    edge_lo, edge_hi : (R, P, K)   the hat values at the window's two ends (the roi
+                                   gradient), padding 0
+    """
+
+    start: Any
+    count: Any
+    weight: Any
+    edge_lo: Any
+    edge_hi: Any
+
+
+@dataclass
+class PreciseBins:
+    """PrRoIPool's geometry: ``batch`` (R,) int32, ``area`` (R,) of a bin (0: output 0),
+    ``bin_size`` (R, 2) = (bh, bw), ``y`` / ``x`` :class:`IntegralAxis` over P / Q bins."""
+
+    batch: Any
+    area: Any
+    bin_size: Any
+    y: Any
+    x: Any
+
+
+def hat_antiderivative(t, cdt):
+    """``F(t) = t - t|t|/2`` of ``clip(t, -1, 1)``: the integral of max(0, 1 - |u|) from 0
+    to t (the compiled ``hat_integral`` uses the same operations)."""
+    t = np.minimum(np.maximum(t, cdt.type(-1)), cdt.type(1))
+    return t - (t * np.abs(t)) * cdt.type(0.5)
+
+
+def _integral_axis(lo, size, pooled, limit, cdt) -> IntegralAxis:
+    """Windows ``lo + p*size .. + size`` (lo, size (R,)) over nodes 0..limit-1."""
+    p = np.arange(pooled, dtype=cdt)[None, :]
+    a = lo[:, None] + size[:, None] * p                              # (R, P) window start
+    b = a + size[:, None]                                            # window end
+    top = cdt.type(limit - 1)
+    first = np.fmin(np.fmax(np.floor(a), cdt.type(0)), top).astype(np.int32)
+    last = np.fmin(np.fmax(np.ceil(b), cdt.type(0)), top).astype(np.int32)
+    count = np.maximum(last - first + 1, 0).astype(np.int32)
+    K = int(count.max()) if count.size else 0
+    node = first[..., None] + np.arange(K, dtype=np.int32)           # (R, P, K)
+    live = np.arange(K)[None, None, :] < count[..., None]
+    nf = node.astype(cdt)
+    u, v = a[..., None] - nf, b[..., None] - nf
+    zero = cdt.type(0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weight = hat_antiderivative(v, cdt) - hat_antiderivative(u, cdt)
+        hat = [np.maximum(cdt.type(1) - np.abs(t), zero) for t in (u, v)]
+    return IntegralAxis(first, count, np.where(live, weight, zero),
+                        np.where(live, hat[0], zero), np.where(live, hat[1], zero))
+
+
+def precise_bins(rois, pooled_size, spatial_scale, height, width) -> PreciseBins:
+    """PrRoIPool's bins (Jiang et al., ECCV 2018, as in its reference code and mmcv): the
+    box scaled by ``spatial_scale`` (no half-pixel offset), a reversed box has size 0, bin
+    (p, q) the window ``y1 + p*bh .. + bh`` x ``x1 + q*bw .. + bw`` with ``bh = h / P``,
+    area ``bw * bh``.  The bilinear surface has the map's values at integer nodes (0
+    beyond the map), so a bin's integral is ``sum_ij f_ij * wy_i * wx_j`` with the hat
+    integrals of :class:`IntegralAxis`.  The kernels (``operators/prroi_pool.cu``) derive
+    the same numbers; a test proves them equal bit for bit.  NumPy only."""
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    x1, y1, x2, y2 = r[:, 1] * s, r[:, 2] * s, r[:, 3] * s, r[:, 4] * s
+    zero = cdt.type(0)
+    h, w = np.maximum(y2 - y1, zero), np.maximum(x2 - x1, zero)
+    P, Q = int(pooled_size[0]), int(pooled_size[1])
+    bh, bw = h / cdt.type(P), w / cdt.type(Q)
+    with np.errstate(over="ignore"):
+        area = np.maximum(bw * bh, zero)
+    return PreciseBins(batch_index(rois), area, np.stack([bh, bw], axis=1),
+                       _integral_axis(y1, bh, P, height, cdt),
+                       _integral_axis(x1, bw, Q, width, cdt))

@@ -126,7 +126,8 @@ def _make_block(op_cls):
     lines = "\n".join(doc_line(name) for name in order)
     doc = (f"Gluon block for ``{op_cls.name}`` (``Custom(op_type='{op_cls.name}')``).\n\n"
            f"{(op_cls.__doc__ or '').strip()}\n\nCall as ``block(data, rois)`` with data "
-           "(N, C, H, W) and rois (R, 5) = (batch_index, x1, y1, x2, y2) of the same dtype; "
+           f"(N, C, H, W) and rois (R, {op_cls.rois_columns}) = {op_cls.rois_layout} of the same "
+           "dtype; "
            "a negative batch index marks a padding roi (output 0).\n\n"
            f"Positional parameters: {', '.join(order)} (the built-in's order, as "
            "``mx_roi.nd``).\n\n"

@@ -32,17 +32,14 @@ def make_op(name, params):
 
 
 def problem(op, dtype, seed=0, N=2, H=9, W=11):
-    """``(data (N, C, H, W), rois (8, 5), out_grad)`` of ``dtype`` for ``op``: random boxes,
+    """``(data (N, C, H, W), rois (8, K), out_grad)`` of ``dtype`` for ``op`` (K: the op's
+    ``rois_columns``): random boxes,
     some partly off the map, the first a padding roi (batch index -1)."""
     rng = np.random.default_rng(seed)
     p = op.param
     cin = p.in_channels if hasattr(p, "output_dim") else 3
     data = rng.standard_normal((N, cin, H, W)).astype(dtype)
-    s = p.spatial_scale
-    x1 = rng.uniform(-1, W * 0.7, 8) / s
-    y1 = rng.uniform(-1, H * 0.7, 8) / s
-    rois = np.stack([rng.integers(0, N, 8), x1, y1, x1 + rng.uniform(1, W * 0.6, 8) / s,
-                     y1 + rng.uniform(1, H * 0.6, 8) / s], axis=1)
+    rois = type(op).random_rois(rng, 8, N, H, W, p.spatial_scale)
     rois[0, 0] = -1  # a padding roi
     rois = rois.astype(dtype)
     grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
@@ -78,11 +75,16 @@ def run(backend, op, data, rois, grad, ctx, rescan=False):
     keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
     if rescan:  # (the checks run on one thread)
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
+    # an op that differentiates its rois: their gradient joins the data's (one array)
+    rg = as_array(np.zeros(rois.shape, rois.dtype), ctx) if op.differentiates_rois else None
     try:
         saved = backend.forward(op, "write", x, r, out, keep=True)
-        backend.backward(op, "write", as_array(grad, ctx), x, r, dg, saved)
+        backend.backward(op, "write", as_array(grad, ctx), x, r, dg, saved,
+                         *(("write", rg) if rg is not None else ()))
     finally:
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
+    if rg is not None:
+        return out.asnumpy(), np.concatenate([dg.asnumpy().ravel(), rg.asnumpy().ravel()])
     return out.asnumpy(), dg.asnumpy()
 
 

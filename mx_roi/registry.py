@@ -51,8 +51,16 @@ class RoIOp:
     builtin_order: Tuple[str, ...] = None
     #: parameter dicts ``python -m mx_roi.selftest`` checks on every backend
     selftest_cases: Tuple[dict, ...] = ()
+    #: whether ``selftest_builtin``'s built-in has a gradient to compare with
+    selftest_builtin_grad = True
     #: whether the backward reads the input data (max modes) besides rois and out_grad
     backward_needs_data = False
+    #: columns of a roi row and what they hold (shape rule and error messages)
+    rois_columns = 5
+    rois_layout = "(batch_index, x1, y1, x2, y2)"
+    #: whether the output is differentiable in the roi coordinates: the backends then
+    #: fill the rois' gradient with ``rois_backward_<backend>`` (else it is zeros)
+    differentiates_rois = False
 
     def __init__(self, param):
         self.param = param
@@ -63,13 +71,15 @@ class RoIOp:
         return channels
 
     def out_shape(self, data_shape, rois_shape) -> Tuple[int, ...]:
-        """(R, C_out, P, Q) for data (N, C, H, W) and rois (R, 5); ValueError naming the problem."""
+        """(R, C_out, P, Q) for data (N, C, H, W) and rois (R, :attr:`rois_columns`);
+        ValueError naming the problem."""
         if len(data_shape) != 4:
             raise ValueError(f"{self.name}: data must be 4-D (N, C, H, W), got shape "
                              f"{tuple(data_shape)}")
-        if len(rois_shape) != 2 or rois_shape[1] != 5:
-            raise ValueError(f"{self.name}: rois must have shape (R, 5) = (batch_index, x1, y1, "
-                             f"x2, y2), got {tuple(rois_shape)}")
+        k = self.rois_columns
+        if len(rois_shape) != 2 or rois_shape[1] != k:
+            raise ValueError(f"{self.name}: rois must have shape (R, {k}) = {self.rois_layout}, "
+                             f"got {tuple(rois_shape)}")
         ph, pw = self.param.pooled_size
         return (rois_shape[0], self.out_channels(data_shape[1]), ph, pw)
 
@@ -85,6 +95,19 @@ class RoIOp:
         the parameter struct's other fields in field order."""
         head = tuple(cls.builtin_order or ())
         return head + tuple(n for n in cls.param_cls.field_names() if n not in head)
+
+    @classmethod
+    def random_rois(cls, rng, count: int, images: int, height: int, width: int,
+                    spatial_scale: float):
+        """``count`` random float64 rois (count, :attr:`rois_columns`) in image coordinates
+        on ``images`` maps of ``height`` x ``width`` cells (the selftest's problems):
+        boxes of 1 to 0.6 map sides, some partly off the map."""
+        s = spatial_scale
+        x1 = rng.uniform(-1, width * 0.7, count) / s
+        y1 = rng.uniform(-1, height * 0.7, count) / s
+        return np.stack([rng.integers(0, images, count), x1, y1,
+                         x1 + rng.uniform(1, width * 0.6, count) / s,
+                         y1 + rng.uniform(1, height * 0.6, count) / s], axis=1)
 
     @staticmethod
     def selftest_builtin(params: dict, data, rois):
@@ -124,6 +147,15 @@ class RoIOp:
 
     def backward_cuda(self, launch, geo, grad, data_shape, saved):
         """CUDA input gradient through :class:`mx_roi.cuda.backend.Launch`."""
+        raise NotImplementedError
+
+    def rois_backward_numpy(self, geo, grad, data, rois):
+        """NumPy gradient of the rois (R, :attr:`rois_columns`), compute dtype, from the
+        out-grad and the data (only when :attr:`differentiates_rois`)."""
+        raise NotImplementedError
+
+    def rois_backward_cuda(self, launch, geo, grad, data, rois):
+        """CUDA gradient of the rois (only when :attr:`differentiates_rois`)."""
         raise NotImplementedError
 
     # ---- validation -------------------------------------------------------------
@@ -234,17 +266,20 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
         @recording
         def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
             saved, self.saved = self.saved, None
+            rois_req = req[1] if self.op.differentiates_rois else "null"
             if self.rejected:
                 # MXNet runs the backward of a forward that raised: the forward's error
                 # is the one the caller gets; the gradient is zeros and no kernel reads
                 # the rejected rois
                 _zero(req[0], in_grad[0])
+                _zero(rois_req, in_grad[1])
             else:
                 # the backend validates the rois again itself before any kernel runs
                 self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
-                                      in_grad[0], saved)
-            # rois get no gradient: zeros for write, nothing to add for add
-            _zero(req[1], in_grad[1])
+                                      in_grad[0], saved, rois_req, in_grad[1])
+            if not self.op.differentiates_rois:
+                # rois get no gradient: zeros for write, nothing to add for add
+                _zero(req[1], in_grad[1])
 
     _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
 

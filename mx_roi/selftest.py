@@ -70,9 +70,10 @@ def _builtin_checks(backend, ctx, dtype=np.float32):
         if y is None:  # MXNet has no equivalent
             continue
         out, dg = _run(backend, op, data, rois, grad, ctx)
-        y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
         _close(out, y.asnumpy(), dtype, f"{name} forward vs built-in on {ctx}")
-        _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
+        if type(op).selftest_builtin_grad:  # (a built-in without a backward: forward only)
+            y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
+            _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
         n += 1
     return n
 

@@ -15,6 +15,9 @@ CASES = [
                       aligned=True)),
     ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5)),
     ("PSROIAlign", dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2)),
+    # (RROIAlign runs on a GPU through tests/ops with MX_ROI_TEST_CTX=gpu: its cosf / sinf
+    # are the device's, not bit for bit the host's)
+    ("PrRoIPool", dict(pooled_size=(2, 3), spatial_scale=0.5)),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 

@@ -17,6 +17,8 @@ EXPECTED = {
     "ROIAlign-max/7x7": False,
     "PSROIPooling/7x7": True,
     "PSROIAlign/7x7": True,
+    "RROIAlign/7x7": ("fwd",),   # MXNet's RROIAlign has no backward
+    "PrRoIPool/7x7": False,
 }
 DIRECTIONS = ("fwd", "fwd+bwd")
 
@@ -61,13 +63,13 @@ def test_every_op_and_direction_has_positive_times(quick_run):
             assert (key, direction) in rows, f"missing {key} {direction}"
             r = rows[(key, direction)]
             assert _positive(r["ours_ms"]) and all(_positive(t) for t in r["ours_runs_ms"])
-            if has_builtin:
+            if has_builtin is True or direction in (has_builtin or ()):
                 assert _positive(r["builtin_ms"]) and _positive(r["ratio"])
                 assert r["check"]["ok"], r["check"]
             else:
                 assert r["builtin_ms"] is None and r["ratio"] is None
-    assert {r["op"] for r in payload["results"]} == {
-        "ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign"}
+    import mx_roi  # every registered op has bench rows
+    assert {r["op"] for r in payload["results"]} == set(mx_roi.OP_TYPES)
     assert payload["failures"] == []
     assert _positive(payload["geomean_fwd_bwd_ratio"])
 
@@ -407,7 +409,7 @@ def test_markdown_of_a_single_run(quick_run):
     t = payload["machine"]["threads"]
     assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
                                f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
-    rows = [ln for ln in lines if ln.startswith("| ROI") or ln.startswith("| PSROI")]
+    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI"))]
     assert len(rows) == len(payload["results"])
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "

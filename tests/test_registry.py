@@ -81,8 +81,11 @@ def test_check_inputs_batch_index_and_finite_bounds():
         op = cls(cls.param_cls.from_kwargs(**_minimal_params(cls)))
 
         def check(batch, n=2, value=10.0, dtype=np.float32):
-            rois = np.array([[0 if n else -1, 1, 1, 5, 5], [batch, 2, 2, value, 6]], dtype)
-            op.check_inputs((n, 4, 8, 8), np.dtype(dtype), rois, np)
+            if cls.rois_columns == 6:  # rotated: the value as the x centre
+                rows = [[0 if n else -1, 1, 1, 5, 5, 0], [batch, value, 2, 2, 6, 30]]
+            else:
+                rows = [[0 if n else -1, 1, 1, 5, 5], [batch, 2, 2, value, 6]]
+            op.check_inputs((n, 4, 8, 8), np.dtype(dtype), np.array(rows, dtype), np)
 
         for ok in (1.999, 1.5, 1.0, 0.0, -0.5, -1.0, -7.5):
             check(ok)

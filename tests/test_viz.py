@@ -64,6 +64,28 @@ def _tables(name, shape, roi, kw):
                                    H, W, np)
 
 
+def _check_own_geometry(panel, spec, kw):
+    """A panel of an op that draws its own geometry (viz_coords) against the geometry
+    module, called directly: RROIAlign's sample points, PrRoIPool's node weights."""
+    rois = np.asarray(spec["roi"], np.float32)[None]
+    H, W = spec["feature_shape"]
+    P = kw["pooled_size"]
+    P, Q = (P, P) if isinstance(P, int) else P
+    assert len(panel["bin_polygons"]) == P * Q
+    if spec["op"] == "RROIAlign":
+        g = geometry.rotated_grid(rois, (P, Q), kw["spatial_scale"], kw["sampling_ratio"],
+                                  kw.get("aligned", False), kw.get("clockwise", False), H, W)
+        n = int(g.count[0])
+        want = np.stack([g.y[0, :, :, :n].reshape(-1), g.x[0, :, :, :n].reshape(-1)], axis=1)
+        assert panel["samples"] == want.tolist()
+    else:
+        b = geometry.precise_bins(rois, (P, Q), kw["spatial_scale"], H, W)
+        i, j = panel["node_bin"]
+        w = np.outer(b.y.weight[0, i, :b.y.count[0, i]], b.x.weight[0, j, :b.x.count[0, j]])
+        np.testing.assert_allclose(sorted(panel["node_weights"]),
+                                   sorted((w[w > 0] / b.area[0]).tolist()), rtol=1e-6)
+
+
 def _drawn(ax, gid):
     return [a for a in list(ax.collections) + list(ax.patches) if a.get_gid() == gid]
 
@@ -231,6 +253,9 @@ def test_committed_pictures_match_regeneration_and_geometry(name, regenerated):
         spec = dict(spec)
         kw = {k: v for k, v in spec.items() if k not in ("op", "feature_shape", "roi",
                                                          "tap_sample", "channel")}
+        if spec["op"] in ("RROIAlign", "PrRoIPool"):
+            _check_own_geometry(panel, spec, kw)
+            continue
         t = _tables(spec["op"], spec["feature_shape"], spec["roi"], kw)
         if hasattr(t, "hstart"):
             assert panel["hstart"] == t.hstart[0].tolist()
@@ -289,3 +314,15 @@ def test_cli_options(tmp_path, capsys):
         main(["--op", "ROIPooling", "--roi", "0,1,2,3,4", "--spatial-scale", "1",
               "--pooled-size", "2", "--aligned", "-o", str(tmp_path / "x.png")])
     assert exc.value.code == 2
+
+
+def test_cli_rotated_and_precise_ops(tmp_path):
+    """The CLI draws RROIAlign (sampling_ratio, clockwise) and PrRoIPool."""
+    from mx_roi.viz.__main__ import main
+    for argv in (["--op", "rroialign", "--roi", "0,40,30,50,20,-40", "--spatial-scale", "0.125",
+                  "--pooled-size", "2,3", "--sample-ratio", "2", "--clockwise"],
+                 ["--op", "PrRoIPool", "--roi", "0,10,10,60,50", "--spatial-scale", "0.125",
+                  "--pooled-size", "2", "--feature-shape", "8,9"]):
+        out = tmp_path / f"{argv[1]}.png"
+        assert main(argv + ["--dpi", "40", "-o", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

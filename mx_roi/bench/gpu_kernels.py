@@ -74,12 +74,12 @@ def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0, tv=None):
     from ..cuda.cupy_arrays import Device
     from ..selftest import _run
     from .roofline import workload_work
-    from .workloads import RTOL, ATOL, make_data, make_out_grad, make_rois
+    from .workloads import RTOL, ATOL, in_layout, make_data, make_out_grad, make_rois
     gpu, cuda, native = Device(device_id), get("cuda"), get("native")
     rows = []
     for w in workloads:
         op, det_op = w.op_instance(), w.op_instance(deterministic=True)
-        data, rois = make_data(w.channels), make_rois(w.boxes)
+        data, rois = make_data(w.channels), in_layout(make_rois(w.boxes), w.rois_columns)
         dy = make_out_grad(op.out_shape(data.shape, rois.shape))
         x, r, g = gpu.array(data), gpu.array(rois), gpu.array(dy)
         out, dx = gpu.zeros(dy.shape), gpu.zeros(data.shape)

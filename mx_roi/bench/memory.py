@@ -45,11 +45,11 @@ def memory_child(key: str, side: str, quick: bool, ctx_name: str) -> dict:
     inputs = Inputs(ctx, w.boxes)
     data = inputs.data(w.channels)
     data.attach_grad()
-    rois = inputs.rois(w.boxes)
+    rois = inputs.rois(w.boxes, w.rois_columns)
     shape = w.out_shape
     out_grad = inputs.out_grad(shape)
     # warm up the code path with 2 boxes so imports/JIT/first allocations are not counted
-    small = inputs.rois(2)
+    small = inputs.rois(2, w.rois_columns)
     run_once(fn, data, small, "fwd+bwd", inputs.out_grad((2,) + shape[1:]))
     mx.nd.waitall()
     if _reset_peak_rss():  # peak RSS now == current RSS: the delta is this fwd+bwd's peak
@@ -75,7 +75,7 @@ def bench_memory(workloads: List[Workload], quick: bool, ctx_name: str):
     for w in workloads:
         entry = {"key": w.key, "config": w.config}
         for side in ("ours", "builtin"):
-            if side == "builtin" and not w.has_builtin:
+            if side == "builtin" and w.builtin("fwd+bwd") is None:
                 entry[side] = None
                 continue
             cmd = [sys.executable, "-m", "mx_roi.bench", "--memory-child", w.key,

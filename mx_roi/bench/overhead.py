@@ -15,7 +15,7 @@ import mxnet as mx
 import mx_roi
 
 from .timing import bench_pair
-from .workloads import DIRECTIONS, Inputs, Workload, make_rois
+from .workloads import DIRECTIONS, Inputs, Workload, in_layout, make_rois
 
 __all__ = ["OVERHEAD_OPS", "bench_overhead", "bench_fixed_cost", "FIXED_COST_TARGET_MS"]
 
@@ -83,7 +83,7 @@ def bench_overhead(inputs: Inputs, workloads: List[Workload], repeat: int):
         if sig in seen or w.key.endswith("-big"):
             continue
         seen.add(sig)
-        rois = inputs.rois(w.boxes)
+        rois = inputs.rois(w.boxes, w.rois_columns)
         out_grad = inputs.out_grad(shape)
         for op_type, (_, label) in OVERHEAD_OPS.items():
             def fn(data, rois, _t=op_type, _s=json.dumps(list(shape))):
@@ -125,7 +125,7 @@ def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT)
         rng = np.random.RandomState(SEED_SMALL)
         data = mx.nd.array(rng.standard_normal((1, channels) + SMALL_HW).astype(np.float32),
                            ctx=ctx)
-        rois = mx.nd.array(rois_np, ctx=ctx)
+        rois = mx.nd.array(in_layout(rois_np, w.rois_columns), ctx=ctx)
         shape = (SMALL_BOXES, kwargs.get("output_dim", channels), ph, pw)
         out_grad = mx.nd.array(np.ones(shape, np.float32), ctx=ctx)
         ours = getattr(mx_roi.nd, w.op)

@@ -27,7 +27,7 @@ import numpy as np
 from .. import kernels_numpy as K
 from .. import parallel
 from ..geometry import IntBins
-from .workloads import BATCH, FEAT_H, FEAT_W, make_rois
+from .workloads import BATCH, FEAT_H, FEAT_W, in_layout, make_rois
 
 __all__ = ["probe", "workload_work", "bound_ms", "probe_hardware", "add_bounds"]
 
@@ -105,6 +105,8 @@ def workload_work(op, data_shape, rois: np.ndarray, itemsize: int = 4) -> dict:
     (N, C, H, W), ``rois`` (R, 5).  Returns ``fwd_bytes``, ``fwd_ops``, ``bwd_bytes``,
     ``bwd_ops``.
     """
+    if hasattr(op, "roofline_work"):  # an op whose tables _used cannot read
+        return op.roofline_work(data_shape, rois, itemsize)
     N, C, H, W = data_shape
     geo = op.geometry(rois.astype(np.float64), H, W, np)
     batch, rows, cols, counts = _used(geo, H, W)
@@ -175,7 +177,7 @@ def add_bounds(rows, workloads, hw: dict) -> None:
     for w in workloads:
         try:
             work[w.key] = workload_work(w.op_instance(), (BATCH, w.channels, FEAT_H, FEAT_W),
-                                        make_rois(w.boxes))
+                                        in_layout(make_rois(w.boxes), w.rois_columns))
         except Exception:  # a bound is a report, never a reason to fail the bench
             work[w.key] = None
     for r in rows:

@@ -115,7 +115,7 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
     """Both directions of ``w``: one row each; with ``tv`` (a
     :class:`~mx_roi.bench.torchvision_ops.Torchvision`) also its column."""
     rows = []
-    rois = inputs.rois(w.boxes)
+    rois = inputs.rois(w.boxes, w.rois_columns)
     out_grad = inputs.out_grad(w.out_shape)
     peer, tv_fields = None, {}
     if tv is not None:
@@ -129,8 +129,8 @@ def bench_workload(w: Workload, inputs: Inputs, repeat: int, directions=DIRECTIO
     for direction in directions:
         data = inputs.data(w.channels)  # fresh array per direction, same values
         try:
-            res = bench_pair(w.ours(), w.builtin(), data, rois, direction, repeat, out_grad,
-                             peer)
+            res = bench_pair(w.ours(), w.builtin(direction), data, rois, direction, repeat,
+                             out_grad, peer)
         except Exception as exc:  # a broken op must not hide the others' results
             res = dict(check=None, ours_runs_ms=None, builtin_runs_ms=None, ours_ms=None,
                        builtin_ms=None, ratio=None,
@@ -225,11 +225,11 @@ def sweep(workloads: List[Workload], inputs: Inputs, boxes_list, repeat, directi
                  "config": w.config.split(",")[0], "op": w.op}
         for n in boxes_list:
             ww = Workload(**{**w.__dict__, "boxes": n})
-            rois = inputs.rois(n)
+            rois = inputs.rois(n, w.rois_columns)
             out_grad = inputs.out_grad(ww.out_shape)
             data = inputs.data(w.channels)
             try:
-                res = bench_pair(ww.ours(), ww.builtin(), data, rois, direction, repeat,
+                res = bench_pair(ww.ours(), ww.builtin(direction), data, rois, direction, repeat,
                                  out_grad)
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"

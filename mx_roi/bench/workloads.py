@@ -11,7 +11,8 @@ import mxnet as mx
 
 import mx_roi
 
-__all__ = ["Workload", "build_workloads", "select_workloads", "make_rois", "make_data", "make_out_grad", "Inputs"]
+__all__ = ["Workload", "build_workloads", "select_workloads", "make_rois", "make_data", "make_out_grad",
+           "Inputs", "in_layout"]
 
 IMAGE_H, IMAGE_W, STRIDE = 600, 800, 16
 FEAT_H, FEAT_W = IMAGE_H // STRIDE + 1, IMAGE_W // STRIDE  # 38 x 50, as a VGG/ResNet C4 map
@@ -52,6 +53,20 @@ def make_rois(count: int, batch: int = BATCH, seed: int = SEED,
     return rois[:count]
 
 
+def in_layout(rois: np.ndarray, columns: int, seed: int = SEED) -> np.ndarray:
+    """The proposals ``rois`` (R, 5) in an op's roi layout: as they are (5 columns), or
+    for rotated boxes (6) as (batch, x_center, y_center, width, height, angle), the same
+    boxes turned by seeded angles uniform in [-90, 90) degrees."""
+    if columns == 5:
+        return rois
+    if columns != 6:
+        raise ValueError(f"no bench proposals with {columns} columns")
+    angle = np.random.RandomState(seed + 3000).uniform(-90, 90, size=max(len(rois), 1))
+    b, x1, y1, x2, y2 = rois.T
+    return np.stack([b, (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1,
+                     angle[:len(rois)]], axis=1).astype(rois.dtype)
+
+
 def make_data(channels: int, seed: int = SEED) -> np.ndarray:
     rng = np.random.RandomState(seed + 1000 + channels)
     return rng.standard_normal((BATCH, channels, FEAT_H, FEAT_W)).astype(np.float32)
@@ -78,6 +93,10 @@ class Workload:
     builtin_name: Optional[str]  # e.g. "mx.nd.contrib.ROIAlign"; None: no built-in
     builtin_kwargs: Dict = field(default_factory=dict)
     note: str = ""
+    #: columns of the op's rois (the proposals go through :func:`in_layout`)
+    rois_columns: int = 5
+    #: the directions the built-in can run (MXNet's RROIAlign has no backward)
+    builtin_directions: tuple = DIRECTIONS
 
     @property
     def has_builtin(self) -> bool:
@@ -88,8 +107,10 @@ class Workload:
         kwargs = dict(self.ours_kwargs)
         return lambda data, rois: fn(data, rois, **kwargs)
 
-    def builtin(self) -> Optional[Callable]:
-        if self.builtin_name is None:
+    def builtin(self, direction: Optional[str] = None) -> Optional[Callable]:
+        """The built-in's call (None: none, or none for ``direction``)."""
+        if self.builtin_name is None or (direction is not None
+                                         and direction not in self.builtin_directions):
             return None
         fn = mx
         for part in self.builtin_name.split(".")[1:]:
@@ -168,6 +189,21 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
     add(7, boxes)
     if variants:
         add(14, big_boxes, suffix="-big")
+    for size, nboxes, suffix in ((7, boxes, ""),) + (((14, big_boxes, "-big"),) if variants
+                                                      else ()):
+        p = (size, size)
+        out.append(Workload(f"RROIAlign/{size}x{size}{suffix}", "RROIAlign",
+                            f"{size}x{size}, {nboxes} rotated boxes, sampling_ratio=2",
+                            channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s, sampling_ratio=2),
+                            "mx.nd.contrib.RROIAlign",
+                            dict(pooled_size=p, spatial_scale=s, sampling_ratio=2),
+                            note="built-in: forward only", rois_columns=6,
+                            builtin_directions=("fwd",)))
+        out.append(Workload(f"PrRoIPool/{size}x{size}{suffix}", "PrRoIPool",
+                            f"{size}x{size}, {nboxes} boxes", channels, nboxes,
+                            dict(pooled_size=p, spatial_scale=s), None,
+                            note="no built-in (mmcv's PrRoIPool)"))
     return out
 
 
@@ -197,8 +233,9 @@ class Inputs:
     def data(self, channels):
         return mx.nd.array(self.data_np(channels), ctx=self.ctx)
 
-    def rois(self, count):
-        return mx.nd.array(self.rois_np[:count], ctx=self.ctx)
+    def rois(self, count, columns: int = 5):
+        """The first ``count`` proposals, in the layout of an op with ``columns``."""
+        return mx.nd.array(in_layout(self.rois_np[:count], columns), ctx=self.ctx)
 
     def out_grad(self, shape):
         return mx.nd.array(make_out_grad(shape), ctx=self.ctx)

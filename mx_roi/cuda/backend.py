@@ -547,31 +547,46 @@ class CudaBackend:
             return keep_for_backward(saved, rois, data.shape[2:], geo)
         return None
 
-    def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
-        if req == "null":
+    def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
+                 rois_req="null", rois_grad_nd=None):
+        """The data gradient (``req``) and, for an op that differentiates its rois, the
+        rois' gradient (``rois_req``, into ``rois_grad_nd``)."""
+        if req == "null" and rois_req == "null":
             return
-        with self._device(in_grad_nd):
+        with self._device(data_nd):
             try:
-                self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved)
+                self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
+                               rois_req, rois_grad_nd)
             finally:  # after _backward's temporaries are dropped: the pool can free them
                 self._sync()
 
-    def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
+    def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved, rois_req,
+                  rois_grad_nd):
         xp = self._xp()
-        shape = tuple(in_grad_nd.shape)
+        shape = tuple(data_nd.shape)
         _check_plane(op, shape)
         rois = self._host_rois(rois_nd)
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
-        self._check(op, shape, in_grad_nd.dtype, rois)
+        self._check(op, shape, data_nd.dtype, rois)
         if rois.shape[0] == 0 or math.prod(shape) == 0:
-            if req != "add":
+            if req not in ("add", "null"):
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
+            if rois_req not in ("add", "null"):
+                self._write(rois_grad_nd, rois_req, xp.zeros(rois.shape, rois_grad_nd.dtype))
             return
         saved, geo = unpack_saved(saved, rois, shape[2:], np)
         if geo is None:
             geo = self._geometry(op, rois, shape[2], shape[3])
         grad = self._read(grad_nd)
+        if rois_req != "null":
+            launch = self._launch(op, grad.dtype, rois_grad_nd)
+            launch.geo = geo
+            value = op.rois_backward_cuda(launch, geo, grad, self._read(data_nd),
+                                          self._read(rois_nd))
+            self._write(rois_grad_nd, rois_req, value)
+        if req == "null":
+            return
         launch = self._launch(op, grad.dtype, in_grad_nd)
         launch.geo = geo
         if saved is None and op.backward_needs_data:  # no argmax: the winners are rescanned

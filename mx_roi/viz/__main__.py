@@ -29,16 +29,20 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mx_roi.viz", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--op", required=True,
-                    help="ROIPooling, ROIAlign, PSROIPooling or PSROIAlign (case-insensitive)")
+                    help="ROIPooling, ROIAlign, PSROIPooling, PSROIAlign, RROIAlign or PrRoIPool "
+                         "(case-insensitive)")
     ap.add_argument("--roi", required=True, type=_floats,
-                    help="batch,x1,y1,x2,y2 (or x1,y1,x2,y2) in image coordinates")
+                    help="batch,x1,y1,x2,y2 (or x1,y1,x2,y2) in image coordinates; "
+                         "RROIAlign: batch,x_center,y_center,width,height,angle_degrees")
     ap.add_argument("--spatial-scale", type=float, required=True)
     ap.add_argument("--pooled-size", type=_ints, required=True, help="P or P,Q")
     ap.add_argument("--feature-shape", type=_ints, default=None,
                     help="H,W of the feature map (default: just large enough for the box)")
     ap.add_argument("--sample-ratio", type=int, default=None,
-                    help="align ops: samples per bin side, <= 0 adaptive (op default -1)")
+                    help="align ops: samples per bin side, <= 0 adaptive (op default -1; "
+                         "RROIAlign's sampling_ratio)")
     ap.add_argument("--aligned", action="store_true", help="align ops: half-pixel offset")
+    ap.add_argument("--clockwise", action="store_true", help="RROIAlign: angles clockwise")
     ap.add_argument("--compare-aligned", action="store_true",
                     help="align ops: draw aligned=False and aligned=True side by side")
     ap.add_argument("--pool-mode", choices=("avg", "max"), default=None, help="ROIAlign only")
@@ -70,7 +74,10 @@ def main(argv=None):
         build_parser().error("--output-dim/--group-size are for PSROIPooling/PSROIAlign")
     if opname.endswith("align"):
         if args.sample_ratio is not None:
-            params["sample_ratio"] = args.sample_ratio
+            params["sampling_ratio" if opname == "rroialign" else "sample_ratio"] = \
+                args.sample_ratio
+        if args.clockwise:
+            params["clockwise"] = True
         params["aligned"] = args.aligned
         if args.pool_mode is not None:
             params["pool_mode"] = args.pool_mode

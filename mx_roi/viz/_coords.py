@@ -60,18 +60,23 @@ def is_position_sensitive(op) -> bool:
     return hasattr(op, "channel_map")
 
 
-def _roi_array(roi) -> np.ndarray:
+def _roi_array(roi, columns=5, layout="(batch, x1, y1, x2, y2)") -> np.ndarray:
+    """One roi of an op's layout (``columns`` values; the batch index may be left out)."""
     r = np.asarray(roi, dtype=np.float32).reshape(-1)
-    if r.size == 4:
+    if r.size == columns - 1:
         r = np.concatenate([np.zeros(1, np.float32), r])
-    if r.size != 5:
-        raise ValueError(f"roi must be (batch, x1, y1, x2, y2) or (x1, y1, x2, y2), got {roi!r}")
+    if r.size != columns:
+        raise ValueError(f"roi must be {layout}, with or without the batch index, got {roi!r}")
     return r
 
 
 def default_feature_shape(roi, spatial_scale) -> Tuple[int, int]:
     """A map just large enough to contain the (scaled) box, plus one cell."""
-    r = _roi_array(roi).astype(np.float64)
+    r = np.asarray(roi, np.float64).reshape(-1)
+    if r.size == 6:  # rotated (batch, cx, cy, w, h, angle): its circle
+        reach = math.hypot(r[3], r[4]) / 2
+        r = np.array([0, r[1] - reach, r[2] - reach, r[1] + reach, r[2] + reach])
+    r = _roi_array(r).astype(np.float64)
     s = float(np.float32(spatial_scale))
     h = max(1, int(math.ceil(max(r[2], r[4]) * s)) + 1)
     w = max(1, int(math.ceil(max(r[1], r[3]) * s)) + 1)
@@ -116,11 +121,10 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
     """
     op = make_op(op, **params)
     p = op.param
-    rois = _roi_array(roi)[None]
+    rois = _roi_array(roi, op.rois_columns, op.rois_layout)[None]
     if feature_shape is None:
         feature_shape = default_feature_shape(rois[0], p.spatial_scale)
     H, W = (int(v) for v in feature_shape)
-    geo = op.geometry(rois, H, W, np)
     out: Dict[str, Any] = {
         "op": op.name,
         "feature_shape": np.array([H, W], dtype=np.int64),
@@ -128,6 +132,18 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
         "roi_scaled": (rois[0, 1:].astype(np.float64) * float(np.float32(p.spatial_scale))),
         "pooled_size": np.array(p.pooled_size, dtype=np.int64),
     }
+    if hasattr(op, "viz_coords"):
+        # an op whose tables are neither IntBins nor a SampleGrid draws its own: polygons
+        # ``roi_polygon`` (4, 2) and ``bin_polygons`` (P*Q, 4, 2) as (x, y) corners, and
+        # optionally ``samples`` / ``outside`` / ``sample_bin`` / ``sample_index`` /
+        # ``tap_sample`` / ``taps`` / ``tap_weights`` as above, or ``nodes`` (K, 2) and
+        # ``node_weights`` (K,) of the bin ``node_bin`` -- all from its own geometry
+        out.update(op.viz_coords(rois, H, W, tap_sample))
+        corners = out["roi_polygon"]
+        out["roi_scaled"] = np.array([corners[:, 0].min(), corners[:, 1].min(),
+                                      corners[:, 0].max(), corners[:, 1].max()])
+        return out
+    geo = op.geometry(rois, H, W, np)
     if is_align(op):
         ay, ax = geo.y, geo.x
         out["count_y"], out["coord_y"] = ay.count[0].copy(), ay.coord[0].copy()

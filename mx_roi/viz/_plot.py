@@ -43,8 +43,12 @@ def _title(op) -> str:
     parts = [f"pooled_size={tuple(p.pooled_size)}", f"spatial_scale={p.spatial_scale:g}"]
     if hasattr(p, "sample_ratio"):
         parts.append(f"sample_ratio={p.sample_ratio}")
+    if hasattr(p, "sampling_ratio"):
+        parts.append(f"sampling_ratio={p.sampling_ratio}")
     if hasattr(p, "aligned"):
         parts.append(f"aligned={p.aligned}")
+    if getattr(p, "clockwise", False):
+        parts.append("clockwise=True")
     if getattr(p, "pool_mode", "avg") == "max":
         parts.append("pool_mode='max'")
     if is_position_sensitive(op):
@@ -161,6 +165,55 @@ def _draw_align(ax, op, c):
         ax.scatter([sx], [sy], s=30, c="crimson", zorder=9, gid="tap_sample")
 
 
+def _draw_polygons(ax, op, c):
+    """An op's own bins (``viz_coords``): polygons, then its samples and the taps of one,
+    or the weights of one bin's map nodes."""
+    from matplotlib.patches import Polygon
+    P, Q = (int(v) for v in c["pooled_size"])
+    ax.add_patch(Polygon(np.asarray(c["roi_polygon"]) + PIXEL_CENTRE, closed=True, fill=False,
+                         ls="--", lw=1.5, edgecolor="black", zorder=6, gid="roi_scaled",
+                         label="roi × spatial_scale (input)"))
+    for k, corners in enumerate(np.asarray(c["bin_polygons"], dtype=np.float64)):
+        p, q = divmod(k, Q)
+        ax.add_patch(Polygon(corners + PIXEL_CENTRE, closed=True, fill=False,
+                             edgecolor="tab:blue", lw=1.2, zorder=4, gid=f"bin_{p}_{q}",
+                             label="bins" if k == 0 else None))
+    if "samples" in c:
+        _draw_samples(ax, c, "tab:blue")
+    if "nodes" in c:
+        nodes = np.asarray(c["nodes"], dtype=np.float64) + PIXEL_CENTRE
+        w = np.asarray(c["node_weights"], dtype=np.float64)
+        size = 400 * w / max(float(w.max()), 1e-12) if w.size else w
+        ax.scatter(nodes[:, 1], nodes[:, 0], s=size, marker="s", c="crimson", alpha=0.45,
+                   edgecolors="crimson", zorder=7, gid="nodes",
+                   label=f"map nodes of bin {tuple(int(v) for v in c['node_bin'])}: area ∝ weight")
+        for (ty, tx), wgt in zip(nodes, w):
+            ax.text(tx, ty, f"{wgt:.2f}", fontsize=6, ha="center", va="center", zorder=10)
+
+
+def _draw_samples(ax, c, colours):
+    """Sample points (off-map ones as crosses) and the four taps of ``tap_sample``."""
+    s = np.asarray(c["samples"], dtype=np.float64)
+    inside = ~np.asarray(c["outside"], dtype=bool)
+    ax.scatter(s[inside, 1] + PIXEL_CENTRE, s[inside, 0] + PIXEL_CENTRE, s=14, c=colours,
+               edgecolors="black", linewidths=0.4, zorder=7, gid="samples",
+               label="bilinear sample points")
+    if (~inside).any():
+        ax.scatter(s[~inside, 1] + PIXEL_CENTRE, s[~inside, 0] + PIXEL_CENTRE, s=22,
+                   marker="x", c="firebrick", zorder=7, gid="samples_outside",
+                   label="off the map: weight 0")
+    if c.get("tap_sample") is not None and "taps" in c:
+        k = int(np.flatnonzero((c["sample_index"] == c["tap_sample"]).all(axis=1))[0])
+        sy, sx = s[k] + PIXEL_CENTRE
+        taps = np.asarray(c["taps"], dtype=np.float64) + PIXEL_CENTRE
+        for ty, tx in taps:
+            ax.plot([sx, tx], [sy, ty], color="crimson", lw=0.8, zorder=8)
+        ax.scatter(taps[:, 1], taps[:, 0], s=40, marker="s", facecolors="none",
+                   edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps",
+                   label=f"4 taps of sample {tuple(int(v) for v in c['tap_sample'])}")
+        ax.scatter([sx], [sy], s=30, c="crimson", zorder=9, gid="tap_sample")
+
+
 def _limits(ax, c):
     H, W = (int(v) for v in c["feature_shape"])
     xs = [0.0, float(W)]
@@ -171,6 +224,9 @@ def _limits(ax, c):
     if "samples" in c and len(c["samples"]):
         ys += list(c["samples"][:, 0] + PIXEL_CENTRE)
         xs += list(c["samples"][:, 1] + PIXEL_CENTRE)
+    if "roi_polygon" in c:
+        xs += list(np.asarray(c["roi_polygon"])[:, 0] + PIXEL_CENTRE)
+        ys += list(np.asarray(c["roi_polygon"])[:, 1] + PIXEL_CENTRE)
     pad = 0.4
     ax.set_xlim(min(xs) - pad, max(xs) + pad)
     ax.set_ylim(max(ys) + pad, min(ys) - pad)    # image convention: row 0 at the top
@@ -218,10 +274,13 @@ def plot_sampling(op, feature_shape, roi, ax=None, *, tap_sample: Optional[Seque
     if ax is None:
         fig, (ax,) = new_figure()
     _draw_map(ax, c)
-    _draw_roi(ax, c)
-    if is_align(op):
+    if "bin_polygons" in c:
+        _draw_polygons(ax, op, c)
+    elif is_align(op):
+        _draw_roi(ax, c)
         _draw_align(ax, op, c)
     else:
+        _draw_roi(ax, c)
         _draw_pooling(ax, op, c)
     _limits(ax, c)
     _ticks(ax, c)

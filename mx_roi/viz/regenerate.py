@@ -51,6 +51,15 @@ FIGURES: Dict[str, List[Dict[str, Any]]] = {
              spatial_scale=0.125, sample_ratio=2, aligned=False, tap_sample=(0, 0, 0, 0)),
         dict(op="ROIAlign", feature_shape=(6, 7), roi=(0, 8, 8, 40, 32), pooled_size=2,
              spatial_scale=0.125, sample_ratio=2, aligned=True, tap_sample=(0, 0, 0, 0))],
+    # a rotated box (MXNet's RROIAlign, and with Detectron2's / mmcv's options)
+    "rroi_align.png": [
+        dict(op="RROIAlign", feature_shape=_SHAPE, roi=(0, 55.4, 38.5, 70.0, 40.0, 30.0),
+             pooled_size=3, spatial_scale=0.125, sampling_ratio=2, tap_sample=(1, 1, 3, 0)),
+        dict(op="RROIAlign", feature_shape=_SHAPE, roi=(0, 55.4, 38.5, 70.0, 40.0, 30.0),
+             pooled_size=3, spatial_scale=0.125, sampling_ratio=2, aligned=True,
+             clockwise=True, tap_sample=(1, 1, 3, 0))],
+    "prroi_pool.png": [dict(op="PrRoIPool", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
+                            spatial_scale=0.125, tap_sample=(1, 1, 0, 0))],
     "edge_cases.png": [
         dict(op="ROIPooling", feature_shape=(6, 8), roi=(0, 36, 20, 90, 60), pooled_size=3,
              spatial_scale=0.125),

@@ -201,6 +201,29 @@ class RoIOpTester:
     exact_backward = False
     N, C, H, W = 2, 3, 9, 10  # default problem size (C is the "base" channel count)
     data_kinds = ("randn", "relu", "int")
+    rois_columns = 5          # columns of a roi row
+
+    # ---- the op's rois (an op with another roi layout overrides these)
+    def adversarial(self, rng, N, H, W, spatial_scale, n_random=4, batch=None,
+                    dtype=np.float32):
+        """Corner-case rois of the op's layout (:func:`adversarial_rois`)."""
+        return adversarial_rois(rng, N, H, W, spatial_scale, n_random, batch, dtype)
+
+    def ordinary(self, rng, R, N, H, W, spatial_scale, dtype=np.float32):
+        """Ordinary rois of the op's layout (:func:`random_rois`)."""
+        return random_rois(rng, R, N, H, W, spatial_scale, dtype)
+
+    def numeric_rois(self, rng, N, H, W, spatial_scale, dtype):
+        """A few rois of every kind for the finite-difference check."""
+        return np.concatenate([
+            self.adversarial(rng, N, H, W, spatial_scale, n_random=2,
+                             dtype=dtype)[[0, 4, 7, 8, 9, 12, 15]],
+            self.ordinary(rng, 2, N, H, W, spatial_scale, dtype)])
+
+    def check_rois_grad(self, rg, data, rois, grad, params, dtype, what=""):
+        """The rois' gradient: zero (an op that differentiates its rois overrides it)."""
+        assert rg.shape == rois.shape
+        assert not rg.any(), f"{self.op_type}: rois gradient must be zero"
 
     # ---- to be provided by subclasses
     @classmethod
@@ -240,7 +263,7 @@ class RoIOpTester:
         cin = self.in_channels(params, C)
         data = make_data(rng, (N, cin, H, W), dtype, kind)
         if rois is None:
-            rois = adversarial_rois(rng, N, H, W, params["spatial_scale"], dtype=dtype)
+            rois = self.adversarial(rng, N, H, W, params["spatial_scale"], dtype=dtype)
         rois = np.asarray(rois).astype(dtype)
         PH, PW = self.pooled(params)
         grad = make_data(rng, (rois.shape[0], self.out_channels(params, C), PH, PW), dtype)
@@ -264,8 +287,7 @@ class RoIOpTester:
             assert_close(dg, gref, dtype, f"{self.op_type} data grad {what} {params}",
                          exact=exact)
         if rg is not None:
-            assert rg.shape == rois.shape
-            assert not rg.any(), f"{self.op_type}: rois gradient must be zero"
+            self.check_rois_grad(rg, data, rois, grad, params, dtype, what)
         return out, dg, rg
 
     # ---- the tests
@@ -293,7 +315,7 @@ class RoIOpTester:
         rng = np.random.default_rng(2)
         for kind in ("randn", "int"):
             data, rois, grad = self.make_problem(rng, case, dtype, kind)
-            rand = random_rois(rng, 6, self.N, self.H, self.W, case["spatial_scale"], dtype)
+            rand = self.ordinary(rng, 6, self.N, self.H, self.W, case["spatial_scale"], dtype)
             rois = np.concatenate([rois, rand]).astype(dtype)
             rois = rois[self.builtin_ok(rois, case)]
             PH, PW = self.pooled(case)
@@ -326,10 +348,7 @@ class RoIOpTester:
         dtype = np.float64
         N, H, W, C = 2, 5, 6, 1
         data = make_data(rng, (N, self.in_channels(case, C), H, W), dtype, "distinct")
-        rois = np.concatenate([
-            adversarial_rois(rng, N, H, W, case["spatial_scale"], n_random=2,
-                             dtype=dtype)[[0, 4, 7, 8, 9, 12, 15]],
-            random_rois(rng, 2, N, H, W, case["spatial_scale"], dtype)])
+        rois = self.numeric_rois(rng, N, H, W, case["spatial_scale"], dtype)
         PH, PW = self.pooled(case)
         grad = rng.standard_normal((rois.shape[0], self.out_channels(case, C), PH, PW))
         _, dg, _ = run_custom(self.op_type, data, rois, case, grad=grad)
@@ -372,7 +391,8 @@ class RoIOpTester:
         PH, PW = self.pooled(case)
         cout = self.out_channels(case, self.C)
         with mx.util.np_shape(True):
-            out, _, _ = run_custom(self.op_type, data, np.zeros((0, 5), dtype), case)
+            out, _, _ = run_custom(self.op_type, data, np.zeros((0, self.rois_columns), dtype),
+                                   case)
         assert out.shape == (0, cout, PH, PW) and out.dtype == np.dtype(dtype)
 
     @dtype_param
@@ -384,11 +404,11 @@ class RoIOpTester:
         cout = self.out_channels(case, self.C)
         grad = np.zeros((0, cout, PH, PW), dtype)
         with mx.util.np_shape(True):
-            out, dg, rg = run_custom(self.op_type, data, np.zeros((0, 5), dtype), case,
-                                     grad=grad)
+            out, dg, rg = run_custom(self.op_type, data,
+                                     np.zeros((0, self.rois_columns), dtype), case, grad=grad)
         assert out.shape == (0, cout, PH, PW) and out.dtype == np.dtype(dtype)
         assert dg.shape == data.shape and not dg.any()
-        assert rg.shape == (0, 5)
+        assert rg.shape == (0, self.rois_columns)
 
     @dtype_param
     def test_grad_req_add(self, dtype):
@@ -400,6 +420,10 @@ class RoIOpTester:
         gref = self.reference_backward(data, rois, grad, **case)
         twice = (gref.astype(np.float64) * 2).astype(dtype)
         assert_close(dg, twice, dtype, f"{self.op_type} grad_req='add' twice", tol_scale=2)
+        self.check_rois_grad_add(rg, data, rois, grad, case, dtype)
+
+    def check_rois_grad_add(self, rg, data, rois, grad, params, dtype):
+        """The rois' gradient after two passes with grad_req='add' (zero by default)."""
         assert not rg.any()
 
     @dtype_param
@@ -414,7 +438,8 @@ class RoIOpTester:
                      f"{self.op_type} data grad with rois grad_req='null'")
         # data null, rois write: no crash, rois grad zero
         out, dg, rg = run_custom(self.op_type, data, rois, case, grad=grad, data_req="null")
-        assert dg is None and not rg.any()
+        assert dg is None
+        self.check_rois_grad(rg, data, rois, grad, case, dtype, "[data grad_req='null']")
         assert_close(out, self.reference_forward(data, rois, **case), dtype,
                      f"{self.op_type} forward with data grad_req='null'")
 
@@ -423,7 +448,7 @@ class RoIOpTester:
         case = self.param_cases()[0]
         rng = np.random.default_rng(8)
         N = 3
-        rois = adversarial_rois(rng, N, self.H, self.W, case["spatial_scale"], batch=2,
+        rois = self.adversarial(rng, N, self.H, self.W, case["spatial_scale"], batch=2,
                                 dtype=dtype)
         data, rois, grad = self.make_problem(rng, case, dtype, rois=rois, N=N)
         _, dg, _ = self.check_forward_backward(data, rois, grad, case, dtype, "[batch 2]")
@@ -522,9 +547,9 @@ class RoIOpTester:
         rng = np.random.default_rng(16)
         N = 3
         rois = np.concatenate(
-            [adversarial_rois(rng, N, self.H, self.W, case["spatial_scale"], n_random=20,
+            [self.adversarial(rng, N, self.H, self.W, case["spatial_scale"], n_random=20,
                               dtype=dtype),
-             random_rois(rng, 30, N, self.H, self.W, case["spatial_scale"], dtype)])
+             self.ordinary(rng, 30, N, self.H, self.W, case["spatial_scale"], dtype)])
         rois[rng.random(rois.shape[0]) < 0.1, 0] = -1
         data, rois, grad = self.make_problem(rng, case, dtype, "randn", rois=rois, N=N)
         self.check_forward_backward(data, rois, grad, case, dtype, "[many rois]")

@@ -1,0 +1,416 @@
+// PrRoIPool kernels (precise RoI pooling, Jiang et al., ECCV 2018): each bin the exact
+// integral of the bilinear interpolation surface over the bin, divided by its area;
+// gradients for the data and the rois.  The kernels derive the bins and the hat
+// integrals from the rois themselves (precise_window, hat_integral, hat_value: the
+// operations of mx_roi.geometry.precise_bins in the compute type A);
+// prroi_pool_geometry fills that function's tables for the test that proves the two equal
+// bit for bit.  rois (R, 5) = (batch, x1, y1, x2, y2); output (R, C, P, Q).
+#include "roi_common.cuh"
+
+namespace mx_roi {
+
+// One axis of a bin: the window [lo, hi] and the map nodes [first, last] it touches.
+template <typename A>
+struct PreciseAxis {
+  A lo, hi;
+  int first, count;
+};
+
+// The bins of one roi: batch, the area of a bin, the bin sizes and its start corner.
+template <typename A>
+struct PreciseBox {
+  int batch;
+  A y1, x1, bh, bw, area;
+};
+
+template <typename T, typename A>
+__host__ __device__ __forceinline__ PreciseBox<A> precise_box(const T* roi, float spatial_scale,
+                                                               int P, int Q) {
+  typedef Traits<T> Tr;
+  PreciseBox<A> b;
+  const A s = (A)spatial_scale;
+  b.batch = (int)(A)Tr::load(roi[0]);
+  b.x1 = (A)Tr::load(roi[1]) * s;
+  b.y1 = (A)Tr::load(roi[2]) * s;
+  const A x2 = (A)Tr::load(roi[3]) * s, y2 = (A)Tr::load(roi[4]) * s;
+  A h = y2 - b.y1, w = x2 - b.x1;
+  h = h > (A)0 ? h : (A)0;  // a reversed box has size 0 (its bins area 0: output 0)
+  w = w > (A)0 ? w : (A)0;
+  b.bh = h / (A)P;
+  b.bw = w / (A)Q;
+  const A area = b.bw * b.bh;
+  b.area = area > (A)0 ? area : (A)0;
+  return b;
+}
+
+// Bin i's window along an axis from ``lo`` with bins of ``size``, over nodes 0..limit-1.
+template <typename A>
+__host__ __device__ __forceinline__ PreciseAxis<A> precise_axis(A lo, A size, int i, int limit) {
+  PreciseAxis<A> a;
+  a.lo = lo + size * (A)i;
+  a.hi = a.lo + size;
+  const A top = (A)(limit - 1);
+  // clipped in floating point before the int conversion (fmax / fmin: NaN -> the bound)
+  const A f = fmin(fmax(floor(a.lo), (A)0), top), l = fmin(fmax(ceil(a.hi), (A)0), top);
+  a.first = (int)f;
+  const int n = (int)l - a.first + 1;
+  a.count = n > 0 ? n : 0;
+  return a;
+}
+
+// t - t|t|/2 of clip(t, -1, 1): the integral of max(0, 1 - |u|) over [0, t]
+template <typename A>
+__host__ __device__ __forceinline__ A hat_antiderivative(A t) {
+  t = t > (A)-1 ? t : (A)-1;
+  t = t < (A)1 ? t : (A)1;
+  return t - (t * (t < (A)0 ? -t : t)) * (A)0.5;
+}
+
+// The integral over [a.lo, a.hi] of node ``node``'s hat function.
+template <typename A>
+__host__ __device__ __forceinline__ A hat_integral(const PreciseAxis<A>& a, int node) {
+  const A n = (A)node;
+  return hat_antiderivative(a.hi - n) - hat_antiderivative(a.lo - n);
+}
+
+// max(0, 1 - |t|)
+template <typename A>
+__host__ __device__ __forceinline__ A hat_value(A t) {
+  const A v = (A)1 - (t < (A)0 ? -t : t);
+  return v > (A)0 ? v : (A)0;
+}
+
+}  // namespace mx_roi
+
+#ifdef MX_ROI_HOST_NATIVE
+// One roi's bins for the native walks, derived once per roi: the box, each bin row's and
+// column's window and the hat integrals of its nodes (the generic kernels' values).
+template <typename A>
+struct PreciseRoi {
+  long long roi = -1;
+  mx_roi::PreciseBox<A> box;
+  std::vector<mx_roi::PreciseAxis<A>> ay, ax;
+  std::vector<long long> oy, ox;  // offsets of each bin row's / column's weights
+  std::vector<A> wy, wx;
+  template <typename T>
+  void load(long long r, const T* rois, float spatial_scale, int P, int Q, int H, int W) {
+    if (r == roi) return;
+    roi = r;
+    box = mx_roi::precise_box<T, A>(rois + r * 5, spatial_scale, P, Q);
+    axis(ay, oy, wy, box.y1, box.bh, P, H);
+    axis(ax, ox, wx, box.x1, box.bw, Q, W);
+  }
+  static void axis(std::vector<mx_roi::PreciseAxis<A>>& a, std::vector<long long>& off,
+                   std::vector<A>& w, A lo, A size, int bins, int limit) {
+    a.resize(bins);
+    off.resize(bins);
+    w.clear();
+    for (int i = 0; i < bins; ++i) {
+      a[i] = mx_roi::precise_axis(lo, size, i, limit);
+      off[i] = (long long)w.size();
+      for (int k = 0; k < a[i].count; ++k) w.push_back(mx_roi::hat_integral(a[i], a[i].first + k));
+    }
+  }
+};
+
+// Native forward: the thread's channel block channels-last, each bin's nodes taken for 16
+// channels at a time (per lane the generic kernel's operations in its order: the same bits).
+template <typename T, typename A>
+void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale, int C, int H,
+                               int W, int P, int Q, T* out, long long n) {
+  const long long per_roi = (long long)C * P * Q;
+  const long long R = per_roi > 0 ? n / per_roi : 0;
+  static thread_local std::vector<int> batch;
+  batch.resize((size_t)(R > 0 ? R : 0));
+  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
+  const mx_roi::LaneWalk<T, A> walk(data, batch.data(), C, H, W, P, Q, n);
+  const long long plane_out = walk.plane_out;
+  const int ncp = walk.ncp;
+  static thread_local PreciseRoi<A> pr;
+  pr.roi = -1;
+  walk.each_pass(batch.data(), C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                                 const A* img, T* o) {
+    A sum[16] = {};
+    if (img) pr.load(r, rois, spatial_scale, P, Q, H, W);
+    if (img && pr.box.area > (A)0) {
+      const mx_roi::PreciseAxis<A>& ay = pr.ay[p];
+      const mx_roi::PreciseAxis<A>& ax = pr.ax[q];
+      const A* wy = pr.wy.data() + pr.oy[p];
+      const A* wx = pr.wx.data() + pr.ox[q];
+      A row[16];
+      for (int i = 0; i < ay.count; ++i) {
+        for (int c = 0; c < 16; ++c) row[c] = 0;
+        const A* cell = img + ((size_t)(ay.first + i) * W + ax.first) * ncp + cc;
+        for (int j = 0; j < ax.count; ++j) mx_roi::AddLanes<A>::run(row, cell + (size_t)j * ncp, wx[j]);
+        mx_roi::AddLanes<A>::run(sum, row, wy[i]);
+      }
+      for (int c = 0; c < 16; ++c) sum[c] = sum[c] / pr.box.area;
+    }
+    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(sum[c]);
+  });
+}
+
+// Native data backward, float accumulation (O = A; fixed point takes the generic loop):
+// the channel block accumulated channels-last, each node's share added for 16 channels at
+// a time; per channel the generic kernel's contributions in its order onto a zero start.
+template <typename T, typename A, typename O>
+struct PreciseBackwardLanes {
+  template <typename... Args>
+  static bool run(Args...) { return false; }
+};
+
+template <typename T, typename A>
+struct PreciseBackwardLanes<T, A, A> {
+  static bool run(const T* grad, const T* rois, float spatial_scale, int C, int H, int W, int P,
+                  int Q, A* bottom, long long n) {
+    const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+    const int ncp = mx_roi::padded_lanes(nc);
+    const long long plane_out = (long long)P * Q;
+    const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
+    if (R <= 0 || nc <= 0) return true;
+    static thread_local std::vector<int> batch;
+    batch.resize((size_t)R);
+    for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
+    const mx_roi::GradBlock<A> block(batch.data(), R, H, W);
+    static thread_local PreciseRoi<A> pr;
+    pr.roi = -1;
+    A g[16], gy[16];
+    for (long long r = 0; r < R; ++r) {
+      if (batch[r] < 0) continue;
+      pr.load(r, rois, spatial_scale, P, Q, H, W);
+      if (!(pr.box.area > (A)0)) continue;
+      A* img = block.image(batch[r]);
+      for (int cc = 0; cc < ncp; cc += L) {
+        const int lanes = nc - cc < L ? nc - cc : L;
+        const T* go = grad + (r * C + c0 + cc) * plane_out;
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) {
+            const long long o = p * Q + q;
+            for (int c = 0; c < L; ++c)
+              g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
+            for (int c = 0; c < L; ++c) g[c] = g[c] / pr.box.area;
+            const mx_roi::PreciseAxis<A>& ay = pr.ay[p];
+            const mx_roi::PreciseAxis<A>& ax = pr.ax[q];
+            const A* wy = pr.wy.data() + pr.oy[p];
+            const A* wx = pr.wx.data() + pr.ox[q];
+            for (int i = 0; i < ay.count; ++i) {
+              for (int c = 0; c < L; ++c) gy[c] = g[c] * wy[i];
+              A* cell = img + ((size_t)(ay.first + i) * W + ax.first) * ncp + cc;
+              for (int j = 0; j < ax.count; ++j)
+                mx_roi::AddLanes<A>::run(cell + (size_t)j * ncp, gy, wx[j]);
+            }
+          }
+      }
+    }
+    block.add_to(bottom, C, H, W, 1.0);
+    return true;
+  }
+};
+#endif
+
+// out[r, c, p, q] = sum_i wy_i * (sum_j wx_j * f[i, j]) / area
+template <typename T, typename A>
+__global__ void prroi_pool_forward(const T* __restrict__ data, const T* __restrict__ rois,
+                                   float spatial_scale, int C, int H, int W, int P, int Q,
+                                   T* __restrict__ out, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  prroi_pool_forward_native<T, A>(data, rois, spatial_scale, C, H, W, P, Q, out, n);
+  return;
+#endif
+  typedef mx_roi::Traits<T> Tr;
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::PreciseBox<A> b = mx_roi::precise_box<T, A>(rois + it.r * 5, spatial_scale,
+                                                              P, Q);
+    A sum = 0;
+    if (b.batch >= 0 && b.area > (A)0) {
+      const T* plane = data + mx_roi::plane_offset(b.batch, it.c, C, H, W);
+      const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, it.p, H);
+      const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, it.q, W);
+      for (int i = 0; i < ay.count; ++i) {
+        const int y = ay.first + i;
+        A row = 0;
+        for (int j = 0; j < ax.count; ++j) {
+          const int x = ax.first + j;
+          row += mx_roi::hat_integral(ax, x) * (A)Tr::load(plane[(long long)y * W + x]);
+        }
+        sum += mx_roi::hat_integral(ay, y) * row;
+      }
+      sum = sum / b.area;
+    }
+    out[it.i] = Tr::store(sum);
+  }
+}
+
+// d out / d f[i, j] = wy_i * wx_j / area
+template <typename T, typename A, typename O>
+__global__ void prroi_pool_backward(const T* __restrict__ grad, const T* __restrict__ rois,
+                                    float spatial_scale, int C, int H, int W, int P, int Q,
+                                    O* __restrict__ bottom, double scale, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  if (PreciseBackwardLanes<T, A, O>::run(grad, rois, spatial_scale, C, H, W, P, Q, bottom, n))
+    return;
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::PreciseBox<A> b = mx_roi::precise_box<T, A>(rois + it.r * 5, spatial_scale,
+                                                              P, Q);
+    if (b.batch < 0 || !(b.area > (A)0)) continue;
+    const A g = (A)mx_roi::Traits<T>::load(grad[it.i]) / b.area;
+    O* plane = bottom + mx_roi::plane_offset(b.batch, it.c, C, H, W);
+    const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, it.p, H);
+    const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, it.q, W);
+    for (int i = 0; i < ay.count; ++i) {
+      const int y = ay.first + i;
+      const A gy = g * mx_roi::hat_integral(ay, y);
+      for (int j = 0; j < ax.count; ++j) {
+        const int x = ax.first + j;
+        mx_roi::grad_add(plane + (long long)y * W + x, gy * mx_roi::hat_integral(ax, x), scale);
+      }
+    }
+  }
+}
+
+// The rois' gradient (R, 5) in A, one roi per item (C = R, P = Q = 1 for the launch: the
+// native build splits the rois over its threads, no two write the same row).  A bin's
+// integral I over [y1, y2] x [x1, x2] has dI/dy2 = the integral over x of the surface at
+// y2 (dI/dy1 the negative at y1), and out = I / (bh * bw) with y1 = ys + p * bh,
+// y2 = y1 + bh, bh = (ye - ys) / P (x alike); chained to the image coordinates.  Per
+// node row i the three row sums over j (weights wx_j, and the hat values at x1 and x2)
+// give all five integrals.  The native build takes each bin's node weights from a table
+// made once per bin instead of once per channel (the same values: the same bits).
+template <typename A>
+struct PreciseNodeWeights {
+  A w, lo, hi;  // the hat integral over the window, the hat values at its two ends
+};
+
+template <typename A>
+__host__ __device__ __forceinline__ PreciseNodeWeights<A> precise_node(
+    const mx_roi::PreciseAxis<A>& a, int node) {
+  PreciseNodeWeights<A> n;
+  n.w = mx_roi::hat_integral(a, node);
+  n.lo = mx_roi::hat_value(a.lo - (A)node);
+  n.hi = mx_roi::hat_value(a.hi - (A)node);
+  return n;
+}
+
+template <typename T, typename A>
+__global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
+                                         const T* __restrict__ data,
+                                         const T* __restrict__ rois, float spatial_scale,
+                                         int channels, int H, int W, int P, int Q, int C,
+                                         A* __restrict__ rois_grad, long long n) {
+  typedef mx_roi::Traits<T> Tr;
+#ifdef MX_ROI_HOST_NATIVE
+  static thread_local std::vector<PreciseNodeWeights<A>> ny, nx;
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, 1, 1, false) {
+    const long long r = it.c;
+    A* out = rois_grad + r * 5;
+    for (int k = 0; k < 5; ++k) out[k] = 0;
+    const mx_roi::PreciseBox<A> b = mx_roi::precise_box<T, A>(rois + r * 5, spatial_scale, P,
+                                                              Q);
+    if (b.batch < 0 || !(b.area > (A)0)) continue;
+    A d_ys = 0, d_ye = 0, d_xs = 0, d_xe = 0;
+    for (int p = 0; p < P; ++p) {
+      const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
+#ifdef MX_ROI_HOST_NATIVE
+      ny.resize((size_t)ay.count);
+      for (int i = 0; i < ay.count; ++i) ny[i] = precise_node(ay, ay.first + i);
+#endif
+      for (int q = 0; q < Q; ++q) {
+        const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
+#ifdef MX_ROI_HOST_NATIVE
+        nx.resize((size_t)ax.count);
+        for (int j = 0; j < ax.count; ++j) nx[j] = precise_node(ax, ax.first + j);
+#endif
+        for (int c = 0; c < channels; ++c) {
+          const A g = (A)Tr::load(grad[((r * channels + c) * P + p) * Q + q]);
+          if (g == (A)0) continue;
+          const T* plane = data + mx_roi::plane_offset(b.batch, c, channels, H, W);
+          A I = 0, ey1 = 0, ey2 = 0, ex1 = 0, ex2 = 0;
+          for (int i = 0; i < ay.count; ++i) {
+            const int y = ay.first + i;
+#ifdef MX_ROI_HOST_NATIVE
+            const PreciseNodeWeights<A> wy = ny[i];
+#else
+            const PreciseNodeWeights<A> wy = precise_node(ay, y);
+#endif
+            const T* row = plane + (long long)y * W + ax.first;
+            A rs = 0, r1 = 0, r2 = 0;
+            for (int j = 0; j < ax.count; ++j) {
+#ifdef MX_ROI_HOST_NATIVE
+              const PreciseNodeWeights<A> wx = nx[j];
+#else
+              const PreciseNodeWeights<A> wx = precise_node(ax, ax.first + j);
+#endif
+              const A f = (A)Tr::load(row[j]);
+              rs += wx.w * f;
+              r1 += wx.lo * f;
+              r2 += wx.hi * f;
+            }
+            I += wy.w * rs;
+            ey1 += wy.lo * rs;
+            ey2 += wy.hi * rs;
+            ex1 += wy.w * r1;
+            ex2 += wy.w * r2;
+          }
+          const A o = I / b.area;
+          const A fp = (A)p / (A)P, fp1 = (A)(p + 1) / (A)P;
+          const A fq = (A)q / (A)Q, fq1 = (A)(q + 1) / (A)Q;
+          // d out / d ys, ye, xs, xe (the area's share: -+ out / (P * bh), out / (Q * bw))
+          d_ys += g * ((-ey1 * ((A)1 - fp) + ey2 * ((A)1 - fp1)) / b.area + o / ((A)P * b.bh));
+          d_ye += g * ((-ey1 * fp + ey2 * fp1) / b.area - o / ((A)P * b.bh));
+          d_xs += g * ((-ex1 * ((A)1 - fq) + ex2 * ((A)1 - fq1)) / b.area + o / ((A)Q * b.bw));
+          d_xe += g * ((-ex1 * fq + ex2 * fq1) / b.area - o / ((A)Q * b.bw));
+        }
+      }
+    }
+    const A s = (A)spatial_scale;
+    out[1] = d_xs * s;
+    out[2] = d_ys * s;
+    out[3] = d_xe * s;
+    out[4] = d_ye * s;
+  }
+}
+
+// The tables of mx_roi.geometry.precise_bins from the functions above (for the
+// geometry-equality test; C = R, one roi per item): batch, area (R,), bin_size (R, 2);
+// per axis start, count (R, P) and weight, edge_lo, edge_hi (R, P, K), padding 0.
+template <typename T, typename A>
+__global__ void prroi_pool_geometry(const T* __restrict__ rois, float spatial_scale, int C,
+                                    int H, int W, int P, int Q, int Ky, int Kx, int* batch,
+                                    A* area, A* bin_size, int* y_start, int* y_count,
+                                    A* y_weight, A* y_edge_lo, A* y_edge_hi, int* x_start,
+                                    int* x_count, A* x_weight, A* x_edge_lo, A* x_edge_hi,
+                                    long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, 1, 1, false) {
+    const long long r = it.c;
+    const mx_roi::PreciseBox<A> b = mx_roi::precise_box<T, A>(rois + r * 5, spatial_scale, P,
+                                                              Q);
+    batch[r] = b.batch;
+    area[r] = b.area;
+    bin_size[r * 2] = b.bh;
+    bin_size[r * 2 + 1] = b.bw;
+    for (int axis = 0; axis < 2; ++axis) {
+      const int bins = axis ? Q : P, K = axis ? Kx : Ky, limit = axis ? W : H;
+      int* start = axis ? x_start : y_start;
+      int* count = axis ? x_count : y_count;
+      A* weight = axis ? x_weight : y_weight;
+      A* lo = axis ? x_edge_lo : y_edge_lo;
+      A* hi = axis ? x_edge_hi : y_edge_hi;
+      for (int i = 0; i < bins; ++i) {
+        const mx_roi::PreciseAxis<A> a = axis ? mx_roi::precise_axis(b.x1, b.bw, i, limit)
+                                              : mx_roi::precise_axis(b.y1, b.bh, i, limit);
+        const long long row = r * bins + i;
+        start[row] = a.first;
+        count[row] = a.count;
+        for (int k = 0; k < K; ++k) {
+          const bool live = k < a.count;
+          const int node = a.first + k;
+          weight[row * K + k] = live ? mx_roi::hat_integral(a, node) : (A)0;
+          lo[row * K + k] = live ? mx_roi::hat_value(a.lo - (A)node) : (A)0;
+          hi[row * K + k] = live ? mx_roi::hat_value(a.hi - (A)node) : (A)0;
+        }
+      }
+    }
+  }
+}

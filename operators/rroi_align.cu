@@ -1,0 +1,405 @@
+// RROIAlign kernels: the average of bilinear samples over the bins of rotated boxes
+// (MXNet's contrib.RROIAlign, forward; our backward).  The kernels derive every bin's
+// sample points from the rois themselves (rotated_box, rotated_sample: MXNet's operation
+// order in the compute type A); mx_roi.geometry.rotated_grid is the NumPy twin, and
+// rroi_align_geometry fills its tables from these functions for the test that proves the
+// two equal bit for bit.
+// rois (R, 6) = (batch, x_center, y_center, width, height, angle in degrees); output
+// (R, C, P, Q).
+#include "roi_common.cuh"
+
+namespace mx_roi {
+
+// cos / sin in the compute type: cosf / sinf for float (MXNet's CPU build calls them on
+// its float angle), cos / sin for double
+__host__ __device__ __forceinline__ float angle_cos(float t) { return cosf(t); }
+__host__ __device__ __forceinline__ double angle_cos(double t) { return cos(t); }
+__host__ __device__ __forceinline__ float angle_sin(float t) { return sinf(t); }
+__host__ __device__ __forceinline__ double angle_sin(double t) { return sin(t); }
+
+// Most samples of one bin (mx_roi.geometry.MAX_ROTATED_SAMPLES; the op refuses rois that
+// need more before any kernel runs; the clamp keeps the int conversion defined).
+#define MX_ROI_MAX_ROTATED_SAMPLES (1 << 20)
+
+// One roi's box in feature-map cells: centre, rotation, bins and sample grid.
+template <typename A>
+struct RotatedBox {
+  int batch, gy, gx;
+  A cy, cx, cos_t, sin_t, start_h, start_w, bin_h, bin_w, divisor;
+};
+
+template <typename A>
+__host__ __device__ __forceinline__ int rotated_grid_side(A len, int pooled, int ratio) {
+  if (ratio > 0) return ratio;
+  const A g = ceil(len / (A)pooled);  // a reversed box (aligned: no 1x1 floor): none
+  return g <= (A)0 ? 0 : g < (A)MX_ROI_MAX_ROTATED_SAMPLES ? (int)g : MX_ROI_MAX_ROTATED_SAMPLES;
+}
+
+// mx_roi.geometry.rotated_boxes: the roi scaled (aligned: centre - 0.5, Detectron2), the
+// angle in degrees -> radians in double (MXNet: rois[5] * M_PI / 180.0) then A, negated
+// when clockwise (mmcv); a box forced to at least 1x1 unless aligned.
+template <typename T, typename A>
+__host__ __device__ __forceinline__ RotatedBox<A> rotated_box(const T* roi, float spatial_scale,
+                                                               int P, int Q, int ratio,
+                                                               int aligned, int clockwise) {
+  typedef Traits<T> Tr;
+  RotatedBox<A> b;
+  const A s = (A)spatial_scale, off = aligned ? (A)0.5 : (A)0;
+  const A r0 = Tr::load(roi[0]);
+  b.batch = (int)r0;
+  b.cx = (A)Tr::load(roi[1]) * s - off;
+  b.cy = (A)Tr::load(roi[2]) * s - off;
+  A w = (A)Tr::load(roi[3]) * s, h = (A)Tr::load(roi[4]) * s;
+  A theta = (A)((double)(A)Tr::load(roi[5]) * 3.14159265358979323846 / 180.0);
+  if (clockwise) theta = -theta;
+  b.cos_t = angle_cos(theta);
+  b.sin_t = angle_sin(theta);
+  if (!aligned) {
+    w = w > (A)1 ? w : (A)1;
+    h = h > (A)1 ? h : (A)1;
+  }
+  b.start_h = -h / (A)2;
+  b.start_w = -w / (A)2;
+  b.bin_h = h / (A)P;
+  b.bin_w = w / (A)Q;
+  b.gy = rotated_grid_side(h, P, ratio);
+  b.gx = rotated_grid_side(w, Q, ratio);
+  const long long count = (long long)b.gy * b.gx;
+  b.divisor = (A)(count > 0 ? count : 1);
+  return b;
+}
+
+// Sample (iy, ix) of bin (p, q): its point (y, x) before the bilinear rule, taps and
+// weights (outside [-1, H] x [-1, W]: outside, all weights 0).
+template <typename A>
+__host__ __device__ __forceinline__ Sample<A> rotated_sample(const RotatedBox<A>& b, int p,
+                                                              int q, int iy, int ix, int H,
+                                                              int W, A* py = 0, A* px = 0) {
+  const A yy = (b.start_h + (A)p * b.bin_h) + (A)((float)iy + .5f) * b.bin_h / (A)b.gy;
+  const A xx = (b.start_w + (A)q * b.bin_w) + (A)((float)ix + .5f) * b.bin_w / (A)b.gx;
+  A x = (xx * b.cos_t + yy * b.sin_t) + b.cx;
+  A y = (yy * b.cos_t - xx * b.sin_t) + b.cy;
+  if (py) *py = y;
+  if (px) *px = x;
+  Sample<A> s;
+  if (y < (A)-1 || y > (A)H || x < (A)-1 || x > (A)W) {
+    s.yl = s.yh = s.xl = s.xh = 0;
+    s.w1 = s.w2 = s.w3 = s.w4 = (A)0;
+    s.outside = true;
+    return s;
+  }
+  if (y <= (A)0) y = (A)0;
+  if (x <= (A)0) x = (A)0;
+  s.yl = (int)y;
+  s.xl = (int)x;
+  if (s.yl >= H - 1) {
+    s.yh = s.yl = H - 1;
+    y = (A)s.yl;
+  } else {
+    s.yh = s.yl + 1;
+  }
+  if (s.xl >= W - 1) {
+    s.xh = s.xl = W - 1;
+    x = (A)s.xl;
+  } else {
+    s.xh = s.xl + 1;
+  }
+  const A ly = y - (A)s.yl, lx = x - (A)s.xl;
+  const A hy = (A)1 - ly, hx = (A)1 - lx;
+  s.w1 = hy * hx;
+  s.w2 = hy * lx;
+  s.w3 = ly * hx;
+  s.w4 = ly * lx;
+  s.outside = false;
+  return s;
+}
+
+}  // namespace mx_roi
+
+#ifdef MX_ROI_HOST_NATIVE
+// The in-map samples of a launch's rois, derived once per roi and read by every channel
+// pass: per sample the offsets of its four taps in a channels-last block of ``ncp`` lanes
+// per cell and their weights, bin by bin in the generic kernel's order (the off-map
+// samples, which add nothing, left out).  The native launcher calls a kernel once per
+// channel block; the tables of one launch are kept per thread from block to block (a
+// launch is recognised by its rois' bytes and parameters, compared in full) up to
+// MX_ROI_ROTATED_CACHE taps, else rebuilt per roi.
+#ifndef MX_ROI_ROTATED_CACHE
+#define MX_ROI_ROTATED_CACHE (1 << 20)
+#endif
+template <typename A>
+struct RotatedRoiSamples {
+  struct Taps {
+    long long o1, o2, o3, o4;
+    A w1, w2, w3, w4;
+  };
+  std::vector<unsigned char> key;      // the launch: rois bytes, then the parameters
+  std::vector<Taps> taps;
+  std::vector<long long> first;        // (r * (P * Q + 1) + b): roi r's bin b's first tap
+  std::vector<mx_roi::RotatedBox<A>> boxes;
+  std::vector<char> built;
+  int PQ = 0;
+  long long roi = -1;                  // the roi begin() / end() read
+
+  template <typename T>
+  void start(const T* rois, long long R, float spatial_scale, int P, int Q, int ratio,
+             int aligned, int clockwise, int H, int W, int ncp) {
+    const int params[] = {P, Q, ratio, aligned, clockwise, H, W, ncp};
+    std::vector<unsigned char> k((size_t)R * 6 * sizeof(T) + sizeof params + sizeof(float));
+    memcpy(k.data(), rois, (size_t)R * 6 * sizeof(T));
+    memcpy(k.data() + (size_t)R * 6 * sizeof(T), params, sizeof params);
+    memcpy(k.data() + k.size() - sizeof(float), &spatial_scale, sizeof(float));
+    if (k == key) return;
+    key.swap(k);
+    PQ = P * Q;
+    reset(R);
+  }
+  void reset(long long R) {
+    taps.clear();
+    built.assign((size_t)R, 0);
+    first.resize((size_t)R * (PQ + 1));
+    boxes.resize((size_t)R);
+  }
+  template <typename T>
+  void load(long long r, const T* rois, float spatial_scale, int P, int Q, int ratio,
+            int aligned, int clockwise, int H, int W, int ncp) {
+    roi = r;
+    if (built[r]) return;
+    if (taps.size() > (size_t)MX_ROI_ROTATED_CACHE) reset((long long)built.size());
+    const mx_roi::RotatedBox<A> box = mx_roi::rotated_box<T, A>(
+        rois + r * 6, spatial_scale, P, Q, ratio, aligned, clockwise);
+    boxes[r] = box;
+    long long* f = first.data() + r * (PQ + 1);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q) {
+        f[p * Q + q] = (long long)taps.size();
+        for (int iy = 0; iy < box.gy; ++iy)
+          for (int ix = 0; ix < box.gx; ++ix) {
+            const mx_roi::Sample<A> s = mx_roi::rotated_sample(box, p, q, iy, ix, H, W);
+            if (s.outside) continue;
+            taps.push_back(Taps{((long long)s.yl * W + s.xl) * ncp,
+                                ((long long)s.yl * W + s.xh) * ncp,
+                                ((long long)s.yh * W + s.xl) * ncp,
+                                ((long long)s.yh * W + s.xh) * ncp, s.w1, s.w2, s.w3, s.w4});
+          }
+      }
+    f[PQ] = (long long)taps.size();
+    built[r] = 1;
+  }
+  const mx_roi::RotatedBox<A>& box() const { return boxes[roi]; }
+  const Taps* begin(int b) const { return taps.data() + first[roi * (PQ + 1) + b]; }
+  const Taps* end(int b) const { return taps.data() + first[roi * (PQ + 1) + b + 1]; }
+};
+
+// Native forward: the thread's channel block channels-last, each bin's samples taken for
+// 16 channels at a time (mx_roi::SumLanes; per lane the generic kernel's operations in
+// its order, so the same bits).
+template <typename T, typename A>
+void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale, int ratio,
+                               int aligned, int clockwise, int C, int H, int W, int P, int Q,
+                               T* out, long long n) {
+  const long long per_roi = (long long)C * P * Q;
+  const long long R = per_roi > 0 ? n / per_roi : 0;
+  static thread_local std::vector<int> batch;
+  batch.resize((size_t)(R > 0 ? R : 0));
+  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 6]);
+  const mx_roi::LaneWalk<T, A> walk(data, batch.data(), C, H, W, P, Q, n);
+  const long long plane_out = walk.plane_out;
+  const int ncp = walk.ncp;
+  static thread_local RotatedRoiSamples<A> rs;
+  rs.start(rois, R, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
+  walk.each_pass(batch.data(), C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                                 const A* img, T* o) {
+    if (!img) {  // padding roi: 0
+      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+      return;
+    }
+    rs.load(r, rois, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
+    const A* base = img + cc;
+    mx_roi::SumLanes<A> m;
+    m.zero();
+    for (const auto *t = rs.begin(p * Q + q), *e = rs.end(p * Q + q); t != e; ++t)
+      m.add(base + t->o1, base + t->o2, base + t->o3, base + t->o4, t->w1, t->w2, t->w3, t->w4);
+    m.divide(rs.box().divisor);
+    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+  });
+}
+
+// Native backward, float accumulation (O = A; the fixed-point O of deterministic mode
+// takes the generic loop): per roi its samples once, the thread's channel block
+// accumulated channels-last (mx_roi::GradBlock), each sample's four taps added for 16
+// channels at a time (mx_roi::AddLanes), then added to the gradient planes.  Per channel
+// the generic kernel's contributions g * w in its order (roi, bin, sample, tap) onto a
+// zero start: the same bits.
+template <typename T, typename A, typename O>
+struct RotatedBackwardLanes {
+  template <typename... Args>
+  static bool run(Args...) { return false; }
+};
+
+template <typename T, typename A>
+struct RotatedBackwardLanes<T, A, A> {
+  static bool run(const T* grad, const T* rois, float spatial_scale, int ratio, int aligned,
+                  int clockwise, int C, int H, int W, int P, int Q, A* bottom, long long n) {
+    const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
+    const int ncp = mx_roi::padded_lanes(nc);
+    const long long plane_out = (long long)P * Q;
+    const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
+    if (R <= 0 || nc <= 0) return true;
+    static thread_local std::vector<int> batch;
+    batch.resize((size_t)R);
+    for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 6]);
+    const mx_roi::GradBlock<A> block(batch.data(), R, H, W);
+    static thread_local RotatedRoiSamples<A> rs;
+    rs.start(rois, R, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
+    A g[16];
+    for (long long r = 0; r < R; ++r) {
+      if (batch[r] < 0) continue;
+      A* img = block.image(batch[r]);
+      rs.load(r, rois, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
+      const A d = rs.box().divisor;
+      for (int cc = 0; cc < ncp; cc += L) {
+        const int lanes = nc - cc < L ? nc - cc : L;
+        const T* go = grad + (r * C + c0 + cc) * plane_out;
+        A* const lane = img + cc;
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) {
+            const long long o = p * Q + q;
+            for (int c = 0; c < L; ++c)
+              g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
+            for (int c = 0; c < L; ++c) g[c] = g[c] / d;
+            for (const auto *t = rs.begin(o), *e = rs.end(o); t != e; ++t) {
+              mx_roi::AddLanes<A>::run(lane + t->o1, g, t->w1);
+              mx_roi::AddLanes<A>::run(lane + t->o2, g, t->w2);
+              mx_roi::AddLanes<A>::run(lane + t->o3, g, t->w3);
+              mx_roi::AddLanes<A>::run(lane + t->o4, g, t->w4);
+            }
+          }
+      }
+    }
+    block.add_to(bottom, C, H, W, 1.0);
+    return true;
+  }
+};
+
+// Native backward of the other accumulators (fixed point): the generic kernel's loop,
+// each roi's box derived once.
+template <typename T, typename A, typename O>
+void rroi_align_backward_native(const T* grad, const T* rois, float spatial_scale, int ratio,
+                                int aligned, int clockwise, int C, int H, int W, int P,
+                                int Q, O* bottom, double scale, long long n) {
+  if (RotatedBackwardLanes<T, A, O>::run(grad, rois, spatial_scale, ratio, aligned, clockwise,
+                                          C, H, W, P, Q, bottom, n))
+    return;
+  const long long per_roi = (long long)C * P * Q;
+  const long long R = per_roi > 0 ? n / per_roi : 0;
+  for (long long r = 0; r < R; ++r) {
+    const mx_roi::RotatedBox<A> b = mx_roi::rotated_box<T, A>(rois + r * 6, spatial_scale, P,
+                                                              Q, ratio, aligned, clockwise);
+    if (b.batch < 0) continue;
+    for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
+      O* plane = bottom + mx_roi::plane_offset(b.batch, c, C, H, W);
+      const T* go = grad + (r * C + c) * (long long)P * Q;
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) {
+          const A g = (A)mx_roi::Traits<T>::load(go[p * Q + q]) / b.divisor;
+          for (int iy = 0; iy < b.gy; ++iy)
+            for (int ix = 0; ix < b.gx; ++ix) {
+              const mx_roi::Sample<A> s = mx_roi::rotated_sample(b, p, q, iy, ix, H, W);
+              if (!s.outside) mx_roi::sample_backward(plane, W, s, g, scale);
+            }
+        }
+    }
+  }
+}
+#endif
+
+template <typename T, typename A>
+__global__ void rroi_align_forward(const T* __restrict__ data, const T* __restrict__ rois,
+                                   float spatial_scale, int ratio, int aligned, int clockwise,
+                                   int C, int H, int W, int P, int Q, T* __restrict__ out,
+                                   long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  rroi_align_forward_native<T, A>(data, rois, spatial_scale, ratio, aligned, clockwise, C, H,
+                                  W, P, Q, out, n);
+#else
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::RotatedBox<A> b = mx_roi::rotated_box<T, A>(rois + it.r * 6, spatial_scale,
+                                                              P, Q, ratio, aligned, clockwise);
+    A sum = 0;
+    if (b.batch >= 0) {
+      const T* plane = data + mx_roi::plane_offset(b.batch, it.c, C, H, W);
+      for (int iy = 0; iy < b.gy; ++iy)
+        for (int ix = 0; ix < b.gx; ++ix) {
+          const mx_roi::Sample<A> s = mx_roi::rotated_sample(b, it.p, it.q, iy, ix, H, W);
+          if (!s.outside) sum += mx_roi::sample_value(plane, W, s);
+        }
+      sum = sum / b.divisor;
+    }
+    out[it.i] = mx_roi::Traits<T>::store(sum);
+  }
+#endif
+}
+
+template <typename T, typename A, typename O>
+__global__ void rroi_align_backward(const T* __restrict__ grad, const T* __restrict__ rois,
+                                    float spatial_scale, int ratio, int aligned, int clockwise,
+                                    int C, int H, int W, int P, int Q, O* __restrict__ bottom,
+                                    double scale, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  rroi_align_backward_native<T, A, O>(grad, rois, spatial_scale, ratio, aligned, clockwise, C,
+                                      H, W, P, Q, bottom, scale, n);
+#else
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::RotatedBox<A> b = mx_roi::rotated_box<T, A>(rois + it.r * 6, spatial_scale,
+                                                              P, Q, ratio, aligned, clockwise);
+    if (b.batch < 0) continue;
+    const A g = (A)mx_roi::Traits<T>::load(grad[it.i]) / b.divisor;
+    O* plane = bottom + mx_roi::plane_offset(b.batch, it.c, C, H, W);
+    for (int iy = 0; iy < b.gy; ++iy)
+      for (int ix = 0; ix < b.gx; ++ix) {
+        const mx_roi::Sample<A> s = mx_roi::rotated_sample(b, it.p, it.q, iy, ix, H, W);
+        if (!s.outside) mx_roi::sample_backward(plane, W, s, g, scale);
+      }
+  }
+#endif
+}
+
+// The sample tables of mx_roi.geometry.RotatedGrid from the functions above (for the
+// geometry-equality test; C = 1, n = R * P * Q items, G padded samples per bin):
+// batch/count/divisor (R,), the rest (R, P, Q, G), padding entries 0.
+template <typename T, typename A>
+__global__ void rroi_align_geometry(const T* __restrict__ rois, float spatial_scale, int ratio,
+                                    int aligned, int clockwise, int C, int H, int W, int P,
+                                    int Q, int G, int* batch, int* count, A* divisor, A* y,
+                                    A* x, int* y_low, int* y_high, int* x_low, int* x_high,
+                                    A* w1, A* w2, A* w3, A* w4, long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::RotatedBox<A> b = mx_roi::rotated_box<T, A>(rois + it.r * 6, spatial_scale,
+                                                              P, Q, ratio, aligned, clockwise);
+    if (it.p == 0 && it.q == 0) {
+      batch[it.r] = b.batch;
+      count[it.r] = b.gy * b.gx;
+      divisor[it.r] = b.divisor;
+    }
+    const long long base = ((it.r * P + it.p) * Q + it.q) * (long long)G;
+    for (int k = 0; k < G; ++k) {
+      mx_roi::Sample<A> s;
+      A py = 0, px = 0;
+      s.yl = s.yh = s.xl = s.xh = 0;
+      s.w1 = s.w2 = s.w3 = s.w4 = (A)0;
+      if (k < b.gy * b.gx) s = mx_roi::rotated_sample(b, it.p, it.q, k / b.gx, k % b.gx, H, W,
+                                                      &py, &px);
+      y[base + k] = py;
+      x[base + k] = px;
+      y_low[base + k] = s.yl;
+      y_high[base + k] = s.yh;
+      x_low[base + k] = s.xl;
+      x_high[base + k] = s.xh;
+      w1[base + k] = s.w1;
+      w2[base + k] = s.w2;
+      w3[base + k] = s.w3;
+      w4[base + k] = s.w4;
+    }
+  }
+}
