@@ -1,15 +1,4 @@
-"""PrRoIPool: precise RoI pooling (Jiang et al., "Acquisition of Localization Confidence
-for Accurate Object Detection", ECCV 2018 -- IoU-Net), mmcv's ``PrRoIPool``.
-
-Each bin is the exact integral of the bilinear interpolation surface of the map over the
-bin, divided by the bin's area: no sampling, no quantisation, and the output is
-differentiable in the box coordinates.  Coordinates as in the original implementation and
-mmcv: the box (batch, x1, y1, x2, y2) scaled by ``spatial_scale`` with no half-pixel
-offset, a reversed box has size 0; the surface takes the map's values at integer nodes
-and 0 beyond the map; a bin of zero area gives 0 (and no gradient).  Gradients: the data
-and the rois (columns x1, y1, x2, y2; the batch index gets 0); a padding roi (negative
-batch index) gives 0 and no gradient.
-"""
+"""PrRoIPool: precise RoI pooling (IoU-Net); semantics in the class docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,6 +63,19 @@ def _form(my, data, mx_, batch):
 
 @register
 class PrRoIPool(RoIOp):
+    """PrRoIPool: precise RoI pooling (Jiang et al., "Acquisition of Localization Confidence
+    for Accurate Object Detection", ECCV 2018 -- IoU-Net), mmcv's ``PrRoIPool``.
+
+    Each bin is the exact integral of the bilinear interpolation surface of the map over
+    the bin, divided by the bin's area: no sampling, no quantisation, and the output is
+    differentiable in the box coordinates.  Coordinates as in the original implementation
+    and mmcv: rois (R, 5) = (batch, x1, y1, x2, y2), the box scaled by ``spatial_scale``
+    with no half-pixel offset, a reversed box has size 0; the surface takes the map's
+    values at integer nodes and 0 beyond the map; a bin of zero area gives 0 (and no
+    gradient).  Gradients: the data and the rois (columns x1, y1, x2, y2; the batch index
+    gets 0); a padding roi (negative
+    batch index) gives 0 and no gradient.
+    """
     name = "PrRoIPool"
     param_cls = PrRoIPoolParam
     cuda_source = "prroi_pool.cu"

@@ -1,19 +1,4 @@
-"""RROIAlign: ROIAlign over rotated boxes (Ma et al., "Arbitrary-Oriented Scene Text
-Detection via Rotation Proposals", 2018), with a backward.
-
-Semantics of ``mx.nd.contrib.RROIAlign`` (forward only in MXNet): rois (R, 6) = (batch,
-x_center, y_center, width, height, angle in degrees, counter-clockwise on the image as
-drawn with y down); the box is scaled by ``spatial_scale`` and forced to at least 1x1
-cell; each of its P x Q bins averages gy x gx bilinear samples (``sampling_ratio``, or
-``ceil(side / pooled)`` when <= 0), rotated about the box centre; samples outside
-[-1, H] x [-1, W] count as 0 and are clamped to the map otherwise (ROIAlign's rule).
-Options beyond MXNet (its behaviour by default): ``aligned`` (Detectron2's
-ROIAlignRotated: centre shifted by -0.5 cell, no 1x1 floor, an empty grid gives 0) and
-``clockwise`` (mmcv's: the angle negated).  The gradient is the exact gradient of this
-forward in the data (the rois get none).  A padding roi (negative batch index) gives 0;
-MXNet's built-in reads out-of-map samples as ``0 * data[0, 0]`` (NaN when that cell is
-not finite), ours skips them.
-"""
+"""RROIAlign: ROIAlign over rotated boxes, with a backward; semantics in the class docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,6 +53,22 @@ def _live(grid, k):
 
 @register
 class RROIAlign(RoIOp):
+    """RROIAlign: ROIAlign over rotated boxes (Ma et al., "Arbitrary-Oriented Scene Text
+    Detection via Rotation Proposals", 2018), with a backward.
+
+    Semantics of ``mx.nd.contrib.RROIAlign`` (forward only in MXNet): rois (R, 6) = (batch,
+    x_center, y_center, width, height, angle in degrees, counter-clockwise on the image as
+    drawn with y down); the box is scaled by ``spatial_scale`` and forced to at least 1x1
+    cell; each of its P x Q bins averages gy x gx bilinear samples (``sampling_ratio``, or
+    ``ceil(side / pooled)`` when <= 0), rotated about the box centre; samples outside
+    [-1, H] x [-1, W] count as 0 and are clamped to the map otherwise (ROIAlign's rule).
+    Options beyond MXNet (its behaviour by default): ``aligned`` (Detectron2's
+    ROIAlignRotated: centre shifted by -0.5 cell, no 1x1 floor, an empty grid gives 0) and
+    ``clockwise`` (mmcv's: the angle negated).  The gradient is the exact gradient of this
+    forward in the data (the rois get none).  A padding roi (negative batch index) gives 0;
+    MXNet's built-in reads out-of-map samples as ``0 * data[0, 0]`` (NaN when that cell is
+    not finite), ours skips them.
+    """
     name = "RROIAlign"
     param_cls = RROIAlignParam
     cuda_source = "rroi_align.cu"
@@ -101,8 +102,8 @@ class RROIAlign(RoIOp):
                          rng.uniform(0.5, height * 0.7, count) / s,
                          rng.uniform(-180, 180, count)], axis=1)
 
-    def check_inputs(self, data_shape, data_dtype, rois, xp):
-        super().check_inputs(data_shape, data_dtype, rois, xp)
+    def check_inputs(self, data_shape, data_dtype, rois, xp, compiled=None):
+        super().check_inputs(data_shape, data_dtype, rois, xp, compiled)
         p = self.param
         if rois.shape[0] == 0 or p.sampling_ratio > 0:
             return

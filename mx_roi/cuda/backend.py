@@ -509,7 +509,11 @@ class CudaBackend:
     def _check(self, op, shape, dtype, rois):
         """``op.check_inputs``, in compiled code for an op with a compiled geometry on the
         host builds (the same first bad roi, the same message)."""
-        op.check_inputs(shape, dtype, rois, np, compiled=self._compiled(op)[1])
+        compiled = self._compiled(op)[1]
+        if compiled is None:  # (an op without a compiled geometry may not take it)
+            op.check_inputs(shape, dtype, rois, np)
+        else:
+            op.check_inputs(shape, dtype, rois, np, compiled=compiled)
 
     def _geometry(self, op, rois, height, width):
         """``op``'s geometry tables for host ``rois``, where the kernels read them (on a
