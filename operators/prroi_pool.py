@@ -73,8 +73,7 @@ class PrRoIPool(RoIOp):
     with no half-pixel offset, a reversed box has size 0; the surface takes the map's
     values at integer nodes and 0 beyond the map; a bin of zero area gives 0 (and no
     gradient).  Gradients: the data and the rois (columns x1, y1, x2, y2; the batch index
-    gets 0); a padding roi (negative
-    batch index) gives 0 and no gradient.
+    gets 0); a padding roi (negative batch index) gives 0 and no gradient.
     """
     name = "PrRoIPool"
     param_cls = PrRoIPoolParam
