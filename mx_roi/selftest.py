@@ -75,7 +75,8 @@ def _problem(op, dtype, seed=0, N=2, H=9, W=11):
     rois[0, 0] = -1  # a padding roi
     rois = rois.astype(dtype)
     grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
-    return data, rois, grad
+    extra = [np.asarray(a, dtype) for a in op.example_extra_inputs(rng, data.shape, rois)]
+    return data, rois, grad, extra
 
 
 def rescan_variants(name, params):
@@ -96,20 +97,29 @@ def _nd(a, ctx):
     return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
 
 
-def _run(backend, op, data, rois, grad, ctx, rescan=False):
+def _run(backend, op, data, rois, grad, ctx, rescan=False, extra=()):
+    """``(output, gradients)``: the data gradient, then each extra input's."""
     from .cuda import backend as cuda_backend
     x, r = _nd(data, ctx), _nd(rois, ctx)
+    ex = [_nd(a, ctx) for a in extra]
     out = _nd(np.zeros(op.out_shape(data.shape, rois.shape), data.dtype), ctx)
     dg = _nd(np.zeros(data.shape, data.dtype), ctx)
+    eg = [_nd(np.zeros(a.shape, a.dtype), ctx) for a in extra]
     keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
     if rescan:  # (the checks run on one thread)
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
     try:
-        saved = backend.forward(op, "write", x, r, out, keep=True)
-        backend.backward(op, "write", _nd(grad, ctx), x, r, dg, saved)
+        saved = backend.forward(op, "write", x, r, out, keep=True, extra=ex)
+        backend.backward(op, "write", _nd(grad, ctx), x, r, dg, saved, extra=ex,
+                         extra_grad=[("write", g) for g in eg])
     finally:
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
-    return out.asnumpy(), dg.asnumpy()
+    return out.asnumpy(), [g.asnumpy() for g in [dg] + eg]
+
+
+def _close_grads(g1, g2, dtype, what, op):
+    for name, a, b in zip(("data",) + tuple(op.input_names()[2:]), g1, g2):
+        _close(a, b, dtype, f"{what} {name} grad")
 
 
 def _close(a, b, dtype, what):
@@ -133,19 +143,24 @@ def _builtin_checks(backend, ctx, dtype=np.float32):
     n = 0
     for name, params in CASES:
         op = _op(name, params)
-        data, rois, grad = _problem(op, dtype, seed=1)
-        rois = rois[rois[:, 0] >= 0]
-        grad = grad[1:]
+        data, rois, grad, extra = _problem(op, dtype, seed=1)
+        keep = rois[:, 0] >= 0  # the built-ins read out of bounds for padding rois
+        rois, grad = rois[keep], grad[keep]
+        extra = [a[keep] for a in extra]  # (per-roi extra inputs)
         x = mx.nd.array(data, ctx=ctx, dtype=dtype)
-        x.attach_grad()
+        ex = [mx.nd.array(a, ctx=ctx, dtype=dtype) for a in extra]
+        for a in [x] + ex:
+            a.attach_grad()
         with autograd.record():
-            y = type(op).selftest_builtin(params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype))
+            y = type(op).selftest_builtin(params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype),
+                                          *ex)
         if y is None:  # MXNet has no equivalent
             continue
-        out, dg = _run(backend, op, data, rois, grad, ctx)
+        out, grads = _run(backend, op, data, rois, grad, ctx, extra=extra)
         y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
         _close(out, y.asnumpy(), dtype, f"{name} forward vs built-in on {ctx}")
-        _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
+        _close_grads(grads, [a.grad.asnumpy() for a in [x] + ex], dtype,
+                     f"{name} vs built-in on {ctx}", op)
         n += 1
     return n
 
@@ -175,13 +190,13 @@ def check_emulated(quick=False, backend="emulated-cuda"):
     for dtype in _dtypes(quick):
         for name, params in CASES:
             op = _op(name, params)
-            data, rois, grad = _problem(op, dtype)
-            o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+            data, rois, grad, extra = _problem(op, dtype)
+            o2, g2 = _run(ref, op, data, rois, grad, mx.cpu(), extra=extra)
             for rescan in rescan_variants(name, params):
-                o1, g1 = _run(emu, op, data, rois, grad, mx.cpu(), rescan)
+                o1, g1 = _run(emu, op, data, rois, grad, mx.cpu(), rescan, extra=extra)
                 what = f"{name} {params} {np.dtype(dtype).name}" + (" rescan" if rescan else "")
                 _close(o1, o2, dtype, f"{what} forward")
-                _close(g1, g2, dtype, f"{what} data grad")
+                _close_grads(g1, g2, dtype, what, op)
                 n += 1
     return f"{n} op x dtype cases vs numpy (forward + grad; max modes also rescanning)"
 
@@ -218,14 +233,14 @@ def check_cuda(quick=False):
         for name, params in CASES:
             for det in (False, True):
                 op = _op(name, dict(params, deterministic=det))
-                data, rois, grad = _problem(op, dtype)
-                o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+                data, rois, grad, extra = _problem(op, dtype)
+                o2, g2 = _run(ref, op, data, rois, grad, mx.cpu(), extra=extra)
                 for rescan in rescan_variants(name, params):
-                    o1, g1 = _run(cuda, op, data, rois, grad, gpu, rescan)
+                    o1, g1 = _run(cuda, op, data, rois, grad, gpu, rescan, extra=extra)
                     what = (f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
                             + (" rescan" if rescan else ""))
                     _close(o1, o2, dtype, f"{what} forward")
-                    _close(g1, g2, dtype, f"{what} data grad")
+                    _close_grads(g1, g2, dtype, what, op)
                     n += 1
     if gpucheck.is_standin(gpu):
         return (f"{n} checks vs the CPU path on CuPy arrays ({gpucheck.STANDIN_NOTE}); "
