@@ -1,0 +1,311 @@
+// DeformablePSROIPooling kernels (Deformable R-FCN: Dai et al., "Deformable Convolutional
+// Networks", ICCV 2017; the semantics of mx.nd.contrib.DeformablePSROIPooling).
+//
+// No geometry tables: every kernel derives its roi box, bin starts (shifted by the
+// offsets `trans`) and sample points from rois and trans with the __host__ __device__
+// functions below, in the operation order of MXNet's CPU kernel, in A.  The second
+// implementation is mx_roi.geometry.deformable_samples (NumPy backend, pictures);
+// deformable_psroi_pooling_samples fills the same table from these functions, and a test
+// compares the two bit for bit.
+//
+// Items: output element (r, c, p, q) of (R, C, P, Q); class k = c / (C / K) selects the
+// offsets trans[r, 2k + (0: x, 1: y), part_h(p), part_w(q)] (K = 1, offsets 0 with
+// no_trans); input channel (c * G + gh(p)) * G + gw(q).  A sample outside
+// [-0.5, W - 0.5] x [-0.5, H - 0.5] (or NaN) is skipped; the others are clamped to the map
+// and interpolated; the output is their mean (0 if none).
+#include "roi_common.cuh"
+
+namespace mx_roi {
+
+__host__ __device__ __forceinline__ float dfloor(float v) { return floorf(v); }
+__host__ __device__ __forceinline__ double dfloor(double v) { return floor(v); }
+__host__ __device__ __forceinline__ float dceil(float v) { return ceilf(v); }
+__host__ __device__ __forceinline__ double dceil(double v) { return ceil(v); }
+// C round(): half away from zero
+__host__ __device__ __forceinline__ float dround(float v) { return roundf(v); }
+__host__ __device__ __forceinline__ double dround(double v) { return round(v); }
+
+// One roi's box: corners C-rounded, end + 1, scaled, shifted by half a cell; sizes at
+// least 0.1 (std::max(size, 0.1): a NaN size stays NaN); bins and sub-bins.
+template <typename A>
+struct DeformBox {
+  int batch;
+  A start_w, start_h, roi_w, roi_h, bin_w, bin_h, sub_w, sub_h;
+};
+
+template <typename T, typename A>
+__host__ __device__ __forceinline__ DeformBox<A> deform_box(const T* rois, long long r,
+                                                            A scale, int P, int Q, int S) {
+  const T* b = rois + r * 5;
+  DeformBox<A> g;
+  g.batch = (int)Traits<T>::load(b[0]);  // truncation toward zero
+  const A half = (A)0.5, one = (A)1, least = (A)0.1;
+  g.start_w = dround((A)Traits<T>::load(b[1])) * scale - half;
+  g.start_h = dround((A)Traits<T>::load(b[2])) * scale - half;
+  const A end_w = (dround((A)Traits<T>::load(b[3])) + one) * scale - half;
+  const A end_h = (dround((A)Traits<T>::load(b[4])) + one) * scale - half;
+  const A w = end_w - g.start_w, h = end_h - g.start_h;
+  g.roi_w = w < least ? least : w;
+  g.roi_h = h < least ? least : h;
+  g.bin_h = g.roi_h / (A)P;
+  g.bin_w = g.roi_w / (A)Q;
+  g.sub_h = g.bin_h / (A)S;
+  g.sub_w = g.bin_w / (A)S;
+  return g;
+}
+
+// The part cell of bin p of P: floor(p / P * part) (MXNet's order, in A).
+template <typename A>
+__host__ __device__ __forceinline__ int deform_part(int p, int P, int part) {
+  return (int)dfloor((A)p / (A)P * (A)part);
+}
+
+// The group cell of bin p of P: floor(p * G / P), clamped to [0, G - 1].
+template <typename A>
+__host__ __device__ __forceinline__ int deform_group(int p, int P, int G) {
+  int g = (int)dfloor((A)p * (A)G / (A)P);
+  g = g < 0 ? 0 : g;
+  return g > G - 1 ? G - 1 : g;
+}
+
+// Offset index of trans[r, 2k + axis, u, v] in (R, 2K, part, part).
+__host__ __device__ __forceinline__ long long deform_trans_index(long long r, int k, int K,
+                                                                 int axis, int part, int u,
+                                                                 int v) {
+  return (((r * K + k) * 2 + axis) * (long long)part + u) * part + v;
+}
+
+// Start (hstart, wstart) of bin (p, q) of class k: p * bin + start, then + offset * size
+// (offset = trans * trans_std; 0 without trans, still added as MXNet does).
+template <typename T, typename A>
+__host__ __device__ __forceinline__ void deform_bin_start(const DeformBox<A>& g,
+                                                          const T* trans, long long r, int k,
+                                                          int K, int part, int p, int q,
+                                                          int P, int Q, A trans_std,
+                                                          bool no_trans, A* hs, A* ws) {
+  A tx = 0, ty = 0;
+  if (!no_trans) {
+    const int u = deform_part<A>(p, P, part), v = deform_part<A>(q, Q, part);
+    tx = (A)Traits<T>::load(trans[deform_trans_index(r, k, K, 0, part, u, v)]) * trans_std;
+    ty = (A)Traits<T>::load(trans[deform_trans_index(r, k, K, 1, part, u, v)]) * trans_std;
+  }
+  A w = (A)q * g.bin_w + g.start_w;
+  w += tx * g.roi_w;
+  A h = (A)p * g.bin_h + g.start_h;
+  h += ty * g.roi_h;
+  *hs = h;
+  *ws = w;
+}
+
+// One axis of a sample: inside [-0.5, limit - 0.5] (compared in double, as MXNet's
+// `w < -0.5 || w > width - 0.5`; NaN is outside), the coordinate clamped to
+// [0, limit - 1] (std::min(std::max(v, 0), limit - 1)), its taps floor / ceil and the
+// distance to the low tap.
+template <typename A>
+struct DeformAxis {
+  bool inside;
+  A v, d;
+  int lo, hi;
+};
+
+template <typename A>
+__host__ __device__ __forceinline__ DeformAxis<A> deform_axis(A v, int limit) {
+  DeformAxis<A> a;
+  a.inside = (double)v >= -0.5 && (double)v <= (double)limit - 0.5;
+  A c = v < (A)0 ? (A)0 : v;
+  c = (A)(limit - 1) < c ? (A)(limit - 1) : c;
+  a.v = c;
+  const A f = dfloor(c);
+  a.lo = (int)f;
+  a.hi = (int)dceil(c);
+  a.d = c - f;
+  return a;
+}
+
+// Everything an item needs: its box, class, input plane, bin start.
+template <typename A>
+struct DeformItem {
+  DeformBox<A> g;
+  int k, cin;
+  A hs, ws;
+};
+
+template <typename T, typename A>
+__host__ __device__ __forceinline__ DeformItem<A> deform_item(
+    const T* rois, const T* trans, long long r, int c, int p, int q, A scale, A trans_std,
+    bool no_trans, int K, int C, int G, int part, int S, int P, int Q) {
+  DeformItem<A> d;
+  d.g = deform_box<T, A>(rois, r, scale, P, Q, S);
+  d.k = c / (C / K);
+  d.cin = (c * G + deform_group<A>(p, P, G)) * G + deform_group<A>(q, Q, G);
+  deform_bin_start<T, A>(d.g, trans, r, d.k, K, part, p, q, P, Q, trans_std, no_trans, &d.hs,
+                         &d.ws);
+  return d;
+}
+
+// Valid samples of an item (the divisor of its mean).
+template <typename A>
+__host__ __device__ __forceinline__ int deform_count(const DeformItem<A>& d, int S, int H,
+                                                     int W) {
+  int count = 0;
+  for (int i = 0; i < S; ++i) {
+    const bool yin = deform_axis<A>(d.hs + (A)i * d.g.sub_h, H).inside;
+    for (int j = 0; j < S; ++j)
+      count += (yin && deform_axis<A>(d.ws + (A)j * d.g.sub_w, W).inside) ? 1 : 0;
+  }
+  return count;
+}
+
+}  // namespace mx_roi
+
+// The sample table of mx_roi.geometry.deformable_samples from the functions above (for
+// the equality test): items (r, k, p, q) of (R, K, P, Q); per sample index s < S the
+// clamped y of row s and x of column s, and whether each is inside (1) or not (0).
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_samples(
+    const T* __restrict__ rois, const T* __restrict__ trans, double spatial_scale,
+    double trans_std, int no_trans, int part, int S, int C, int H, int W, int P, int Q,
+    A* __restrict__ y, A* __restrict__ x, int* __restrict__ y_in, int* __restrict__ x_in,
+    long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformBox<A> g =
+        mx_roi::deform_box<T, A>(rois, it.r, (A)spatial_scale, P, Q, S);
+    A hs, ws;
+    mx_roi::deform_bin_start<T, A>(g, trans, it.r, it.c, C, part, it.p, it.q, P, Q,
+                                   (A)trans_std, no_trans != 0, &hs, &ws);
+    for (int s = 0; s < S; ++s) {
+      const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(hs + (A)s * g.sub_h, H);
+      const mx_roi::DeformAxis<A> ax = mx_roi::deform_axis<A>(ws + (A)s * g.sub_w, W);
+      y[it.i * S + s] = ay.v;
+      x[it.i * S + s] = ax.v;
+      y_in[it.i * S + s] = ay.inside ? 1 : 0;
+      x_in[it.i * S + s] = ax.inside ? 1 : 0;
+    }
+  }
+}
+
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_forward(
+    const T* __restrict__ data, const T* __restrict__ rois, const T* __restrict__ trans,
+    double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
+    int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+        rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
+        C, G, part, S, P, Q);
+    A sum = 0;
+    int count = 0;
+    if (d.g.batch >= 0) {
+      const T* plane = data + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+      for (int i = 0; i < S; ++i) {
+        const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+        for (int j = 0; j < S; ++j) {
+          const mx_roi::DeformAxis<A> ax =
+              mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+          if (!(ay.inside && ax.inside)) continue;
+          const A v00 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]);
+          const A v01 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]);
+          const A v10 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]);
+          const A v11 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]);
+          const A one = (A)1;
+          const A value = (one - ax.d) * (one - ay.d) * v00 + (one - ax.d) * ay.d * v01 +
+                          ax.d * (one - ay.d) * v10 + ax.d * ay.d * v11;
+          sum += value;
+          ++count;
+        }
+      }
+    }
+    out[it.i] = mx_roi::Traits<T>::store(count == 0 ? (A)0 : sum / (A)count);
+  }
+}
+
+// Data gradient: each valid sample hands out grad / count with its four bilinear weights
+// (taps in MXNet's order: (lo, lo), (hi, lo), (lo, hi), (hi, hi) as (y, x)).
+template <typename T, typename A, typename O>
+__global__ void deformable_psroi_pooling_backward(
+    const T* __restrict__ grad, const T* __restrict__ rois, const T* __restrict__ trans,
+    double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
+    int C, int Cin, int H, int W, int P, int Q, O* __restrict__ bottom, double scale,
+    long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+        rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
+        C, G, part, S, P, Q);
+    if (d.g.batch < 0) continue;
+    const int count = mx_roi::deform_count<A>(d, S, H, W);
+    if (count == 0) continue;
+    const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+    O* plane = bottom + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+    for (int i = 0; i < S; ++i) {
+      const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+      for (int j = 0; j < S; ++j) {
+        const mx_roi::DeformAxis<A> ax = mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+        if (!(ay.inside && ax.inside)) continue;
+        const A one = (A)1;
+        const A q00 = (one - ax.d) * (one - ay.d), q01 = (one - ax.d) * ay.d;
+        const A q10 = ax.d * (one - ay.d), q11 = ax.d * ay.d;
+        mx_roi::grad_add(plane + (long long)ay.lo * W + ax.lo, q00 * diff, scale);
+        mx_roi::grad_add(plane + (long long)ay.hi * W + ax.lo, q01 * diff, scale);
+        mx_roi::grad_add(plane + (long long)ay.lo * W + ax.hi, q10 * diff, scale);
+        mx_roi::grad_add(plane + (long long)ay.hi * W + ax.hi, q11 * diff, scale);
+      }
+    }
+  }
+}
+
+// Offset gradient: items (r, k, u, v) of (R, K, part, part) -- here C is K -- each the
+// sum, in MXNet's order (output channel c of class k, bin (p, q) of part (u, v), sample
+// (i, j)), of d out / d trans; written (each element by one item: no atomics, the same
+// bits on every backend).  D is the output channel count.
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_backward_trans(
+    const T* __restrict__ grad, const T* __restrict__ data, const T* __restrict__ rois,
+    const T* __restrict__ trans, double spatial_scale, double trans_std, int G, int part,
+    int S, int C, int D, int Cin, int H, int W, int P, int Q, A* __restrict__ trans_grad,
+    long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
+    const int K = C, k = it.c, u = it.p, v = it.q, per_class = D / K;
+    const A tstd = (A)trans_std, one = (A)1;
+    A sx = 0, sy = 0;
+    const mx_roi::DeformBox<A> g0 = mx_roi::deform_box<T, A>(rois, it.r, (A)spatial_scale, P,
+                                                            Q, S);
+    for (int c = k * per_class; g0.batch >= 0 && c < (k + 1) * per_class; ++c) {
+      for (int p = 0; p < P; ++p) {
+        if (mx_roi::deform_part<A>(p, P, part) != u) continue;
+        for (int q = 0; q < Q; ++q) {
+          if (mx_roi::deform_part<A>(q, Q, part) != v) continue;
+          const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+              rois, trans, it.r, c, p, q, (A)spatial_scale, tstd, false, K, D, G, part, S, P,
+              Q);
+          const int count = mx_roi::deform_count<A>(d, S, H, W);
+          if (count == 0) continue;
+          const A diff =
+              (A)mx_roi::Traits<T>::load(grad[((it.r * D + c) * P + p) * (long long)Q + q]) /
+              (A)count;
+          const T* plane = data + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+          for (int i = 0; i < S; ++i) {
+            const mx_roi::DeformAxis<A> ay =
+                mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+            for (int j = 0; j < S; ++j) {
+              const mx_roi::DeformAxis<A> ax =
+                  mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+              if (!(ay.inside && ax.inside)) continue;
+              const A u00 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]);
+              const A u01 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]);
+              const A u10 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]);
+              const A u11 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]);
+              A dx = u11 * ay.d + u10 * (one - ay.d) - u01 * ay.d - u00 * (one - ay.d);
+              dx *= tstd * diff * d.g.roi_w;
+              A dy = u11 * ax.d + u01 * (one - ax.d) - u10 * ax.d - u00 * (one - ax.d);
+              dy *= tstd * diff * d.g.roi_h;
+              sx += dx;
+              sy += dy;
+            }
+          }
+        }
+      }
+    }
+    trans_grad[mx_roi::deform_trans_index(it.r, k, K, 0, part, u, v)] = sx;
+    trans_grad[mx_roi::deform_trans_index(it.r, k, K, 1, part, u, v)] = sy;
+  }
+}
