@@ -158,6 +158,71 @@ __host__ __device__ __forceinline__ int deform_count(const DeformItem<A>& d, int
 
 }  // namespace mx_roi
 
+#ifdef MX_ROI_HOST_NATIVE
+namespace mx_roi {
+// Native host build: the samples of every bin of one (roi, class), built once and reused
+// by every output channel of that class in the thread's block (a class-agnostic model --
+// K = 1, e.g. Deformable-ConvNets' FPN head with 256 channels -- builds them once per
+// roi): per valid sample its four tap offsets in the plane, its four bilinear weights
+// (the very products the generic kernels form: (1 - dx) * (1 - dy), ...) and its
+// distances (the offsets' gradient).  The same values in the same order: the same bits.
+template <typename A>
+struct DeformTap {
+  int o[4];
+  A w[4];
+  A dx, dy;
+};
+
+template <typename T, typename A>
+struct DeformBins {
+  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order
+  std::vector<int> start;          // bin b = p * Q + q: taps[start[b] .. start[b + 1])
+  DeformBox<A> g;
+  long long r = -1;
+  int k = -1;
+
+  void ensure(const T* rois, const T* trans, long long r_, int k_, A scale, A trans_std,
+              bool no_trans, int K, int part, int S, int P, int Q, int H, int W) {
+    if (r_ == r && k_ == k) return;
+    r = r_;
+    k = k_;
+    g = deform_box<T, A>(rois, r, scale, P, Q, S);
+    taps.clear();
+    start.assign(1, 0);
+    std::vector<DeformAxis<A>> ax(S);
+    const A one = (A)1;
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q) {
+        A hs, ws;
+        deform_bin_start<T, A>(g, trans, r, k, K, part, p, q, P, Q, trans_std, no_trans, &hs,
+                               &ws);
+        for (int j = 0; j < S; ++j) ax[j] = deform_axis<A>(ws + (A)j * g.sub_w, W);
+        for (int i = 0; i < S; ++i) {
+          const DeformAxis<A> ay = deform_axis<A>(hs + (A)i * g.sub_h, H);
+          if (!ay.inside) continue;
+          for (int j = 0; j < S; ++j) {
+            if (!ax[j].inside) continue;
+            DeformTap<A> t;
+            t.o[0] = ay.lo * W + ax[j].lo;
+            t.o[1] = ay.hi * W + ax[j].lo;
+            t.o[2] = ay.lo * W + ax[j].hi;
+            t.o[3] = ay.hi * W + ax[j].hi;
+            t.w[0] = (one - ax[j].d) * (one - ay.d);
+            t.w[1] = (one - ax[j].d) * ay.d;
+            t.w[2] = ax[j].d * (one - ay.d);
+            t.w[3] = ax[j].d * ay.d;
+            t.dx = ax[j].d;
+            t.dy = ay.d;
+            taps.push_back(t);
+          }
+        }
+        start.push_back((int)taps.size());
+      }
+  }
+};
+}  // namespace mx_roi
+#endif
+
 // The sample table of mx_roi.geometry.deformable_samples from the functions above (for
 // the equality test): items (r, k, p, q) of (R, K, P, Q); per sample index s < S the
 // clamped y of row s and x of column s, and whether each is inside (1) or not (0).
@@ -189,6 +254,32 @@ __global__ void deformable_psroi_pooling_forward(
     const T* __restrict__ data, const T* __restrict__ rois, const T* __restrict__ trans,
     double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
     int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    mx_roi::DeformBins<T, A> bins;
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W);
+      const int b = it.p * Q + it.q, count = bins.start[b + 1] - bins.start[b];
+      A sum = 0;
+      if (bins.g.batch >= 0 && count > 0) {
+        const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
+                        mx_roi::deform_group<A>(it.q, Q, G);
+        const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+        for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+          const mx_roi::DeformTap<A>& s = bins.taps[t];
+          sum += s.w[0] * mx_roi::Traits<T>::load(plane[s.o[0]]) +
+                 s.w[1] * mx_roi::Traits<T>::load(plane[s.o[1]]) +
+                 s.w[2] * mx_roi::Traits<T>::load(plane[s.o[2]]) +
+                 s.w[3] * mx_roi::Traits<T>::load(plane[s.o[3]]);
+        }
+      }
+      out[it.i] = mx_roi::Traits<T>::store(bins.g.batch < 0 || count == 0 ? (A)0
+                                                                           : sum / (A)count);
+    }
+    return;
+  }
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
         rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
@@ -227,6 +318,26 @@ __global__ void deformable_psroi_pooling_backward(
     double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
     int C, int Cin, int H, int W, int P, int Q, O* __restrict__ bottom, double scale,
     long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    mx_roi::DeformBins<T, A> bins;
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W);
+      const int b = it.p * Q + it.q, count = bins.start[b + 1] - bins.start[b];
+      if (bins.g.batch < 0 || count == 0) continue;
+      const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+      const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
+                      mx_roi::deform_group<A>(it.q, Q, G);
+      O* plane = bottom + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+      for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+        const mx_roi::DeformTap<A>& s = bins.taps[t];
+        for (int m = 0; m < 4; ++m) mx_roi::grad_add(plane + s.o[m], s.w[m] * diff, scale);
+      }
+    }
+    return;
+  }
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
     const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
         rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
@@ -253,21 +364,79 @@ __global__ void deformable_psroi_pooling_backward(
   }
 }
 
-// Offset gradient: items (r, k, u, v) of (R, K, part, part) -- here C is K -- each the
-// sum, in MXNet's order (output channel c of class k, bin (p, q) of part (u, v), sample
-// (i, j)), of d out / d trans; written (each element by one item: no atomics, the same
-// bits on every backend).  D is the output channel count.
+// Offset gradient: items (r * K + k, u, v) of (R * K, part, part) -- C is R * K, so that
+// a native launch splits over rois and classes -- each the sum, in MXNet's order (output
+// channel c of class k, bin (p, q) of part cell (u, v), sample (i, j)), of d out / d trans;
+// written (each element by one item: no atomics, the same bits on every backend).  D is
+// the output channel count.
 template <typename T, typename A>
 __global__ void deformable_psroi_pooling_backward_trans(
     const T* __restrict__ grad, const T* __restrict__ data, const T* __restrict__ rois,
-    const T* __restrict__ trans, double spatial_scale, double trans_std, int G, int part,
-    int S, int C, int D, int Cin, int H, int W, int P, int Q, A* __restrict__ trans_grad,
-    long long n) {
+    const T* __restrict__ trans, double spatial_scale, double trans_std, int K, int G,
+    int part, int S, int C, int D, int Cin, int H, int W, int P, int Q,
+    A* __restrict__ trans_grad, long long n) {
+  const A tstd = (A)trans_std, one = (A)1;
+  const int per_class = D / K;
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    // a (roi, class) at once, at its item (u, v) = (0, 0): output channel by channel, each
+    // plane read once for all its bins, every sample added to its part cell's sums -- per
+    // cell still in the order c, (p, q), (i, j)
+    mx_roi::DeformBins<T, A> bins;
+    std::vector<A> sx, sy;
+    MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
+      if (it.p != 0 || it.q != 0) continue;
+      const long long r = it.c / K;
+      const int k = it.c % K;
+      bins.ensure(rois, trans, r, k, (A)spatial_scale, tstd, false, K, part, S, P, Q, H, W);
+      sx.assign((size_t)part * part, (A)0);
+      sy.assign((size_t)part * part, (A)0);
+      for (int c = k * per_class; bins.g.batch >= 0 && c < (k + 1) * per_class; ++c) {
+        for (int p = 0; p < P; ++p) {
+          const int u = mx_roi::deform_part<A>(p, P, part);
+          for (int q = 0; q < Q; ++q) {
+            const int cell = u * part + mx_roi::deform_part<A>(q, Q, part);
+            const int b = p * Q + q, count = bins.start[b + 1] - bins.start[b];
+            if (count == 0) continue;
+            const A diff =
+                (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
+                (A)count;
+            const int cin = (c * G + mx_roi::deform_group<A>(p, P, G)) * G +
+                            mx_roi::deform_group<A>(q, Q, G);
+            const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+            A ax = sx[cell], ay = sy[cell];
+            for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+              const mx_roi::DeformTap<A>& s = bins.taps[t];
+              const A u00 = mx_roi::Traits<T>::load(plane[s.o[0]]);
+              const A u01 = mx_roi::Traits<T>::load(plane[s.o[1]]);
+              const A u10 = mx_roi::Traits<T>::load(plane[s.o[2]]);
+              const A u11 = mx_roi::Traits<T>::load(plane[s.o[3]]);
+              A dx = u11 * s.dy + u10 * (one - s.dy) - u01 * s.dy - u00 * (one - s.dy);
+              dx *= tstd * diff * bins.g.roi_w;
+              A dy = u11 * s.dx + u01 * (one - s.dx) - u10 * s.dx - u00 * (one - s.dx);
+              dy *= tstd * diff * bins.g.roi_h;
+              ax += dx;
+              ay += dy;
+            }
+            sx[cell] = ax;
+            sy[cell] = ay;
+          }
+        }
+      }
+      for (int u = 0; u < part; ++u)
+        for (int v = 0; v < part; ++v) {
+          trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx[u * part + v];
+          trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy[u * part + v];
+        }
+    }
+    return;
+  }
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
-    const int K = C, k = it.c, u = it.p, v = it.q, per_class = D / K;
-    const A tstd = (A)trans_std, one = (A)1;
+    const long long r = it.c / K;
+    const int k = it.c % K, u = it.p, v = it.q;
     A sx = 0, sy = 0;
-    const mx_roi::DeformBox<A> g0 = mx_roi::deform_box<T, A>(rois, it.r, (A)spatial_scale, P,
+    const mx_roi::DeformBox<A> g0 = mx_roi::deform_box<T, A>(rois, r, (A)spatial_scale, P,
                                                             Q, S);
     for (int c = k * per_class; g0.batch >= 0 && c < (k + 1) * per_class; ++c) {
       for (int p = 0; p < P; ++p) {
@@ -275,12 +444,11 @@ __global__ void deformable_psroi_pooling_backward_trans(
         for (int q = 0; q < Q; ++q) {
           if (mx_roi::deform_part<A>(q, Q, part) != v) continue;
           const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
-              rois, trans, it.r, c, p, q, (A)spatial_scale, tstd, false, K, D, G, part, S, P,
-              Q);
+              rois, trans, r, c, p, q, (A)spatial_scale, tstd, false, K, D, G, part, S, P, Q);
           const int count = mx_roi::deform_count<A>(d, S, H, W);
           if (count == 0) continue;
           const A diff =
-              (A)mx_roi::Traits<T>::load(grad[((it.r * D + c) * P + p) * (long long)Q + q]) /
+              (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
               (A)count;
           const T* plane = data + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
           for (int i = 0; i < S; ++i) {
@@ -305,7 +473,7 @@ __global__ void deformable_psroi_pooling_backward_trans(
         }
       }
     }
-    trans_grad[mx_roi::deform_trans_index(it.r, k, K, 0, part, u, v)] = sx;
-    trans_grad[mx_roi::deform_trans_index(it.r, k, K, 1, part, u, v)] = sy;
+    trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx;
+    trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy;
   }
 }

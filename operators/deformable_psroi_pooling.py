@@ -323,7 +323,7 @@ class DeformablePSROIPooling(RoIOp):
         if call.trans is None:
             return dgrad
         tgrad = launch.empty(call.trans.shape, launch.acc)
-        launch.forward("deformable_psroi_pooling_backward_trans",
-                       call.rois.shape[0] * K * self.param.part ** 2, grad=grad,
-                       data=launch.data, C=K, D=D, trans_grad=tgrad, **args)
+        RK = call.rois.shape[0] * K  # items (r * K + k, u, v): C = R * K
+        launch.forward("deformable_psroi_pooling_backward_trans", RK * self.param.part ** 2,
+                       grad=grad, data=launch.data, K=K, C=RK, D=D, trans_grad=tgrad, **args)
         return dgrad, tgrad
