@@ -58,6 +58,11 @@ class DeformablePSROIPoolingParam(ParamBase):
                              f"{self.trans_std!r}")
 
     @property
+    def in_channels(self) -> int:
+        """Input channels the op reads: ``output_dim * group_size ** 2``."""
+        return self.output_dim * self.group_size * self.group_size
+
+    @property
     def part(self) -> int:
         """The offset grid's side: ``part_size``, or ``pooled_size`` when 0."""
         return self.part_size or self.pooled_size
@@ -110,7 +115,7 @@ class DeformablePSROIPooling(RoIOp):
 
     def out_channels(self, channels):
         p = self.param
-        need = p.output_dim * p.group_size * p.group_size
+        need = p.in_channels
         if channels < need:  # the built-in reads the first `need` channels (more: unused)
             raise ValueError(f"{self.name}: data has {channels} channels but output_dim * "
                              f"group_size^2 = {p.output_dim} * {p.group_size}^2 = {need} "
