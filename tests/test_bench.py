@@ -17,6 +17,8 @@ EXPECTED = {
     "ROIAlign-max/7x7": False,
     "PSROIPooling/7x7": True,
     "PSROIAlign/7x7": True,
+    "DeformablePSROIPooling/7x7": True,
+    "DeformablePSROIPooling-agnostic/7x7": True,
 }
 DIRECTIONS = ("fwd", "fwd+bwd")
 
@@ -67,7 +69,7 @@ def test_every_op_and_direction_has_positive_times(quick_run):
             else:
                 assert r["builtin_ms"] is None and r["ratio"] is None
     assert {r["op"] for r in payload["results"]} == {
-        "ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign"}
+        "ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign", "DeformablePSROIPooling"}
     assert payload["failures"] == []
     assert _positive(payload["geomean_fwd_bwd_ratio"])
 
@@ -407,7 +409,7 @@ def test_markdown_of_a_single_run(quick_run):
     t = payload["machine"]["threads"]
     assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
                                f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
-    rows = [ln for ln in lines if ln.startswith("| ROI") or ln.startswith("| PSROI")]
+    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| Deformable"))]
     assert len(rows) == len(payload["results"])
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "

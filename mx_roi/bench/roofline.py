@@ -102,9 +102,13 @@ def workload_work(op, data_shape, rois: np.ndarray, itemsize: int = 4) -> dict:
     """Bytes and multiply-adds one forward and one backward must spend.
 
     ``op`` is an mx_roi op definition (:class:`mx_roi.registry.RoIOp`), ``data_shape``
-    (N, C, H, W), ``rois`` (R, 5).  Returns ``fwd_bytes``, ``fwd_ops``, ``bwd_bytes``,
+    (N, C, H, W), ``rois`` (R, 5); an op with a ``roofline_work(data_shape, rois,
+    itemsize)`` method answers for itself.  Returns ``fwd_bytes``, ``fwd_ops``, ``bwd_bytes``,
     ``bwd_ops``.
     """
+    own = getattr(op, "roofline_work", None)
+    if own is not None:  # an op whose geometry is not a table of bins (derived per call)
+        return own(data_shape, rois, itemsize)
     N, C, H, W = data_shape
     geo = op.geometry(rois.astype(np.float64), H, W, np)
     batch, rows, cols, counts = _used(geo, H, W)
