@@ -174,6 +174,25 @@ class DeformablePSROIPooling(RoIOp):
         kw = {k: v for k, v in params.items() if k != "deterministic"}
         return mx.nd.contrib.DeformablePSROIPooling(data, rois, *extra, **kw)
 
+    def roofline_work(self, data_shape, rois, itemsize=4):
+        """Bytes and multiply-adds a call must spend (``mx_roi.bench.roofline``), its
+        samples counted without offsets: per live sample 4 taps (forward: 4 products, the
+        data gradient 4 adds, the offsets' gradient another 8)."""
+        p = self.param
+        N, C, H, W = data_shape
+        geo = self.samples(DeformableCall(np.asarray(rois, np.float32), None), H, W)
+        live = geo.batch >= 0
+        used = (geo.y_in[live][..., :, None] & geo.x_in[live][..., None, :]).sum()
+        taps = float(used) * p.output_dim * 4
+        R = rois.shape[0]
+        out_bytes = R * p.output_dim * p.pooled_size ** 2 * itemsize
+        read = min(float(N * p.in_channels * H * W), taps) * itemsize
+        trans = 0 if p.no_trans else 2.0 * R * p.part ** 2 * itemsize
+        return dict(fwd_bytes=read + out_bytes + trans, fwd_ops=taps,
+                    bwd_bytes=out_bytes + N * C * H * W * itemsize + trans
+                    + (0 if p.no_trans else read),
+                    bwd_ops=taps * (1 if p.no_trans else 3))
+
     # ---- geometry: derived in the kernels (geometry.deformable_samples for NumPy) -------
     def geometry(self, rois, height, width, xp, *extra):
         return DeformableCall(rois, extra[0] if extra and not self.param.no_trans else None)

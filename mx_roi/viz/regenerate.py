@@ -51,6 +51,16 @@ FIGURES: Dict[str, List[Dict[str, Any]]] = {
              spatial_scale=0.125, sample_ratio=2, aligned=False, tap_sample=(0, 0, 0, 0)),
         dict(op="ROIAlign", feature_shape=(6, 7), roi=(0, 8, 8, 40, 32), pooled_size=2,
              spatial_scale=0.125, sample_ratio=2, aligned=True, tap_sample=(0, 0, 0, 0))],
+    # offsets: the left column's bins pushed left past the map's edge, the others down
+    "deformable_psroi_pooling.png": [
+        dict(op="DeformablePSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
+             part_size=3, sample_per_part=2, trans_std=0.5, group_size=1, output_dim=1,
+             spatial_scale=0.125,
+             trans=[[[-0.9, 0.1, 0.0], [-0.9, 0.1, 0.0], [-0.9, 0.1, 0.0]],
+                    [[0.0, 0.3, 0.6], [0.0, 0.3, 0.6], [0.0, 0.3, 0.6]]]),
+        dict(op="DeformablePSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
+             sample_per_part=2, group_size=1, output_dim=1, spatial_scale=0.125,
+             no_trans=True)],
     "edge_cases.png": [
         dict(op="ROIPooling", feature_shape=(6, 8), roi=(0, 36, 20, 90, 60), pooled_size=3,
              spatial_scale=0.125),
