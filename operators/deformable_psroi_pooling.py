@@ -85,6 +85,7 @@ class DeformablePSROIPooling(RoIOp):
     name = "DeformablePSROIPooling"
     param_cls = DeformablePSROIPoolingParam
     cuda_source = "deformable_psroi_pooling.cu"
+    gluon_mode = "deformpool"  # roi_pooler('deformpool', ...); with offsets: block(x, rois, trans)
     inputs = ("data", "rois", "trans")
     builtin_order = ("spatial_scale", "output_dim", "group_size", "pooled_size",
                      "part_size", "sample_per_part", "trans_std", "no_trans")

@@ -135,8 +135,9 @@ def test_checklist_runs_host_parts_and_skips_gpu_parts(host_steps):
     assert by[("device 1", "gpu")].detail == "needs two GPUs (0 visible)"
     assert str(gpucheck.GRID_WRAP_ITEMS) in by[("grid-stride wrap", "host")].detail
     assert gpucheck.GRID_WRAP_ITEMS > 65535 * 256
-    # 5 cases x 3 dtypes, and the two max modes again with the rescanning backward
-    assert by[("emulated references", "host")].detail.startswith("21 op x dtype")
+    # 7 cases x 3 dtypes, and the two max modes and the deformable one with offsets (its
+    # backward reads the data too) again with the rescanning flag
+    assert by[("emulated references", "host")].detail.startswith("30 op x dtype")
 
 
 def test_checklist_skip_reasons_with_setup_complete_but_no_gpu(monkeypatch):
