@@ -181,43 +181,62 @@ struct DeformBins {
   long long r = -1;
   int k = -1;
 
+  // every bin of (r_, k_) (bin b = p * Q + q), unless already built
   void ensure(const T* rois, const T* trans, long long r_, int k_, A scale, A trans_std,
               bool no_trans, int K, int part, int S, int P, int Q, int H, int W) {
     if (r_ == r && k_ == k) return;
+    begin(rois, r_, k_, scale, S, P, Q);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q)
+        add_bin(trans, trans_std, no_trans, K, part, S, P, Q, H, W, p, q);
+  }
+
+  // bin (p, q) of (r_, k_) alone, as bin 0 (the roi-inner walk: each item its own bin)
+  void only(const T* rois, const T* trans, long long r_, int k_, A scale, A trans_std,
+            bool no_trans, int K, int part, int S, int P, int Q, int H, int W, int p, int q) {
+    begin(rois, r_, k_, scale, S, P, Q);
+    add_bin(trans, trans_std, no_trans, K, part, S, P, Q, H, W, p, q);
+    r = -1;  // not a full table
+  }
+
+ private:
+  std::vector<DeformAxis<A>> ax;
+
+  void begin(const T* rois, long long r_, int k_, A scale, int S, int P, int Q) {
     r = r_;
     k = k_;
     g = deform_box<T, A>(rois, r, scale, P, Q, S);
     taps.clear();
     start.assign(1, 0);
-    std::vector<DeformAxis<A>> ax(S);
+    ax.resize(S);
+  }
+
+  void add_bin(const T* trans, A trans_std, bool no_trans, int K, int part, int S, int P,
+               int Q, int H, int W, int p, int q) {
     const A one = (A)1;
-    for (int p = 0; p < P; ++p)
-      for (int q = 0; q < Q; ++q) {
-        A hs, ws;
-        deform_bin_start<T, A>(g, trans, r, k, K, part, p, q, P, Q, trans_std, no_trans, &hs,
-                               &ws);
-        for (int j = 0; j < S; ++j) ax[j] = deform_axis<A>(ws + (A)j * g.sub_w, W);
-        for (int i = 0; i < S; ++i) {
-          const DeformAxis<A> ay = deform_axis<A>(hs + (A)i * g.sub_h, H);
-          if (!ay.inside) continue;
-          for (int j = 0; j < S; ++j) {
-            if (!ax[j].inside) continue;
-            DeformTap<A> t;
-            t.o[0] = ay.lo * W + ax[j].lo;
-            t.o[1] = ay.hi * W + ax[j].lo;
-            t.o[2] = ay.lo * W + ax[j].hi;
-            t.o[3] = ay.hi * W + ax[j].hi;
-            t.w[0] = (one - ax[j].d) * (one - ay.d);
-            t.w[1] = (one - ax[j].d) * ay.d;
-            t.w[2] = ax[j].d * (one - ay.d);
-            t.w[3] = ax[j].d * ay.d;
-            t.dx = ax[j].d;
-            t.dy = ay.d;
-            taps.push_back(t);
-          }
-        }
-        start.push_back((int)taps.size());
+    A hs, ws;
+    deform_bin_start<T, A>(g, trans, r, k, K, part, p, q, P, Q, trans_std, no_trans, &hs, &ws);
+    for (int j = 0; j < S; ++j) ax[j] = deform_axis<A>(ws + (A)j * g.sub_w, W);
+    for (int i = 0; i < S; ++i) {
+      const DeformAxis<A> ay = deform_axis<A>(hs + (A)i * g.sub_h, H);
+      if (!ay.inside) continue;
+      for (int j = 0; j < S; ++j) {
+        if (!ax[j].inside) continue;
+        DeformTap<A> t;
+        t.o[0] = ay.lo * W + ax[j].lo;
+        t.o[1] = ay.hi * W + ax[j].lo;
+        t.o[2] = ay.lo * W + ax[j].hi;
+        t.o[3] = ay.hi * W + ax[j].hi;
+        t.w[0] = (one - ax[j].d) * (one - ay.d);
+        t.w[1] = (one - ax[j].d) * ay.d;
+        t.w[2] = ax[j].d * (one - ay.d);
+        t.w[3] = ax[j].d * ay.d;
+        t.dx = ax[j].d;
+        t.dy = ay.d;
+        taps.push_back(t);
       }
+    }
+    start.push_back((int)taps.size());
   }
 };
 }  // namespace mx_roi
@@ -256,11 +275,21 @@ __global__ void deformable_psroi_pooling_forward(
     int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   {
+    // every bin its own input plane (group grid = pooled grid, R-FCN): a bin's rois back
+    // to back, its plane hot in cache; else roi by roi, the (roi, class) table shared
+    const bool per_bin = G == P && G == Q && G > 1;
     mx_roi::DeformBins<T, A> bins;
-    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
-      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
-                  no_trans != 0, K, part, S, P, Q, H, W);
-      const int b = it.p * Q + it.q, count = bins.start[b + 1] - bins.start[b];
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, per_bin) {
+      int b = 0;
+      if (per_bin) {
+        bins.only(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q);
+      } else {
+        bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                    no_trans != 0, K, part, S, P, Q, H, W);
+        b = it.p * Q + it.q;
+      }
+      const int count = bins.start[b + 1] - bins.start[b];
       A sum = 0;
       if (bins.g.batch >= 0 && count > 0) {
         const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
@@ -320,11 +349,21 @@ __global__ void deformable_psroi_pooling_backward(
     long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   {
+    // as the forward; the roi-inner walk keeps MXNet's order of additions into a plane:
+    // with the group grid = the pooled grid a plane is read by one bin of one channel
+    const bool per_bin = G == P && G == Q && G > 1;
     mx_roi::DeformBins<T, A> bins;
-    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
-      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
-                  no_trans != 0, K, part, S, P, Q, H, W);
-      const int b = it.p * Q + it.q, count = bins.start[b + 1] - bins.start[b];
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, per_bin) {
+      int b = 0;
+      if (per_bin) {
+        bins.only(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q);
+      } else {
+        bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                    no_trans != 0, K, part, S, P, Q, H, W);
+        b = it.p * Q + it.q;
+      }
+      const int count = bins.start[b + 1] - bins.start[b];
       if (bins.g.batch < 0 || count == 0) continue;
       const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
       const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
@@ -365,7 +404,7 @@ __global__ void deformable_psroi_pooling_backward(
 }
 
 // Offset gradient: items (r * K + k, u, v) of (R * K, part, part) -- C is R * K, so that
-// a native launch splits over rois and classes -- each the sum, in MXNet's order (output
+// a native launch splits over rois and classes (there: k * R + r) -- each the sum, in MXNet's order (output
 // channel c of class k, bin (p, q) of part cell (u, v), sample (i, j)), of d out / d trans;
 // written (each element by one item: no atomics, the same bits on every backend).  D is
 // the output channel count.
@@ -386,8 +425,9 @@ __global__ void deformable_psroi_pooling_backward_trans(
     std::vector<A> sx, sy;
     MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
       if (it.p != 0 || it.q != 0) continue;
-      const long long r = it.c / K;
-      const int k = it.c % K;
+      // class-major (c = k * R + r): consecutive items read the same class's planes
+      const long long R = C / K, r = it.c % R;
+      const int k = (int)(it.c / R);
       bins.ensure(rois, trans, r, k, (A)spatial_scale, tstd, false, K, part, S, P, Q, H, W);
       sx.assign((size_t)part * part, (A)0);
       sy.assign((size_t)part * part, (A)0);
