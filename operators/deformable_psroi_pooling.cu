@@ -122,6 +122,21 @@ __host__ __device__ __forceinline__ DeformAxis<A> deform_axis(A v, int limit) {
   return a;
 }
 
+// One sample's terms of d out / d trans (x, y) (MXNet's operation order); diff = the
+// item's out-grad / count.
+template <typename A>
+__host__ __device__ __forceinline__ void deform_trans_terms(A u00, A u01, A u10, A u11, A dx,
+                                                            A dy, A tstd, A diff, A roi_w,
+                                                            A roi_h, A* tx, A* ty) {
+  const A one = (A)1;
+  A x = u11 * dy + u10 * (one - dy) - u01 * dy - u00 * (one - dy);
+  x *= tstd * diff * roi_w;
+  A y = u11 * dx + u01 * (one - dx) - u10 * dx - u00 * (one - dx);
+  y *= tstd * diff * roi_h;
+  *tx = x;
+  *ty = y;
+}
+
 // Everything an item needs: its box, class, input plane, bin start.
 template <typename A>
 struct DeformItem {
@@ -340,12 +355,17 @@ __global__ void deformable_psroi_pooling_forward(
 }
 
 // Data gradient: each valid sample hands out grad / count with its four bilinear weights
-// (taps in MXNet's order: (lo, lo), (hi, lo), (lo, hi), (hi, hi) as (y, x)).
+// (taps in MXNet's order: (lo, lo), (hi, lo), (lo, hi), (hi, hi) as (y, x)).  With
+// fuse_trans (one offset class per output channel and one bin per part cell: every offset
+// element is one item's alone) also the offsets' gradient, each item writing its two
+// elements (the sum of its samples' terms in MXNet's order, from 0: the same bits as
+// deformable_psroi_pooling_backward_trans, which is then not launched).
 template <typename T, typename A, typename O>
 __global__ void deformable_psroi_pooling_backward(
-    const T* __restrict__ grad, const T* __restrict__ rois, const T* __restrict__ trans,
-    double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
-    int C, int Cin, int H, int W, int P, int Q, O* __restrict__ bottom, double scale,
+    const T* __restrict__ grad, const T* __restrict__ data, const T* __restrict__ rois,
+    const T* __restrict__ trans, double spatial_scale, double trans_std, int no_trans, int K,
+    int G, int part, int S, int C, int Cin, int H, int W, int P, int Q,
+    O* __restrict__ bottom, A* __restrict__ trans_grad, int fuse_trans, double scale,
     long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   {
@@ -364,14 +384,34 @@ __global__ void deformable_psroi_pooling_backward(
         b = it.p * Q + it.q;
       }
       const int count = bins.start[b + 1] - bins.start[b];
-      if (bins.g.batch < 0 || count == 0) continue;
-      const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
-      const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
-                      mx_roi::deform_group<A>(it.q, Q, G);
-      O* plane = bottom + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
-      for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
-        const mx_roi::DeformTap<A>& s = bins.taps[t];
-        for (int m = 0; m < 4; ++m) mx_roi::grad_add(plane + s.o[m], s.w[m] * diff, scale);
+      A sx = 0, sy = 0;
+      if (bins.g.batch >= 0 && count > 0) {
+        const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+        const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
+                        mx_roi::deform_group<A>(it.q, Q, G);
+        const long long base = mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+        O* plane = bottom + base;
+        const T* in = data + base;
+        const A tstd = (A)trans_std;
+        for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+          const mx_roi::DeformTap<A>& s = bins.taps[t];
+          for (int m = 0; m < 4; ++m) mx_roi::grad_add(plane + s.o[m], s.w[m] * diff, scale);
+          if (fuse_trans) {
+            A tx, ty;
+            mx_roi::deform_trans_terms<A>(
+                mx_roi::Traits<T>::load(in[s.o[0]]), mx_roi::Traits<T>::load(in[s.o[1]]),
+                mx_roi::Traits<T>::load(in[s.o[2]]), mx_roi::Traits<T>::load(in[s.o[3]]),
+                s.dx, s.dy, tstd, diff, bins.g.roi_w, bins.g.roi_h, &tx, &ty);
+            sx += tx;
+            sy += ty;
+          }
+        }
+      }
+      if (fuse_trans) {
+        const int k = it.c / (C / K), u = mx_roi::deform_part<A>(it.p, P, part),
+                  v = mx_roi::deform_part<A>(it.q, Q, part);
+        trans_grad[mx_roi::deform_trans_index(it.r, k, K, 0, part, u, v)] = sx;
+        trans_grad[mx_roi::deform_trans_index(it.r, k, K, 1, part, u, v)] = sy;
       }
     }
     return;
@@ -381,24 +421,44 @@ __global__ void deformable_psroi_pooling_backward(
     const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
         rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
         C, G, part, S, P, Q);
-    if (d.g.batch < 0) continue;
-    const int count = mx_roi::deform_count<A>(d, S, H, W);
-    if (count == 0) continue;
-    const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
-    O* plane = bottom + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
-    for (int i = 0; i < S; ++i) {
-      const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
-      for (int j = 0; j < S; ++j) {
-        const mx_roi::DeformAxis<A> ax = mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
-        if (!(ay.inside && ax.inside)) continue;
-        const A one = (A)1;
-        const A q00 = (one - ax.d) * (one - ay.d), q01 = (one - ax.d) * ay.d;
-        const A q10 = ax.d * (one - ay.d), q11 = ax.d * ay.d;
-        mx_roi::grad_add(plane + (long long)ay.lo * W + ax.lo, q00 * diff, scale);
-        mx_roi::grad_add(plane + (long long)ay.hi * W + ax.lo, q01 * diff, scale);
-        mx_roi::grad_add(plane + (long long)ay.lo * W + ax.hi, q10 * diff, scale);
-        mx_roi::grad_add(plane + (long long)ay.hi * W + ax.hi, q11 * diff, scale);
+    const int count = d.g.batch < 0 ? 0 : mx_roi::deform_count<A>(d, S, H, W);
+    A sx = 0, sy = 0;
+    if (count > 0) {
+      const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+      const long long base = mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+      O* plane = bottom + base;
+      const T* in = data + base;
+      for (int i = 0; i < S; ++i) {
+        const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+        for (int j = 0; j < S; ++j) {
+          const mx_roi::DeformAxis<A> ax =
+              mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+          if (!(ay.inside && ax.inside)) continue;
+          const A one = (A)1;
+          const A q00 = (one - ax.d) * (one - ay.d), q01 = (one - ax.d) * ay.d;
+          const A q10 = ax.d * (one - ay.d), q11 = ax.d * ay.d;
+          const long long o00 = (long long)ay.lo * W + ax.lo, o01 = (long long)ay.hi * W + ax.lo;
+          const long long o10 = (long long)ay.lo * W + ax.hi, o11 = (long long)ay.hi * W + ax.hi;
+          mx_roi::grad_add(plane + o00, q00 * diff, scale);
+          mx_roi::grad_add(plane + o01, q01 * diff, scale);
+          mx_roi::grad_add(plane + o10, q10 * diff, scale);
+          mx_roi::grad_add(plane + o11, q11 * diff, scale);
+          if (fuse_trans) {
+            A tx, ty;
+            mx_roi::deform_trans_terms<A>(
+                mx_roi::Traits<T>::load(in[o00]), mx_roi::Traits<T>::load(in[o01]),
+                mx_roi::Traits<T>::load(in[o10]), mx_roi::Traits<T>::load(in[o11]), ax.d, ay.d,
+                (A)trans_std, diff, d.g.roi_w, d.g.roi_h, &tx, &ty);
+            sx += tx;
+            sy += ty;
+          }
+        }
       }
+    }
+    if (fuse_trans) {
+      const int u = mx_roi::deform_part<A>(it.p, P, part), v = mx_roi::deform_part<A>(it.q, Q, part);
+      trans_grad[mx_roi::deform_trans_index(it.r, d.k, K, 0, part, u, v)] = sx;
+      trans_grad[mx_roi::deform_trans_index(it.r, d.k, K, 1, part, u, v)] = sy;
     }
   }
 }

@@ -338,16 +338,31 @@ class DeformablePSROIPooling(RoIOp):
                        no_trans=int(call.trans is None), K=K, C=D, out=out, **args)
         return out, None
 
+    def _fused(self, K, cdt) -> bool:
+        """Whether every offset element is one output element's alone (one class per
+        output channel, one bin per part cell), so the data gradient's pass writes the
+        offsets' gradient too."""
+        p = self.param
+        return (K == p.output_dim and p.part == p.pooled_size and
+                len(set(geometry.deformable_part(p.pooled_size, p.part, cdt).tolist()))
+                == p.pooled_size)
+
     def backward_cuda(self, launch, call, grad, data_shape, saved):
         args, K = self._kernel_args(launch, call, data_shape)
         D = self.param.output_dim
         buf = launch.grad_buffer(data_shape, grad)
-        launch.backward("deformable_psroi_pooling_backward", grad.size, grad=grad,
-                        no_trans=int(call.trans is None), K=K, C=D, bottom=buf, **args)
+        has_trans = call.trans is not None
+        tgrad = launch.empty(call.trans.shape if has_trans else (1,), launch.acc)
+        fuse = has_trans and self._fused(K, launch.acc)
+        data = launch.data if has_trans else launch.xp.zeros((1,), launch.dtype)
+        launch.backward("deformable_psroi_pooling_backward", grad.size, grad=grad, data=data,
+                        no_trans=int(not has_trans), K=K, C=D, bottom=buf, trans_grad=tgrad,
+                        fuse_trans=int(fuse), **args)
         dgrad = launch.grad_value(buf)
-        if call.trans is None:
+        if not has_trans:
             return dgrad
-        tgrad = launch.empty(call.trans.shape, launch.acc)
+        if fuse:
+            return dgrad, tgrad
         RK = call.rois.shape[0] * K  # items (r * K + k, u, v): C = R * K
         launch.forward("deformable_psroi_pooling_backward_trans", RK * self.param.part ** 2,
                        grad=grad, data=launch.data, K=K, C=RK, D=D, trans_grad=tgrad, **args)

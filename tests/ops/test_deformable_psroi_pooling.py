@@ -32,8 +32,12 @@ CASES = [
           no_trans=True), 0),
     # defaults: part_size 0, one sample, trans_std 0
     (dict(spatial_scale=0.5, output_dim=2, group_size=2, pooled_size=2), 1),
+    # Deformable R-FCN's scores: one class per channel, part = pooled (the data gradient's
+    # pass writes the offsets' gradient too)
+    (dict(spatial_scale=0.5, output_dim=2, group_size=3, pooled_size=3, sample_per_part=2,
+          trans_std=0.4), 2),
 ]
-IDS = ["rfcn-K3-part2", "agnostic-K1", "K2-offmap", "no_trans", "defaults"]
+IDS = ["rfcn-K3-part2", "agnostic-K1", "K2-offmap", "no_trans", "defaults", "rfcn-fused"]
 
 
 def problem(params, K, dtype, seed=0, N=2, H=7, W=9, R=None, rng=None):
