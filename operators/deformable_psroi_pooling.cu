@@ -207,15 +207,27 @@ struct DeformBins {
   }
 
   // bin (p, q) of (r_, k_) alone, as bin 0 (the roi-inner walk: each item its own bin)
+  // (the boxes of all R rois are derived once: this walk visits each roi P * Q times)
   void only(const T* rois, const T* trans, long long r_, int k_, A scale, A trans_std,
-            bool no_trans, int K, int part, int S, int P, int Q, int H, int W, int p, int q) {
-    begin(rois, r_, k_, scale, S, P, Q);
+            bool no_trans, int K, int part, int S, int P, int Q, int H, int W, int p, int q,
+            long long R) {
+    if ((long long)boxes.size() != R) {
+      boxes.resize(R);
+      for (long long i = 0; i < R; ++i) boxes[i] = deform_box<T, A>(rois, i, scale, P, Q, S);
+    }
+    r = r_;
+    k = k_;
+    g = boxes[r_];
+    taps.clear();
+    start.assign(1, 0);
+    ax.resize(S);
     add_bin(trans, trans_std, no_trans, K, part, S, P, Q, H, W, p, q);
     r = -1;  // not a full table
   }
 
  private:
   std::vector<DeformAxis<A>> ax;
+  std::vector<DeformBox<A>> boxes;
 
   void begin(const T* rois, long long r_, int k_, A scale, int S, int P, int Q) {
     r = r_;
@@ -298,7 +310,7 @@ __global__ void deformable_psroi_pooling_forward(
       int b = 0;
       if (per_bin) {
         bins.only(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
-                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q);
+                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q, n / ((long long)C * P * Q));
       } else {
         bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
                     no_trans != 0, K, part, S, P, Q, H, W);
@@ -377,7 +389,7 @@ __global__ void deformable_psroi_pooling_backward(
       int b = 0;
       if (per_bin) {
         bins.only(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
-                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q);
+                  no_trans != 0, K, part, S, P, Q, H, W, it.p, it.q, n / ((long long)C * P * Q));
       } else {
         bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
                     no_trans != 0, K, part, S, P, Q, H, W);
