@@ -453,7 +453,7 @@ __global__ void deformable_psroi_pooling_backward_trans(
     const T* __restrict__ trans, double spatial_scale, double trans_std, int K, int G,
     int part, int S, int C, int D, int Cin, int H, int W, int P, int Q,
     A* __restrict__ trans_grad, long long n) {
-  const A tstd = (A)trans_std, one = (A)1;
+  const A tstd = (A)trans_std;
   const int per_class = D / K;
 #ifdef MX_ROI_HOST_NATIVE
   {
@@ -486,14 +486,11 @@ __global__ void deformable_psroi_pooling_backward_trans(
             A ax = sx[cell], ay = sy[cell];
             for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
               const mx_roi::DeformTap<A>& s = bins.taps[t];
-              const A u00 = mx_roi::Traits<T>::load(plane[s.o[0]]);
-              const A u01 = mx_roi::Traits<T>::load(plane[s.o[1]]);
-              const A u10 = mx_roi::Traits<T>::load(plane[s.o[2]]);
-              const A u11 = mx_roi::Traits<T>::load(plane[s.o[3]]);
-              A dx = u11 * s.dy + u10 * (one - s.dy) - u01 * s.dy - u00 * (one - s.dy);
-              dx *= tstd * diff * bins.g.roi_w;
-              A dy = u11 * s.dx + u01 * (one - s.dx) - u10 * s.dx - u00 * (one - s.dx);
-              dy *= tstd * diff * bins.g.roi_h;
+              A dx, dy;
+              mx_roi::deform_trans_terms<A>(
+                  mx_roi::Traits<T>::load(plane[s.o[0]]), mx_roi::Traits<T>::load(plane[s.o[1]]),
+                  mx_roi::Traits<T>::load(plane[s.o[2]]), mx_roi::Traits<T>::load(plane[s.o[3]]),
+                  s.dx, s.dy, tstd, diff, bins.g.roi_w, bins.g.roi_h, &dx, &dy);
               ax += dx;
               ay += dy;
             }
@@ -537,14 +534,13 @@ __global__ void deformable_psroi_pooling_backward_trans(
               const mx_roi::DeformAxis<A> ax =
                   mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
               if (!(ay.inside && ax.inside)) continue;
-              const A u00 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]);
-              const A u01 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]);
-              const A u10 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]);
-              const A u11 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]);
-              A dx = u11 * ay.d + u10 * (one - ay.d) - u01 * ay.d - u00 * (one - ay.d);
-              dx *= tstd * diff * d.g.roi_w;
-              A dy = u11 * ax.d + u01 * (one - ax.d) - u10 * ax.d - u00 * (one - ax.d);
-              dy *= tstd * diff * d.g.roi_h;
+              A dx, dy;
+              mx_roi::deform_trans_terms<A>(
+                  mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]), ax.d, ay.d, tstd,
+                  diff, d.g.roi_w, d.g.roi_h, &dx, &dy);
               sx += dx;
               sy += dy;
             }
