@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import mxnet as mx
+
 from . import mxpatch
 from .registry import REGISTERED
 
@@ -92,18 +94,26 @@ def bind_params(op_cls, args, kwargs, old_order=None, stacklevel=2):
 
 
 def make_function(F, op_cls):
-    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, *params, name=None, **kw)``."""
+    """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, [extra inputs,] *params,
+    name=None, **kw)`` (the inputs: ``op_cls.inputs``)."""
     fields = dataclasses.fields(op_cls.param_cls)
     # the built-in's positional order (RoIOp.positional_order), so that
     # ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
     order = op_cls.positional_order()
 
-    def fn(data=None, rois=None, *args, name=None, **kwargs):
-        param = bind_params(op_cls, args, kwargs)
-        if data is None or rois is None:
-            raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
+    names = tuple(op_cls.inputs)  # positional first: the inputs, as the built-in's
+
+    def fn(*args, name=None, **kwargs):
+        given = dict(zip(names, args))
+        for key in names:
+            if key in kwargs:
+                if key in given:
+                    raise TypeError(f"{op_cls.name}() got multiple values for input '{key}'")
+                given[key] = kwargs.pop(key)
+        param = bind_params(op_cls, args[len(names):], kwargs)
+        inputs = _inputs(F, op_cls, op_cls(param).input_names(), given)
         extra = {"name": name} if name is not None else {}
-        return mxpatch.call_custom(F, op_cls.name, [data, rois], **param.to_kwargs(), **extra)
+        return mxpatch.call_custom(F, op_cls.name, inputs, **param.to_kwargs(), **extra)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
     params = "\n".join(f"{f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"
@@ -111,10 +121,32 @@ def make_function(F, op_cls):
                        f"{f.name} : required. {f.metadata.get('doc', '')}" for f in fields)
     fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
                   f"'{op_cls.name}')``.\n\n{(op_cls.__doc__ or '').strip()}\n\n"
-                  f"Positional parameters after data, rois: {', '.join(order)}.\n\n"
+                  f"Positional parameters after {', '.join(names)}: {', '.join(order)}.\n\n"
                   "Parameters\n----------\ndata : (N, C, H, W)\n"
-                  f"rois : (R, {op_cls.rois_columns}) {op_cls.rois_layout}\n{params}\n")
+                  f"rois : (R, {op_cls.rois_columns}) {op_cls.rois_layout}\n"
+                  + "".join(f"{n} : see above\n" for n in names[2:]) + f"{params}\n")
     return fn
+
+
+def _inputs(F, op_cls, needed, given) -> list:
+    """The inputs of the call in ``needed`` order (the op's ``input_names()`` for its
+    parameters); TypeError for a missing one or one these parameters do not take.  A
+    symbol may leave trailing inputs out: MXNet then makes variables for them, as for
+    its built-ins."""
+    if given.get("data") is None or given.get("rois") is None:
+        raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
+    unused = [k for k, v in given.items() if v is not None and k not in needed]
+    if unused:
+        raise TypeError(f"{op_cls.name}(): input(s) {', '.join(map(repr, unused))} not taken "
+                        f"with these parameters (inputs: {', '.join(needed)})")
+    inputs = [given.get(k) for k in needed]
+    while F is mx.sym and inputs and inputs[-1] is None:
+        inputs.pop()
+    missing = [k for k, v in zip(needed, inputs) if v is None]
+    if missing:
+        raise TypeError(f"{op_cls.name}() needs input(s) {', '.join(map(repr, missing))} "
+                        f"with these parameters (inputs: {', '.join(needed)})")
+    return inputs
 
 
 def populate(namespace: dict, F) -> None:

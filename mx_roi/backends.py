@@ -94,9 +94,11 @@ class NumpyBackend:
     name = "numpy"
     kind = Kind.NUMPY
 
-    def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
+    def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False, extra=()):
         data, rois = read_numpy(data_nd), read_numpy(rois_nd)
         op.check_inputs(data.shape, data.dtype, rois, np)
+        extra = [read_numpy(nd) for nd in extra]
+        op.check_extra_inputs(data.shape, data.dtype, rois, extra, np)
         if req == "null":
             return None
         if rois.shape[0] == 0:
@@ -104,7 +106,7 @@ class NumpyBackend:
         if data.size == 0:  # an empty map (H or W = 0 under np_shape): zeros
             write_numpy(out_nd, req, np.zeros(out_nd.shape, out_nd.dtype))
             return None
-        geo = op.geometry(rois, data.shape[2], data.shape[3], np)
+        geo = op.geometry(rois, data.shape[2], data.shape[3], np, *extra)
         cdt = compute_dtype(data.dtype)
         # a kernel may write its result straight into MXNet's buffer (one pass, and the
         # buffer's first-touch page faults are paid once); it returns that buffer then
@@ -116,31 +118,51 @@ class NumpyBackend:
         return keep_for_backward(saved, rois, data.shape[2:], geo) if keep else None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
-                 rois_req="null", rois_grad_nd=None):
-        """The data gradient (``req``) and, for an op that differentiates its rois, the
-        rois' gradient (``rois_req``, into ``rois_grad_nd``)."""
-        if req == "null" and rois_req == "null":
+                 rois_req="null", rois_grad_nd=None, extra=(), extra_grad=()):
+        """The data gradient (``req``); for an op that differentiates its rois, the rois'
+        gradient (``rois_req``, into ``rois_grad_nd``); ``extra``: the op's extra inputs,
+        ``extra_grad``: ``(req, gradient NDArray)`` of each (stored from a backward that
+        returns a tuple, else zeros)."""
+        extra_needed = any(r != "null" for r, _ in extra_grad)
+        if req == "null" and rois_req == "null" and not extra_needed:
             return
         shape = tuple(data_nd.shape)
         cdt = compute_dtype(data_nd.dtype)
         rois = read_numpy(rois_nd)
         # validated again here: the backward never indexes with rois it has not checked
         op.check_inputs(shape, data_nd.dtype, rois, np)
+        extra = [read_numpy(nd) for nd in extra]
+        op.check_extra_inputs(shape, data_nd.dtype, rois, extra, np)
         if rois.shape[0] == 0 or math.prod(shape) == 0:
-            write_numpy(in_grad_nd, req, np.zeros(shape, cdt))
+            store_grads(in_grad_nd, req, np.zeros(shape, cdt), extra_grad, (), write_numpy)
             write_numpy(rois_grad_nd, rois_req, np.zeros(rois.shape, cdt))
             return
         saved, geo = unpack_saved(saved, rois, shape[2:])
-        if geo is None:
-            geo = op.geometry(rois, shape[2], shape[3], np)
+        if geo is None or extra:  # extra inputs are read again: their geometry too
+            geo = op.geometry(rois, shape[2], shape[3], np, *extra)
         grad = read_numpy(grad_nd).astype(cdt, copy=False)
         data = None
-        if rois_req != "null" or (req != "null" and saved is None and op.backward_needs_data):
+        if rois_req != "null" or (saved is None and op.backward_needs_data):
             data = read_numpy(data_nd).astype(cdt, copy=False)
-        if req != "null":
+        if req != "null" or extra_needed:
             if saved is None and op.backward_needs_data:
                 _, saved = op.forward_numpy(geo, data)
-            write_numpy(in_grad_nd, req, op.backward_numpy(geo, grad, shape, saved))
+            result = op.backward_numpy(geo, grad, shape, saved)
+            grads = result if isinstance(result, tuple) else (result,)
+            store_grads(in_grad_nd, req, grads[0], extra_grad, grads[1:], write_numpy)
         if rois_req != "null":
             write_numpy(rois_grad_nd, rois_req,
                         op.rois_backward_numpy(geo, grad, data, rois.astype(cdt, copy=False)))
+
+
+def store_grads(in_grad_nd, req, value, extra_grad, extra_values, write) -> None:
+    """Store the data gradient ``value`` and each extra input's (``extra_values``, in
+    ``extra_grad``'s order, missing or None = zeros) honouring each ``req`` through
+    ``write(nd, req, value)``; ``'null'`` stores nothing, ``'add'`` adds."""
+    if req != "null":
+        write(in_grad_nd, req, value)
+    for i, (r, nd) in enumerate(extra_grad):
+        v = extra_values[i] if i < len(extra_values) else None
+        if r == "null" or (v is None and r == "add"):
+            continue
+        write(nd, r, np.zeros(nd.shape, compute_dtype(nd.dtype)) if v is None else v)

@@ -754,3 +754,94 @@ def precise_bins(rois, pooled_size, spatial_scale, height, width) -> PreciseBins
     return PreciseBins(batch_index(rois), area, np.stack([bh, bw], axis=1),
                        _integral_axis(y1, bh, P, height, cdt),
                        _integral_axis(x1, bw, Q, width, cdt))
+@dataclass
+class DeformableSamples:
+    """Sample points of DeformablePSROIPooling (Deformable R-FCN, Dai et al. 2017).
+
+    For roi r, offset class k, bin (p, q) and sample index s < S: the clamped coordinate
+    ``y[r, k, p, q, s]`` of sample row s and ``x[r, k, p, q, s]`` of sample column s,
+    and whether each lies inside ``[-0.5, H - 0.5]`` (``y_in``) / ``[-0.5, W - 0.5]``
+    (``x_in``; NaN is outside): sample (i, j) is used iff ``y_in[..., i] & x_in[..., j]``.
+    ``roi_h``/``roi_w`` (R,) are the box sizes (the offsets' gradient scales with them),
+    ``batch`` (R,) the image (negative: a padding roi).  Compute dtype.
+    """
+
+    batch: Any
+    y: Any
+    x: Any
+    y_in: Any
+    x_in: Any
+    roi_h: Any
+    roi_w: Any
+
+
+def deformable_part(pooled: int, part: int, cdt) -> np.ndarray:
+    """Part cell of each bin: ``floor(p / pooled * part)`` in the compute dtype. (pooled,)"""
+    cdt = np.dtype(cdt)
+    return np.floor(np.arange(pooled).astype(cdt) / cdt.type(pooled)
+                    * cdt.type(part)).astype(np.int64)
+
+
+def deformable_group(pooled: int, group: int, cdt) -> np.ndarray:
+    """Group cell of each bin: ``floor(p * group / pooled)`` in [0, group - 1]. (pooled,)"""
+    cdt = np.dtype(cdt)
+    g = np.floor(np.arange(pooled).astype(cdt) * cdt.type(group)
+                 / cdt.type(pooled)).astype(np.int64)
+    return np.clip(g, 0, group - 1)
+
+
+def deformable_samples(rois, trans, pooled_size, part_size, sample_per_part, spatial_scale,
+                       trans_std, height, width, xp=np) -> DeformableSamples:
+    """Sample grid of ``contrib.DeformablePSROIPooling`` for rois (R, 5) and offsets
+    ``trans`` (R, 2K, part, part), or None (``no_trans``: K = 1, no offsets).
+
+    MXNet's CPU kernel, operation by operation in the compute dtype: corners C-rounded,
+    box ``round(x1) * s - 0.5 .. (round(x2) + 1) * s - 0.5``, sizes at least 0.1,
+    ``bin = size / pooled``, ``sub = bin / sample_per_part``; bin (p, q) of class k
+    starts at ``q * bin_w + x_start``, then ``+ trans[r, 2k, u, v] * trans_std * roi_w``
+    (part cell ``u = floor(p / pooled * part)``, ``v`` likewise; y with ``2k + 1``);
+    sample j at ``start + j * sub``.  ``spatial_scale`` and ``trans_std`` are C floats.
+    The compiled twin is ``operators/deformable_psroi_pooling.cu`` (``deform_*``).
+    """
+    cdt = compute_dtype(rois.dtype)
+    r = rois.astype(cdt)
+    s = _scale(spatial_scale, cdt)
+    tstd = _scale(trans_std, cdt)
+    half, one, least = cdt.type(0.5), cdt.type(1), cdt.type(0.1)
+    P = Q = int(pooled_size)
+    S, part = int(sample_per_part), int(part_size)
+    sw, sh = c_round(r[:, 1], xp) * s - half, c_round(r[:, 2], xp) * s - half
+    ew = (c_round(r[:, 3], xp) + one) * s - half
+    eh = (c_round(r[:, 4], xp) + one) * s - half
+    w, h = ew - sw, eh - sh
+    roi_w = xp.where(w < least, least, w)   # std::max(size, 0.1)
+    roi_h = xp.where(h < least, least, h)
+    bin_h, bin_w = roi_h / cdt.type(P), roi_w / cdt.type(Q)
+    sub_h, sub_w = bin_h / cdt.type(S), bin_w / cdt.type(S)
+    R = r.shape[0]
+    if trans is None:
+        tx = ty = xp.zeros((R, 1, P, Q), cdt)
+    else:
+        t = trans.astype(cdt)
+        u = deformable_part(P, part, cdt)[:, None]
+        v = deformable_part(Q, part, cdt)[None, :]
+        tx, ty = t[:, 0::2][:, :, u, v] * tstd, t[:, 1::2][:, :, u, v] * tstd   # (R, K, P, Q)
+
+    def axis(n, bin_, start, size, offset, sub, limit, bins_last):
+        idx = xp.arange(n).astype(cdt)
+        pos = (idx[None, :] * bin_[:, None] + start[:, None])                     # (R, n)
+        pos = pos[:, None, None, :] if bins_last else pos[:, None, :, None]
+        pos = pos + offset * size[:, None, None, None]                            # (R, K, P, Q)
+        v = pos[..., None] + xp.arange(S).astype(cdt) * sub[:, None, None, None, None]
+        v64 = v.astype(np.float64)
+        inside = (v64 >= -0.5) & (v64 <= limit - 0.5)
+        c = xp.where(v < 0, cdt.type(0), v)
+        c = xp.where(cdt.type(limit - 1) < c, cdt.type(limit - 1), c)
+        return c, inside
+
+    x, x_in = axis(Q, bin_w, sw, roi_w, tx, sub_w, width, True)
+    y, y_in = axis(P, bin_h, sh, roi_h, ty, sub_h, height, False)
+    return DeformableSamples(batch_index(rois, xp), y, x, y_in, x_in, roi_h, roi_w)
+
+
+__all__ += ["DeformableSamples", "deformable_samples", "deformable_part", "deformable_group"]

@@ -9,7 +9,8 @@
   different for PSROIPooling and ROIAlign) is still mapped, with a ``DeprecationWarning``,
   where the values cannot be read in the new order; a call valid in both orders with
   different meanings raises ``TypeError`` asking for names.
-  ``block(data, rois)`` builds ``Custom(data, rois, op_type=...)`` through
+  ``block(data, rois)`` (an op with more inputs: ``block(data, rois, trans)``, its
+  ``input_names()``) builds ``Custom(data, rois, ..., op_type=...)`` through
   :func:`mx_roi.call_custom` (the oneDNN guard), imperatively or symbolically.
 * :class:`MultiScaleROIAlign`: FPN level assignment + pooling of every RoI at its level
   only, hybridizable.
@@ -87,8 +88,13 @@ class RoIBlock(HybridBlock):
         """The parameters as the strings the ``Custom`` node carries."""
         return self._param.to_kwargs()
 
-    def hybrid_forward(self, F, data, rois):  # pylint: disable=arguments-differ
-        return mxpatch.call_custom(F, self.op_cls.name, [data, rois], **self._param.to_kwargs())
+    def hybrid_forward(self, F, data, rois, *extra):  # pylint: disable=arguments-differ
+        names = self.op_cls(self._param).input_names()
+        if len(extra) != len(names) - 2:
+            raise TypeError(f"{self.op_cls.name} block: takes inputs {', '.join(names)} with "
+                            f"these parameters, got {2 + len(extra)} input(s)")
+        return mxpatch.call_custom(F, self.op_cls.name, [data, rois, *extra],
+                                   **self._param.to_kwargs())
 
     def __repr__(self):
         fields = ", ".join(f"{f.name}={_format_value(getattr(self._param, f.name))}"

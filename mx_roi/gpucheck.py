@@ -264,10 +264,11 @@ def _against_emulation(gpu_id: int, what: str) -> str:
     n = 0
     for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
-        data, rois, grad = _problem(op, dtype)
-        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu, rescan)
-        o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
-        a, b = (o1, o2) if what == "forward" else (g1, g2)
+        data, rois, grad, extra = _problem(op, dtype)
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu, rescan, extra=extra)
+        o2, g2 = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan,
+                      extra=extra)
+        a, b = (o1, o2) if what == "forward" else (_joined(g1), _joined(g2))
         if not np.array_equal(_bits(a), _bits(b)):
             bad = int(np.count_nonzero(_bits(a) != _bits(b)))
             raise AssertionError(f"{name} {params} {np.dtype(dtype).name}"
@@ -276,6 +277,11 @@ def _against_emulation(gpu_id: int, what: str) -> str:
                                  f"{a.size} elements")
         n += 1
     return f"{n} op x dtype cases bit-equal to emulated-cuda ({what}){_on(gpu)}"
+
+
+def _joined(grads):
+    """The gradients of every input of a call (``selftest._run``) as one flat array."""
+    return np.concatenate([np.ravel(g) for g in grads])
 
 
 def _on(ctx) -> str:
@@ -291,10 +297,12 @@ def _emulated_references() -> str:
     n = 0
     for name, params, dtype, rescan in _all_cases():
         op = _op(name, dict(params, deterministic=True))
-        data, rois, grad = _problem(op, dtype)
-        first = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
-        again = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan)
-        for x, y in zip(first, again):
+        data, rois, grad, extra = _problem(op, dtype)
+        first = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan,
+                     extra=extra)
+        again = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu(), rescan,
+                     extra=extra)
+        for x, y in zip((first[0], _joined(first[1])), (again[0], _joined(again[1]))):
             assert np.array_equal(_bits(x), _bits(y)), f"{name} {dtype}: not reproducible"
         n += 1
     return f"{n} op x dtype emulated-cuda references (forward + deterministic grad)"
@@ -310,7 +318,7 @@ def _grid_wrap(backend: str, ctx) -> str:
     data = (np.arange(C, dtype=np.float32) % 7).reshape(1, C, 1, 1)
     rois = np.zeros((1, 5), np.float32)
     grad = (np.arange(C, dtype=np.float32) % 5 + 1).reshape(1, C, 1, 1)
-    out, dg = _run(get(backend), op, data, rois, grad, ctx)
+    out, (dg,) = _run(get(backend), op, data, rois, grad, ctx)
     if not (np.array_equal(out, data) and np.array_equal(dg, grad)):
         first = int(np.argmax((out != data).ravel() | (dg != grad).ravel()))
         raise AssertionError(f"{backend}: item {first} of {C} wrong (grid-stride wrap)")
@@ -321,15 +329,16 @@ def _grid_wrap(backend: str, ctx) -> str:
 def _device(gpu_id: int) -> str:
     import mxnet as mx
     from .backends import get
-    from .opcheck import CASES, assert_close as _close, make_op as _op, problem as _problem, run as _run
+    from .opcheck import CASES, assert_close as _close, assert_close_grads as _close_grads
+    from .opcheck import make_op as _op, problem as _problem, run as _run
     gpu = gpu_context(gpu_id)
     for name, params in CASES:
         op = _op(name, params)
-        data, rois, grad = _problem(op, np.float32)
-        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu)
-        o2, g2 = _run(get("numpy"), op, data, rois, grad, mx.cpu())
+        data, rois, grad, extra = _problem(op, np.float32)
+        o1, g1 = _run(get("cuda"), op, data, rois, grad, gpu, extra=extra)
+        o2, g2 = _run(get("numpy"), op, data, rois, grad, mx.cpu(), extra=extra)
         _close(o1, o2, np.float32, f"{name} forward on gpu({gpu_id})")
-        _close(g1, g2, np.float32, f"{name} grad on gpu({gpu_id})")
+        _close_grads(g1, g2, np.float32, f"{name} on gpu({gpu_id})", op)
     return f"{len(CASES)} ops on gpu({gpu_id}) vs numpy{_on(gpu)}"
 
 
@@ -426,7 +435,8 @@ def gpu_kernels_main() -> int:
     for name, params, dtype, rescan in _all_cases():
         for det in (False, True):
             op = _op(name, dict(params, deterministic=det))
-            _run(get("cuda"), op, *_problem(op, dtype), gpu, rescan)
+            data, rois, grad, extra = _problem(op, dtype)
+            _run(get("cuda"), op, data, rois, grad, gpu, rescan, extra=extra)
     return 0
 
 

@@ -83,15 +83,21 @@ def _cached_call(op_type, inputs, kwargs):
     sets it, so this path sets it to our op's list too."""
     from .registry import REGISTERED
     op_cls = REGISTERED.get(op_type)
-    if op_cls is None or len(inputs) != 2 or "out" in kwargs or \
+    if op_cls is None or "out" in kwargs or \
             not all(isinstance(a, mx.nd.NDArray) for a in inputs):
         return None
     params = {k: v for k, v in kwargs.items() if k != "name"}
+    try:
+        op = op_cls(op_cls.param_cls.from_kwargs(**params))
+    except Exception:  # noqa: BLE001 - the plain path reports it
+        return None
+    names = op.input_names()
+    if len(inputs) != len(names):
+        return None
     recording = mx.autograd.is_recording()
     guard = recording and onednn_enabled()
     if guard:
         try:  # the output's size, for the choice of guard
-            op = op_cls(op_cls.param_cls.from_kwargs(**params))
             shape = op.out_shape(inputs[0].shape, inputs[1].shape)
         except Exception:  # noqa: BLE001 - the plain path reports it
             return None
@@ -102,7 +108,7 @@ def _cached_call(op_type, inputs, kwargs):
         return None
     out = cop(*inputs)
     if recording:
-        _set_backward_dependency(op_cls)
+        _set_backward_dependency(op_cls, len(names))
     return out
 
 
@@ -116,8 +122,9 @@ def _cached_op(op_cls, params, guard):
     cop = cache.get(key)
     if cop is None:
         try:
-            data, rois = mx.sym.var("data"), mx.sym.var("rois")
-            node = _ORIGINAL_CUSTOM["mxnet.symbol"](data, rois, op_type=op_cls.name, **params)
+            names = op_cls(op_cls.param_cls.from_kwargs(**params)).input_names()
+            node = _ORIGINAL_CUSTOM["mxnet.symbol"](*(mx.sym.var(n) for n in names),
+                                                    op_type=op_cls.name, **params)
             if guard:  # a fresh plain-layout gradient for the node's backward
                 node = mx.sym.slice_axis(node, axis=0, begin=0, end=None)
             cop = mx.nd.CachedOp(node)
@@ -132,17 +139,18 @@ def _cached_op(op_cls, params, guard):
 _DEPS = {}
 
 
-def _set_backward_dependency(op_cls) -> None:
+def _set_backward_dependency(op_cls, n_in=2) -> None:
     """Set MXNet's process-wide backward dependency set (which the backward callback of
     *any* ``Custom`` node reads) to the op's declared list, in the numbering of the
-    backward callback's arrays: output gradients, inputs, outputs (ours: {0, 1, 2, 3}).
+    backward callback's arrays: output gradients, inputs, outputs (ours: {0, 1, 2, 3} with
+    ``n_in`` = 2 inputs, {0, ..., 4} with 3).
     A recorded ``mx.nd.Custom`` call sets it when it records its node; a cached graph
     declared it only when it was built, and another op may have replaced it since."""
-    deps = _DEPS.get(op_cls.name)
+    deps = _DEPS.get((op_cls.name, n_in))
     if deps is None:
-        n_in, n_out = 2, 1
+        n_out = 1
         prop = op_cls.CustomOpProp.__new__(op_cls.CustomOpProp)
-        deps = _DEPS[op_cls.name] = frozenset(prop.declare_backward_dependency(
+        deps = _DEPS[op_cls.name, n_in] = frozenset(prop.declare_backward_dependency(
             list(range(n_out)), list(range(n_out, n_out + n_in)),
             list(range(n_out + n_in, n_out + n_in + n_out))))
     import mxnet.operator as operator

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["CASES", "TOL", "make_op", "problem", "rescan_variants", "as_array", "run",
-           "assert_close"]
+           "grad_names", "assert_close", "assert_close_grads"]
 
 
 def _cases():
@@ -32,8 +32,8 @@ def make_op(name, params):
 
 
 def problem(op, dtype, seed=0, N=2, H=9, W=11):
-    """``(data (N, C, H, W), rois (8, K), out_grad)`` of ``dtype`` for ``op`` (K: the op's
-    ``rois_columns``): random boxes,
+    """``(data (N, C, H, W), rois (8, K), out_grad, extra)`` of ``dtype`` for ``op`` (K:
+    the op's ``rois_columns``; ``extra``: its extra inputs, e.g. offsets): random boxes,
     some partly off the map, the first a padding roi (batch index -1)."""
     rng = np.random.default_rng(seed)
     p = op.param
@@ -43,7 +43,8 @@ def problem(op, dtype, seed=0, N=2, H=9, W=11):
     rois[0, 0] = -1  # a padding roi
     rois = rois.astype(dtype)
     grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
-    return data, rois, grad
+    extra = [np.asarray(a, dtype) for a in op.example_extra_inputs(rng, data.shape, rois)]
+    return data, rois, grad, extra
 
 
 def rescan_variants(name, params):
@@ -64,28 +65,42 @@ def as_array(a, ctx):
     return mx.nd.array(a, ctx=ctx, dtype=a.dtype)
 
 
-def run(backend, op, data, rois, grad, ctx, rescan=False):
+def run(backend, op, data, rois, grad, ctx, rescan=False, extra=()):
     """One forward (req ``write``) and backward of ``op`` through ``backend`` on ``ctx``;
-    returns ``(output, data gradient)`` as NumPy arrays.  ``rescan``: keep no argmax, so
-    a max mode's backward rescans the data."""
+    returns ``(output, gradients)`` as NumPy arrays: the data gradient, each extra
+    input's, then the rois' for an op that differentiates them (:func:`grad_names`).
+    ``rescan``: keep no argmax, so a max mode's backward rescans the data."""
     from .cuda import backend as cuda_backend
     x, r = as_array(data, ctx), as_array(rois, ctx)
+    ex = [as_array(a, ctx) for a in extra]
     out = as_array(np.zeros(op.out_shape(data.shape, rois.shape), data.dtype), ctx)
     dg = as_array(np.zeros(data.shape, data.dtype), ctx)
+    eg = [as_array(np.zeros(a.shape, a.dtype), ctx) for a in extra]
+    rg = as_array(np.zeros(rois.shape, rois.dtype), ctx) if op.differentiates_rois else None
     keep_max = cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS
     if rescan:  # (the checks run on one thread)
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
-    # an op that differentiates its rois: their gradient joins the data's (one array)
-    rg = as_array(np.zeros(rois.shape, rois.dtype), ctx) if op.differentiates_rois else None
     try:
-        saved = backend.forward(op, "write", x, r, out, keep=True)
+        saved = backend.forward(op, "write", x, r, out, keep=True, extra=ex)
         backend.backward(op, "write", as_array(grad, ctx), x, r, dg, saved,
-                         *(("write", rg) if rg is not None else ()))
+                         "write" if rg is not None else "null", rg, extra=ex,
+                         extra_grad=[("write", g) for g in eg])
     finally:
         cuda_backend.ARGMAX_KEEP_MAX_ELEMENTS = keep_max
-    if rg is not None:
-        return out.asnumpy(), np.concatenate([dg.asnumpy().ravel(), rg.asnumpy().ravel()])
-    return out.asnumpy(), dg.asnumpy()
+    return out.asnumpy(), [g.asnumpy() for g in [dg] + eg + ([rg] if rg is not None else [])]
+
+
+def grad_names(op):
+    """What :func:`run`'s gradients are: ``('data', extra inputs..., ['rois'])``."""
+    return ("data",) + tuple(op.input_names()[2:]) + (("rois",) if op.differentiates_rois
+                                                         else ())
+
+
+def assert_close_grads(g1, g2, dtype, what, op):
+    """:func:`assert_close` on each pair of gradients (``g2`` may stop early: a built-in
+    without the rois' gradient)."""
+    for name, a, b in zip(grad_names(op), g1, g2):
+        assert_close(a, b, dtype, f"{what} {name} grad")
 
 
 def assert_close(a, b, dtype, what):

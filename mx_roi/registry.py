@@ -61,11 +61,24 @@ class RoIOp:
     #: whether the output is differentiable in the roi coordinates: the backends then
     #: fill the rois' gradient with ``rois_backward_<backend>`` (else it is zeros)
     differentiates_rois = False
+    #: the op's inputs, in MXNet's order: ``data`` and ``rois``, then any extra input
+    #: (e.g. DeformablePSROIPooling's ``trans``); an op whose parameters drop an input
+    #: says so in :meth:`input_names`.  The backends hand extra inputs to ``geometry``
+    #: (after ``xp``), and a backward returning a tuple gives their gradients
+    inputs: Tuple[str, ...] = ("data", "rois")
 
     def __init__(self, param):
         self.param = param
 
+    def input_names(self) -> Tuple[str, ...]:
+        """The inputs of a call with these parameters (MXNet's ``list_arguments``)."""
+        return tuple(self.inputs)
+
     # ---- shapes -------------------------------------------------------------------
+    def check_extra_shapes(self, data_shape, rois_shape, extra_shapes) -> None:
+        """ValueError naming the problem if the extra inputs' shapes (in
+        :meth:`input_names` order after data and rois) do not fit; none by default."""
+
     def out_channels(self, channels: int) -> int:
         """Output channels for ``channels`` input channels; raise ValueError if invalid."""
         return channels
@@ -110,13 +123,20 @@ class RoIOp:
                          y1 + rng.uniform(1, height * 0.6, count) / s], axis=1)
 
     @staticmethod
-    def selftest_builtin(params: dict, data, rois):
-        """MXNet's built-in with these parameters on NDArrays ``data``, ``rois`` (for the
-        selftest's parity check), or None when MXNet has no equivalent."""
+    def selftest_builtin(params: dict, data, rois, *extra):
+        """MXNet's built-in with these parameters on NDArrays ``data``, ``rois`` (and the
+        extra inputs) for the selftest's parity check, or None when MXNet has none."""
         return None
 
+    def example_extra_inputs(self, rng, data_shape, rois) -> list:
+        """Random valid extra inputs (NumPy, the rois' dtype) for ``data_shape`` and
+        ``rois``, for the selftest and the bench; [] for an op without any."""
+        return []
+
     # ---- geometry ---------------------------------------------------------------
-    def geometry(self, rois, height: int, width: int, xp):
+    def geometry(self, rois, height: int, width: int, xp, *extra):
+        """The call's bins / samples for the kernels; ``extra``: the op's extra inputs
+        (host arrays, :attr:`inputs` after data and rois), none for most ops."""
         raise NotImplementedError
 
     def geometry_spec(self):
@@ -159,6 +179,10 @@ class RoIOp:
         raise NotImplementedError
 
     # ---- validation -------------------------------------------------------------
+    def check_extra_inputs(self, data_shape, data_dtype, rois, extra, xp) -> None:
+        """Errors for invalid extra inputs (host arrays, after :meth:`check_inputs`
+        passed); the backends call it in the forward and again in the backward."""
+
     def check_inputs(self, data_shape, data_dtype, rois, xp, compiled=None):
         """Errors for invalid values: dtype mismatch, non-finite coordinates, batch >= N.
 
@@ -253,7 +277,8 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             self.saved, self.rejected = None, True
             try:
                 self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
-                                                  out_data[0], keep=is_train)
+                                                  out_data[0], keep=is_train,
+                                                  extra=in_data[2:])
             except Exception:
                 # NaN output: should MXNet drop this error (it keeps one custom-op error
                 # at a time; seen with failing calls on several threads), the result
@@ -273,10 +298,14 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
                 # the rejected rois
                 _zero(req[0], in_grad[0])
                 _zero(rois_req, in_grad[1])
+                for r, g in zip(req[2:], in_grad[2:]):
+                    _zero(r, g)
             else:
                 # the backend validates the rois again itself before any kernel runs
                 self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
-                                      in_grad[0], saved, rois_req, in_grad[1])
+                                      in_grad[0], saved, rois_req, in_grad[1],
+                                      extra=in_data[2:],
+                                      extra_grad=tuple(zip(req[2:], in_grad[2:])))
             if not self.op.differentiates_rois:
                 # rois get no gradient: zeros for write, nothing to add for add
                 _zero(req[1], in_grad[1])
@@ -299,16 +328,17 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
         def list_arguments(self):
             if self.param_error is not None:
                 raise self.param_error
-            return ["data", "rois"]
+            return list(self.op.input_names())
 
         def list_outputs(self):
             return ["output"]
 
         @recording
         def infer_shape(self, in_shape):
-            data_shape, rois_shape = in_shape
+            data_shape, rois_shape = in_shape[:2]
             out = self.op.out_shape(data_shape, rois_shape)
-            return [data_shape, rois_shape], [out], []
+            self.op.check_extra_shapes(data_shape, rois_shape, in_shape[2:])
+            return list(in_shape), [out], []
 
         @recording
         def infer_type(self, in_type):
@@ -316,20 +346,28 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             if in_type[1] is not None and np.dtype(in_type[1]) != np.dtype(dtype):
                 raise TypeError(f"{op_cls.name}: data and rois must have the same dtype, got "
                                 f"data {np.dtype(dtype).name} and rois {np.dtype(in_type[1]).name}")
-            return [dtype, dtype], [dtype], []
+            for name, t in zip(self.op.input_names()[2:], in_type[2:]):
+                if t is not None and np.dtype(t) != np.dtype(dtype):
+                    raise TypeError(f"{op_cls.name}: data and {name} must have the same "
+                                    f"dtype, got data {np.dtype(dtype).name} and {name} "
+                                    f"{np.dtype(t).name}")
+            return [dtype] * len(in_type), [dtype], []
 
         def declare_backward_dependency(self, out_grad, in_data, out_data):
-            # Every op declares the same list: MXNet 1.9.1 keeps the dependency list of
-            # the most recently recorded Custom node process-wide and applies it to the
-            # backward of every Custom node, so ops with different lists break each
-            # other's backward ("unknown storage type: -1").  The output is on the list
-            # though no backward reads it: a graph node (sym, hybridized Gluon, the cached
-            # imperative call) is handed only its declared arrays, and a recorded
-            # imperative call leaves the list in a numbering where index 3 is the
-            # output (mxpatch._set_backward_dependency); with the output declared every
-            # index of every numbering is an array the node has.  (It costs nothing: the
-            # output guard and the next layer keep the output until the backward anyway.)
-            return [out_grad[0], in_data[0], in_data[1], out_data[0]]
+            # Every op declares every array of its numbering (output gradient, inputs,
+            # output): MXNet 1.9.1 keeps the dependency list of the most recently
+            # recorded Custom node process-wide and applies it to the backward of every
+            # Custom node, and an index on that list that a node did not declare breaks
+            # its backward ("unknown storage type: -1").  With every op declaring all of
+            # its arrays, any op's list names only arrays every node has: a 2-input op's
+            # {0..3} are arrays of a 3-input node too, and a 3-input op's index 4 is, in
+            # a 2-input node, an input gradient (always handed over).  The output is on
+            # the list though no backward reads it: a graph node (sym, hybridized Gluon,
+            # the cached imperative call) is handed only its declared arrays, and a
+            # recorded imperative call leaves the list in its own numbering
+            # (mxpatch._set_backward_dependency).  (It costs nothing: the output guard
+            # and the next layer keep the output until the backward anyway.)
+            return [out_grad[0], *in_data, out_data[0]]
 
         @recording
         def create_operator(self, ctx, in_shapes, in_dtypes):

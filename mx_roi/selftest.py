@@ -39,6 +39,7 @@ import numpy as np
 
 from .opcheck import CASES, TOL, rescan_variants  # noqa: F401  (re-exported)
 from .opcheck import as_array as _nd, assert_close as _close, make_op as _op  # noqa: F401
+from .opcheck import assert_close_grads as _close_grads  # noqa: F401
 from .opcheck import problem as _problem, run as _run  # noqa: F401
 
 __all__ = ["main", "run_checks"]
@@ -60,20 +61,25 @@ def _builtin_checks(backend, ctx, dtype=np.float32):
     n = 0
     for name, params in CASES:
         op = _op(name, params)
-        data, rois, grad = _problem(op, dtype, seed=1)
-        rois = rois[rois[:, 0] >= 0]
-        grad = grad[1:]
+        data, rois, grad, extra = _problem(op, dtype, seed=1)
+        keep = rois[:, 0] >= 0  # the built-ins read out of bounds for padding rois
+        rois, grad = rois[keep], grad[keep]
+        extra = [a[keep] for a in extra]  # (per-roi extra inputs)
         x = mx.nd.array(data, ctx=ctx, dtype=dtype)
-        x.attach_grad()
+        ex = [mx.nd.array(a, ctx=ctx, dtype=dtype) for a in extra]
+        for a in [x] + ex:
+            a.attach_grad()
         with autograd.record():
-            y = type(op).selftest_builtin(params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype))
+            y = type(op).selftest_builtin(params, x, mx.nd.array(rois, ctx=ctx, dtype=dtype),
+                                          *ex)
         if y is None:  # MXNet has no equivalent
             continue
-        out, dg = _run(backend, op, data, rois, grad, ctx)
+        out, grads = _run(backend, op, data, rois, grad, ctx, extra=extra)
         _close(out, y.asnumpy(), dtype, f"{name} forward vs built-in on {ctx}")
         if type(op).selftest_builtin_grad:  # (a built-in without a backward: forward only)
             y.backward(mx.nd.array(grad, ctx=ctx, dtype=dtype))
-            _close(dg, x.grad.asnumpy(), dtype, f"{name} data grad vs built-in on {ctx}")
+            _close_grads(grads, [a.grad.asnumpy() for a in [x] + ex], dtype,
+                         f"{name} vs built-in on {ctx}", op)
         n += 1
     return n
 
@@ -103,13 +109,13 @@ def check_emulated(quick=False, backend="emulated-cuda"):
     for dtype in _dtypes(quick):
         for name, params in CASES:
             op = _op(name, params)
-            data, rois, grad = _problem(op, dtype)
-            o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+            data, rois, grad, extra = _problem(op, dtype)
+            o2, g2 = _run(ref, op, data, rois, grad, mx.cpu(), extra=extra)
             for rescan in rescan_variants(name, params):
-                o1, g1 = _run(emu, op, data, rois, grad, mx.cpu(), rescan)
+                o1, g1 = _run(emu, op, data, rois, grad, mx.cpu(), rescan, extra=extra)
                 what = f"{name} {params} {np.dtype(dtype).name}" + (" rescan" if rescan else "")
                 _close(o1, o2, dtype, f"{what} forward")
-                _close(g1, g2, dtype, f"{what} data grad")
+                _close_grads(g1, g2, dtype, what, op)
                 n += 1
     return f"{n} op x dtype cases vs numpy (forward + grad; max modes also rescanning)"
 
@@ -146,14 +152,14 @@ def check_cuda(quick=False):
         for name, params in CASES:
             for det in (False, True):
                 op = _op(name, dict(params, deterministic=det))
-                data, rois, grad = _problem(op, dtype)
-                o2, g2 = _run(ref, op, data, rois, grad, mx.cpu())
+                data, rois, grad, extra = _problem(op, dtype)
+                o2, g2 = _run(ref, op, data, rois, grad, mx.cpu(), extra=extra)
                 for rescan in rescan_variants(name, params):
-                    o1, g1 = _run(cuda, op, data, rois, grad, gpu, rescan)
+                    o1, g1 = _run(cuda, op, data, rois, grad, gpu, rescan, extra=extra)
                     what = (f"{name} {params} {np.dtype(dtype).name} deterministic={det}"
                             + (" rescan" if rescan else ""))
                     _close(o1, o2, dtype, f"{what} forward")
-                    _close(g1, g2, dtype, f"{what} data grad")
+                    _close_grads(g1, g2, dtype, what, op)
                     n += 1
     if gpucheck.is_standin(gpu):
         return (f"{n} checks vs the CPU path on CuPy arrays ({gpucheck.STANDIN_NOTE}); "

@@ -19,6 +19,8 @@ EXPECTED = {
     "PSROIAlign/7x7": True,
     "RROIAlign/7x7": ("fwd",),   # MXNet's RROIAlign has no backward
     "PrRoIPool/7x7": False,
+    "DeformablePSROIPooling/7x7": True,
+    "DeformablePSROIPooling-agnostic/7x7": True,
 }
 DIRECTIONS = ("fwd", "fwd+bwd")
 
@@ -409,7 +411,7 @@ def test_markdown_of_a_single_run(quick_run):
     t = payload["machine"]["threads"]
     assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
                                f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
-    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI"))]
+    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI", "| Deformable"))]
     assert len(rows) == len(payload["results"])
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "

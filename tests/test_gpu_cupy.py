@@ -52,7 +52,8 @@ def on_gpu(gpu, op, data, rois, grad, req="write", out_fill=np.nan, grad_fill=np
 
 def on_host(backend, op, data, rois, grad):
     from mx_roi.selftest import _run
-    return _run(get(backend), op, data, rois, grad, mx.cpu())
+    out, (dgrad,) = _run(get(backend), op, data, rois, grad, mx.cpu())
+    return out, dgrad
 
 
 def _grad(op, data, rois, seed=99):

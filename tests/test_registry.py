@@ -111,6 +111,6 @@ def _minimal_params(cls):
     params = {}
     for f in dataclasses.fields(cls.param_cls):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            params[f.name] = {"pooled_size": (2, 2), "spatial_scale": 1.0,
-                              "output_dim": 1}[f.name]
+            params[f.name] = {"pooled_size": 2, "spatial_scale": 1.0,
+                              "output_dim": 1, "group_size": 1}[f.name]
     return params

@@ -56,6 +56,14 @@ def _tables(name, shape, roi, kw):
     P = (P, P) if isinstance(P, int) else P
     H, W = shape
     s = kw["spatial_scale"]
+    if name == "DeformablePSROIPooling":
+        trans = kw.get("trans")
+        part = kw.get("part_size") or P[0]
+        t = None if kw.get("no_trans") else \
+            np.asarray(trans if trans is not None else np.zeros((2, part, part)),
+                       np.float32).reshape(1, -1, part, part)
+        return geometry.deformable_samples(rois, t, P[0], part, kw.get("sample_per_part", 1),
+                                           s, kw.get("trans_std", 0.0), H, W)
     if name == "ROIPooling":
         return geometry.roi_pooling_bins(rois, P, s, H, W, np)
     if name == "PSROIPooling":
@@ -257,7 +265,12 @@ def test_committed_pictures_match_regeneration_and_geometry(name, regenerated):
             _check_own_geometry(panel, spec, kw)
             continue
         t = _tables(spec["op"], spec["feature_shape"], spec["roi"], kw)
-        if hasattr(t, "hstart"):
+        if hasattr(t, "y_in"):  # deformable: every sample, bin-major then (i, j)
+            S = t.y.shape[-1]
+            ys = np.repeat(t.y[0, 0], S, axis=-1).reshape(-1)
+            xs = np.tile(t.x[0, 0], (1, 1, S)).reshape(-1)
+            assert panel["samples"] == np.stack([ys, xs], 1).tolist()
+        elif hasattr(t, "hstart"):
             assert panel["hstart"] == t.hstart[0].tolist()
             assert panel["wend"] == t.wend[0].tolist()
         else:

@@ -83,7 +83,7 @@ def bench_gpu_kernels(workloads, repeat: int, device_id: int = 0, tv=None):
         dy = make_out_grad(op.out_shape(data.shape, rois.shape))
         x, r, g = gpu.array(data), gpu.array(rois), gpu.array(dy)
         out, dx = gpu.zeros(dy.shape), gpu.zeros(data.shape)
-        ref_out, ref_dx = _run(native, op, data, rois, dy, mx.cpu())
+        ref_out, (ref_dx,) = _run(native, op, data, rois, dy, mx.cpu())
         agree = {}
         for o in (op, det_op):  # forward + backward of each mode once, against the CPU's
             saved = cuda.forward(o, "write", x, r, out, keep=True)

@@ -15,7 +15,7 @@ import mxnet as mx
 import mx_roi
 
 from .timing import bench_pair
-from .workloads import DIRECTIONS, Inputs, Workload, in_layout, make_rois
+from .workloads import DIRECTIONS, Inputs, Workload, in_layout, make_rois, pooled_hw
 
 __all__ = ["OVERHEAD_OPS", "bench_overhead", "bench_fixed_cost", "FIXED_COST_TARGET_MS"]
 
@@ -112,13 +112,17 @@ def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT)
     rois_np = make_rois(SMALL_BOXES, batch=1, seed=SEED_SMALL)
     for w in workloads:
         kwargs = dict(w.ours_kwargs)
-        ph, pw = kwargs["pooled_size"]
         family = w.key.split("/")[0]
         if family in seen:
             continue
+        ph, pw = pooled_hw(kwargs["pooled_size"])
         seen.add(family)
         channels = SMALL_CHANNELS
-        if "output_dim" in kwargs:  # position-sensitive: output_dim * P * Q channels
+        if w.extra is not None:  # deformable: output_dim * group_size^2 channels
+            G = kwargs["group_size"]
+            kwargs["output_dim"] = max(1, SMALL_CHANNELS // (G * G))
+            channels = kwargs["output_dim"] * G * G
+        elif "output_dim" in kwargs:  # position-sensitive: output_dim * P * Q channels
             kwargs["output_dim"] = max(1, SMALL_CHANNELS // (ph * pw))
             channels = kwargs["output_dim"] * ph * pw
         kwargs["spatial_scale"] = 1.0 / 32
@@ -134,9 +138,10 @@ def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT)
         def noop(data, rois):
             return mx.nd.Custom(data, rois, op_type="mx_roi_bench_noop", out_shape=_s)
 
+        extra_in = w.extra_inputs(rois, kwargs)
         for direction in DIRECTIONS:
-            res = bench_pair(lambda d, r: ours(d, r, **kwargs), noop, data, rois, direction,
-                             repeat, out_grad)
+            res = bench_pair(lambda d, r: ours(d, r, *extra_in, **kwargs), noop, data, rois,
+                             direction, repeat, out_grad)
             extra = res["ours_ms"] - res["builtin_ms"]
             rows.append(dict(key=family,
                              op=w.op, direction=direction, data_shape=list(data.shape),

@@ -102,7 +102,8 @@ def workload_work(op, data_shape, rois: np.ndarray, itemsize: int = 4) -> dict:
     """Bytes and multiply-adds one forward and one backward must spend.
 
     ``op`` is an mx_roi op definition (:class:`mx_roi.registry.RoIOp`), ``data_shape``
-    (N, C, H, W), ``rois`` (R, 5).  Returns ``fwd_bytes``, ``fwd_ops``, ``bwd_bytes``,
+    (N, C, H, W), ``rois`` (R, 5); an op with a ``roofline_work(data_shape, rois,
+    itemsize)`` method answers for itself.  Returns ``fwd_bytes``, ``fwd_ops``, ``bwd_bytes``,
     ``bwd_ops``.
     """
     if hasattr(op, "roofline_work"):  # an op whose tables _used cannot read

@@ -11,8 +11,8 @@ import mxnet as mx
 
 import mx_roi
 
-__all__ = ["Workload", "build_workloads", "select_workloads", "make_rois", "make_data", "make_out_grad",
-           "Inputs", "in_layout"]
+__all__ = ["Workload", "build_workloads", "pooled_hw", "offsets", "select_workloads", "make_rois",
+           "make_data", "make_out_grad", "Inputs", "in_layout"]
 
 IMAGE_H, IMAGE_W, STRIDE = 600, 800, 16
 FEAT_H, FEAT_W = IMAGE_H // STRIDE + 1, IMAGE_W // STRIDE  # 38 x 50, as a VGG/ResNet C4 map
@@ -97,6 +97,15 @@ class Workload:
     rois_columns: int = 5
     #: the directions the built-in can run (MXNet's RROIAlign has no backward)
     builtin_directions: tuple = DIRECTIONS
+    #: an op with extra inputs (e.g. DeformablePSROIPooling's trans): ``extra(rois,
+    #: params)`` -> the seeded NDArrays that follow data and rois (gradients attached: a
+    #: training call asks for them), the same for ours and the built-in
+    extra: Optional[Callable] = None
+
+    def extra_inputs(self, rois, params=None) -> list:
+        if self.extra is None:
+            return []
+        return list(self.extra(rois, self.ours_kwargs if params is None else params))
 
     @property
     def has_builtin(self) -> bool:
@@ -105,7 +114,7 @@ class Workload:
     def ours(self) -> Callable:
         fn = getattr(mx_roi.nd, self.op)
         kwargs = dict(self.ours_kwargs)
-        return lambda data, rois: fn(data, rois, **kwargs)
+        return lambda data, rois: fn(data, rois, *self.extra_inputs(rois), **kwargs)
 
     def builtin(self, direction: Optional[str] = None) -> Optional[Callable]:
         """The built-in's call (None: none, or none for ``direction``)."""
@@ -116,12 +125,12 @@ class Workload:
         for part in self.builtin_name.split(".")[1:]:
             fn = getattr(fn, part)
         kwargs = dict(self.builtin_kwargs)
-        return lambda data, rois: fn(data, rois, **kwargs)
+        return lambda data, rois: fn(data, rois, *self.extra_inputs(rois), **kwargs)
 
     @property
     def out_shape(self):
         """Our output's shape ``(R, C_out, PH, PW)``."""
-        ph, pw = self.ours_kwargs["pooled_size"]
+        ph, pw = pooled_hw(self.ours_kwargs["pooled_size"])
         return (self.boxes, self.ours_kwargs.get("output_dim", self.channels), ph, pw)
 
     def op_instance(self, **overrides):
@@ -131,6 +140,32 @@ class Workload:
         cls = registry.get_op(self.op)
         params = {**self.ours_kwargs, **overrides}
         return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+
+
+def pooled_hw(pooled_size):
+    """``(PH, PW)`` of a ``pooled_size`` parameter (an int: a square pool)."""
+    return (pooled_size, pooled_size) if isinstance(pooled_size, int) else tuple(pooled_size)
+
+
+_OFFSETS = {}
+
+
+def offsets(per_class: bool, seed: int = SEED):
+    """``extra`` of a DeformablePSROIPooling workload: trans (R, 2K, part, part) with K =
+    output_dim (``per_class``) or 1, uniform in [-1, 1] (with trans_std 0.1: offsets up to
+    a tenth of the box), made once per context and shape, its gradient attached."""
+    def make(rois, params):
+        classes = params["output_dim"] if per_class else 1
+        part = params.get("part_size") or params["pooled_size"]
+        key = (str(rois.context), rois.shape[0], classes, part)
+        if key not in _OFFSETS:
+            rng = np.random.RandomState(seed + 3000)
+            t = mx.nd.array(rng.uniform(-1, 1, (rois.shape[0], 2 * classes, part, part)),
+                            ctx=rois.context)
+            t.attach_grad()
+            _OFFSETS[key] = t
+        return [_OFFSETS[key]]
+    return make
 
 
 def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload]:
@@ -187,6 +222,21 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
                                  position_sensitive=True)))
 
     add(7, boxes)
+    # Deformable R-FCN (Deformable-ConvNets): per-class offsets of the position-sensitive
+    # scores, and the class-agnostic deformable RoI pooling of 256 channels (its FPN head)
+    dp = dict(spatial_scale=s, pooled_size=7, part_size=7, sample_per_part=4, trans_std=0.1)
+    rfcn = dict(dp, output_dim=classes, group_size=7)
+    out.append(Workload("DeformablePSROIPooling/7x7", "DeformablePSROIPooling",
+                        f"{classes} cls, 7x7, {boxes} boxes, C={classes * 49}, per-class "
+                        "offsets, 4x4 samples", classes * 49, boxes, rfcn,
+                        "mx.nd.contrib.DeformablePSROIPooling", rfcn,
+                        extra=offsets(True)))
+    agnostic = dict(dp, output_dim=channels, group_size=1)
+    out.append(Workload("DeformablePSROIPooling-agnostic/7x7", "DeformablePSROIPooling",
+                        f"7x7, {big_boxes} boxes, C={channels}, group_size=1, shared offsets, "
+                        "4x4 samples", channels, big_boxes, agnostic,
+                        "mx.nd.contrib.DeformablePSROIPooling", agnostic,
+                        extra=offsets(False)))
     if variants:
         add(14, big_boxes, suffix="-big")
     for size, nboxes, suffix in ((7, boxes, ""),) + (((14, big_boxes, "-big"),) if variants

@@ -476,10 +476,10 @@ class CudaBackend:
         return Launch(module, self._xp(), dtype, deterministic)
 
     # ---- the backend interface ----------------------------------------------------
-    def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
+    def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False, extra=()):
         with self._device(data_nd):
             try:
-                return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+                return self._forward(op, req, data_nd, rois_nd, out_nd, keep, extra)
             finally:  # after _forward's temporaries are dropped: the pool can free them
                 self._sync()
 
@@ -515,23 +515,31 @@ class CudaBackend:
         else:
             op.check_inputs(shape, dtype, rois, np, compiled=compiled)
 
-    def _geometry(self, op, rois, height, width):
+    def _extra(self, extra):
+        """The extra inputs as host arrays (checks and geometry) and as kernel arrays."""
+        host = [self._host_rois(nd) for nd in extra]
+        return host, (host if self.kind.on_host else [self._read(nd) for nd in extra])
+
+    def _geometry(self, op, rois, height, width, extra=()):
         """``op``'s geometry tables for host ``rois``, where the kernels read them (on a
         GPU: one packed copy, :func:`mx_roi.cuda.tables.to_device`); on the host builds
-        from the compiled geometry when the op has one."""
+        from the compiled geometry when the op has one; ``extra``: the op's extra inputs
+        as the kernels read them."""
         spec, cg = self._compiled(op)
         if spec is not None:
             return cg.build(spec, rois, height, width)
-        geo = op.geometry(rois, height, width, np)
+        geo = op.geometry(rois, height, width, np, *extra)
         if self.kind is Kind.CUDA:
             import cupy
             return to_device(geo, cupy)
         return geo
 
-    def _forward(self, op, req, data_nd, rois_nd, out_nd, keep):
+    def _forward(self, op, req, data_nd, rois_nd, out_nd, keep, extra=()):
         xp = self._xp()
         data, rois = self._read(data_nd), self._host_rois(rois_nd)
         self._check(op, data.shape, data.dtype, rois)
+        host_extra, extra = self._extra(extra)
+        op.check_extra_inputs(data.shape, data.dtype, rois, host_extra, np)
         _check_plane(op, data.shape)
         if req == "null" or rois.shape[0] == 0:
             return None
@@ -539,7 +547,7 @@ class CudaBackend:
             if req != "add":
                 self._write(out_nd, req, xp.zeros(tuple(out_nd.shape), out_nd.dtype))
             return None
-        geo = self._geometry(op, rois, data.shape[2], data.shape[3])
+        geo = self._geometry(op, rois, data.shape[2], data.shape[3], extra)
         launch = self._launch(op, data.dtype, data_nd)
         launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
                                                                           rois.shape)))
@@ -552,20 +560,22 @@ class CudaBackend:
         return None
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
-                 rois_req="null", rois_grad_nd=None):
-        """The data gradient (``req``) and, for an op that differentiates its rois, the
-        rois' gradient (``rois_req``, into ``rois_grad_nd``)."""
-        if req == "null" and rois_req == "null":
+                 rois_req="null", rois_grad_nd=None, extra=(), extra_grad=()):
+        """The data gradient (``req``); for an op that differentiates its rois, the rois'
+        gradient (``rois_req``, into ``rois_grad_nd``); ``extra``: the op's extra inputs,
+        ``extra_grad``: ``(req, gradient NDArray)`` of each (from a backward that returns
+        a tuple, else zeros)."""
+        if req == "null" and rois_req == "null" and all(r == "null" for r, _ in extra_grad):
             return
         with self._device(data_nd):
             try:
                 self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
-                               rois_req, rois_grad_nd)
+                               rois_req, rois_grad_nd, extra, extra_grad)
             finally:  # after _backward's temporaries are dropped: the pool can free them
                 self._sync()
 
     def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved, rois_req,
-                  rois_grad_nd):
+                  rois_grad_nd, extra=(), extra_grad=()):
         xp = self._xp()
         shape = tuple(data_nd.shape)
         _check_plane(op, shape)
@@ -573,15 +583,18 @@ class CudaBackend:
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
         self._check(op, shape, data_nd.dtype, rois)
+        host_extra, extra = self._extra(extra)
+        op.check_extra_inputs(shape, data_nd.dtype, rois, host_extra, np)
         if rois.shape[0] == 0 or math.prod(shape) == 0:
+            self._store_extra(extra_grad, ())
             if req not in ("add", "null"):
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             if rois_req not in ("add", "null"):
                 self._write(rois_grad_nd, rois_req, xp.zeros(rois.shape, rois_grad_nd.dtype))
             return
         saved, geo = unpack_saved(saved, rois, shape[2:], np)
-        if geo is None:
-            geo = self._geometry(op, rois, shape[2], shape[3])
+        if geo is None or extra:  # extra inputs are read again: their geometry too
+            geo = self._geometry(op, rois, shape[2], shape[3], extra)
         grad = self._read(grad_nd)
         if rois_req != "null":
             launch = self._launch(op, grad.dtype, rois_grad_nd)
@@ -589,7 +602,7 @@ class CudaBackend:
             value = op.rois_backward_cuda(launch, geo, grad, self._read(data_nd),
                                           self._read(rois_nd))
             self._write(rois_grad_nd, rois_req, value)
-        if req == "null":
+        if req == "null" and all(r == "null" for r, _ in extra_grad):
             return
         launch = self._launch(op, grad.dtype, in_grad_nd)
         launch.geo = geo
@@ -598,7 +611,19 @@ class CudaBackend:
         target = self._target(in_grad_nd, req, grad=True, size=math.prod(shape))
         launch.grad_target, launch.grad_req = target, req
         value = op.backward_cuda(launch, geo, grad, shape, saved)
-        self._store_grad(in_grad_nd, req, value, target)
+        values = value if isinstance(value, tuple) else (value,)
+        if req != "null":
+            self._store_grad(in_grad_nd, req, values[0], target)
+        self._store_extra(extra_grad, values[1:])
+
+    def _store_extra(self, extra_grad, values):
+        """Each extra input's gradient (``values``, missing or None = zeros) honouring
+        its req."""
+        for i, (r, nd) in enumerate(extra_grad):
+            v = values[i] if i < len(values) else None
+            if r == "null" or (v is None and r == "add"):
+                continue
+            self._write(nd, r, self._xp().zeros(tuple(nd.shape), nd.dtype) if v is None else v)
 
 
 #: A training forward of a max op (ROIPooling, max / Caffe ROIAlign) keeps its argmax

@@ -103,8 +103,52 @@ def _bin_edges(op, rois, height, width):
     return out[0], out[1]
 
 
+def is_deformable(op) -> bool:
+    """Whether the op's samples move with an offset input (DeformablePSROIPooling)."""
+    return hasattr(op, "samples")
+
+
+def _deformable_coords(op, rois, H, W, channel, trans, out):
+    """The samples of a deformable op (``geometry.deformable_samples``) for output
+    ``channel``: ``samples`` (S, 2) = (y, x) clamped to the map, bin-major then (i, j);
+    ``sample_bin`` (S, 2); ``outside`` (S,) samples skipped (off the map); ``bin_y`` /
+    ``bin_x`` (P, 2) / (Q, 2) the box's regular bins (before the offsets); ``trans``."""
+    p = op.param
+    P = p.pooled_size
+    if not 0 <= channel < p.output_dim:
+        raise ValueError(f"channel {channel} out of range: output_dim = {p.output_dim}")
+    t = None
+    if not p.no_trans:
+        t = np.zeros((1, 2, p.part, p.part), np.float32) if trans is None else \
+            np.asarray(trans, np.float32).reshape(1, -1, p.part, p.part)
+    geo = op.samples(op.geometry(rois, H, W, np, *([] if t is None else [t])), H, W)
+    k = channel // (p.output_dim // geo.y.shape[1])
+    samples, sbin, outside = [], [], []
+    for pi in range(P):
+        for qi in range(P):
+            for i in range(p.sample_per_part):
+                for j in range(p.sample_per_part):
+                    samples.append((geo.y[0, k, pi, qi, i], geo.x[0, k, pi, qi, j]))
+                    sbin.append((pi, qi))
+                    outside.append(not (geo.y_in[0, k, pi, qi, i] and geo.x_in[0, k, pi, qi, j]))
+    out["samples"] = np.array(samples, dtype=geo.y.dtype).reshape(-1, 2)
+    out["sample_bin"] = np.array(sbin, dtype=np.int64).reshape(-1, 2)
+    out["outside"] = np.array(outside, dtype=bool)
+    from mx_roi.geometry import c_round
+    corner = c_round(rois[0, 1:3].astype(np.float32)) * np.float32(p.spatial_scale)
+    start = [float(v) - 0.5 for v in corner]   # round(x1) * s - 0.5 (x, y)
+    size = [float(geo.roi_w[0]), float(geo.roi_h[0])]
+    out["bin_x"] = np.array([(start[0] + q * size[0] / P, start[0] + (q + 1) * size[0] / P)
+                             for q in range(P)])
+    out["bin_y"] = np.array([(start[1] + q * size[1] / P, start[1] + (q + 1) * size[1] / P)
+                             for q in range(P)])
+    out["channel"] = int(channel)
+    out["trans"] = None if t is None else t[0].copy()
+    return out
+
+
 def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] = None,
-                    channel: int = 0, **params) -> Dict[str, Any]:
+                    channel: int = 0, trans=None, **params) -> Dict[str, Any]:
     """Everything a picture of ``op`` on ``roi`` draws, as NumPy arrays.
 
     Keys (all ops): ``op``, ``feature_shape``, ``roi``, ``roi_scaled``, ``pooled_size``.
@@ -143,6 +187,9 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
         out["roi_scaled"] = np.array([corners[:, 0].min(), corners[:, 1].min(),
                                       corners[:, 0].max(), corners[:, 1].max()])
         return out
+    if is_deformable(op):  # ``trans``: the offsets (2K, part, part) of the one roi
+        out["pooled_size"] = np.array([p.pooled_size] * 2, dtype=np.int64)
+        return _deformable_coords(op, rois, H, W, channel, trans, out)
     geo = op.geometry(rois, H, W, np)
     if is_align(op):
         ay, ax = geo.y, geo.x

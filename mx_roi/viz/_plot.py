@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from ._coords import (PIXEL_CENTRE, is_align, is_position_sensitive, make_op,
+from ._coords import (PIXEL_CENTRE, is_align, is_deformable, is_position_sensitive, make_op,
                       sampling_coords)
 
 __all__ = ["plot_sampling", "plot_aligned_comparison", "new_figure", "RC"]
@@ -40,6 +40,12 @@ def _group_colour(cell, group_grid):
 
 def _title(op) -> str:
     p = op.param
+    if is_deformable(op):
+        import textwrap
+        text = (f"pooled_size={p.pooled_size}, part_size={p.part_size}, sample_per_part="
+                f"{p.sample_per_part}, trans_std={p.trans_std:g}, group_size={p.group_size}, "
+                f"output_dim={p.output_dim}, spatial_scale={p.spatial_scale:g}")
+        return op.name + "\n" + "\n".join(textwrap.wrap(text, 58))
     parts = [f"pooled_size={tuple(p.pooled_size)}", f"spatial_scale={p.spatial_scale:g}"]
     if hasattr(p, "sample_ratio"):
         parts.append(f"sample_ratio={p.sample_ratio}")
@@ -212,6 +218,31 @@ def _draw_samples(ax, c, colours):
                    edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps",
                    label=f"4 taps of sample {tuple(int(v) for v in c['tap_sample'])}")
         ax.scatter([sx], [sy], s=30, c="crimson", zorder=9, gid="tap_sample")
+def _draw_deformable(ax, op, c):
+    """The box's regular bins (dashed) and each bin's samples after its offset, in the
+    bin's colour; skipped samples (off the map) hollow."""
+    from matplotlib.patches import Rectangle
+    P, Q = (int(v) for v in c["pooled_size"])
+    by, bx = c["bin_y"], c["bin_x"]
+    first = True
+    for p in range(P):
+        for q in range(Q):
+            y0, y1 = by[p] + PIXEL_CENTRE
+            x0, x1 = bx[q] + PIXEL_CENTRE
+            ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, ls=":",
+                                   edgecolor="tab:blue", lw=1.0, zorder=4, gid=f"bin_{p}_{q}",
+                                   label="bins before the offsets" if first else None))
+            first = False
+    s = np.asarray(c["samples"], dtype=np.float64) + PIXEL_CENTRE
+    colours = [_group_colour(p * Q + q, (P, Q)) for p, q in c["sample_bin"]]
+    inside = ~c["outside"]
+    if inside.any():
+        ax.scatter(s[inside, 1], s[inside, 0], s=14, c=[colours[i] for i in np.flatnonzero(inside)],
+                   zorder=7, gid="samples", label="samples after the offsets (clamped)")
+    if (~inside).any():
+        ax.scatter(s[~inside, 1], s[~inside, 0], s=14, facecolors="none",
+                   edgecolors=[colours[i] for i in np.flatnonzero(~inside)], zorder=7,
+                   gid="samples_outside", label="skipped: off the map")
 
 
 def _limits(ax, c):
@@ -245,7 +276,8 @@ def _ticks(ax, c):
 
 
 def plot_sampling(op, feature_shape, roi, ax=None, *, tap_sample: Optional[Sequence[int]] = None,
-                  channel: int = 0, legend: bool = True, **params) -> Dict[str, Any]:
+                  channel: int = 0, legend: bool = True, trans=None,
+                  **params) -> Dict[str, Any]:
     """Draw where ``op`` reads the feature map for one ``roi``.
 
     Parameters
@@ -259,6 +291,7 @@ def plot_sampling(op, feature_shape, roi, ax=None, *, tap_sample: Optional[Seque
     tap_sample : (p, q, iy, ix), the sample of an align op whose 4 taps are drawn
         (default: the first sample of the middle bin).
     channel : output channel whose input channels the PS ops label.
+    trans : DeformablePSROIPooling: the roi's offsets (2K, part, part) (default zeros).
 
     Returns
     -------
@@ -270,12 +303,16 @@ def plot_sampling(op, feature_shape, roi, ax=None, *, tap_sample: Optional[Seque
     coordinate ``c`` (pixel centres at integers, as in the tables) is drawn at ``c + 0.5``.
     """
     op = make_op(op, **params)
-    c = sampling_coords(op, feature_shape, roi, tap_sample=tap_sample, channel=channel)
+    c = sampling_coords(op, feature_shape, roi, tap_sample=tap_sample, channel=channel,
+                        trans=trans)
     if ax is None:
         fig, (ax,) = new_figure()
     _draw_map(ax, c)
     if "bin_polygons" in c:
         _draw_polygons(ax, op, c)
+    elif is_deformable(op):
+        _draw_roi(ax, c)
+        _draw_deformable(ax, op, c)
     elif is_align(op):
         _draw_roi(ax, c)
         _draw_align(ax, op, c)

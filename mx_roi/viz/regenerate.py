@@ -60,6 +60,16 @@ FIGURES: Dict[str, List[Dict[str, Any]]] = {
              clockwise=True, tap_sample=(1, 1, 3, 0))],
     "prroi_pool.png": [dict(op="PrRoIPool", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
                             spatial_scale=0.125, tap_sample=(1, 1, 0, 0))],
+    # offsets: the left column's bins pushed left past the map's edge, the others down
+    "deformable_psroi_pooling.png": [
+        dict(op="DeformablePSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
+             part_size=3, sample_per_part=2, trans_std=0.5, group_size=1, output_dim=1,
+             spatial_scale=0.125,
+             trans=[[[-0.9, 0.1, 0.0], [-0.9, 0.1, 0.0], [-0.9, 0.1, 0.0]],
+                    [[0.0, 0.3, 0.6], [0.0, 0.3, 0.6], [0.0, 0.3, 0.6]]]),
+        dict(op="DeformablePSROIPooling", feature_shape=_SHAPE, roi=_ROI, pooled_size=3,
+             sample_per_part=2, group_size=1, output_dim=1, spatial_scale=0.125,
+             no_trans=True)],
     "edge_cases.png": [
         dict(op="ROIPooling", feature_shape=(6, 8), roi=(0, 36, 20, 90, 60), pooled_size=3,
              spatial_scale=0.125),

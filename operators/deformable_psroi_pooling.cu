@@ -1,0 +1,554 @@
+// DeformablePSROIPooling kernels (Deformable R-FCN: Dai et al., "Deformable Convolutional
+// Networks", ICCV 2017; the semantics of mx.nd.contrib.DeformablePSROIPooling).
+//
+// No geometry tables: every kernel derives its roi box, bin starts (shifted by the
+// offsets `trans`) and sample points from rois and trans with the __host__ __device__
+// functions below, in the operation order of MXNet's CPU kernel, in A.  The second
+// implementation is mx_roi.geometry.deformable_samples (NumPy backend, pictures);
+// deformable_psroi_pooling_samples fills the same table from these functions, and a test
+// compares the two bit for bit.
+//
+// Items: output element (r, c, p, q) of (R, C, P, Q); class k = c / (C / K) selects the
+// offsets trans[r, 2k + (0: x, 1: y), part_h(p), part_w(q)] (K = 1, offsets 0 with
+// no_trans); input channel (c * G + gh(p)) * G + gw(q).  A sample outside
+// [-0.5, W - 0.5] x [-0.5, H - 0.5] (or NaN) is skipped; the others are clamped to the map
+// and interpolated; the output is their mean (0 if none).
+#include "roi_common.cuh"
+
+namespace mx_roi {
+
+__host__ __device__ __forceinline__ float dfloor(float v) { return floorf(v); }
+__host__ __device__ __forceinline__ double dfloor(double v) { return floor(v); }
+__host__ __device__ __forceinline__ float dceil(float v) { return ceilf(v); }
+__host__ __device__ __forceinline__ double dceil(double v) { return ceil(v); }
+// C round(): half away from zero
+__host__ __device__ __forceinline__ float dround(float v) { return roundf(v); }
+__host__ __device__ __forceinline__ double dround(double v) { return round(v); }
+
+// One roi's box: corners C-rounded, end + 1, scaled, shifted by half a cell; sizes at
+// least 0.1 (std::max(size, 0.1): a NaN size stays NaN); bins and sub-bins.
+template <typename A>
+struct DeformBox {
+  int batch;
+  A start_w, start_h, roi_w, roi_h, bin_w, bin_h, sub_w, sub_h;
+};
+
+template <typename T, typename A>
+__host__ __device__ __forceinline__ DeformBox<A> deform_box(const T* rois, long long r,
+                                                            A scale, int P, int Q, int S) {
+  const T* b = rois + r * 5;
+  DeformBox<A> g;
+  g.batch = (int)Traits<T>::load(b[0]);  // truncation toward zero
+  const A half = (A)0.5, one = (A)1, least = (A)0.1;
+  g.start_w = dround((A)Traits<T>::load(b[1])) * scale - half;
+  g.start_h = dround((A)Traits<T>::load(b[2])) * scale - half;
+  const A end_w = (dround((A)Traits<T>::load(b[3])) + one) * scale - half;
+  const A end_h = (dround((A)Traits<T>::load(b[4])) + one) * scale - half;
+  const A w = end_w - g.start_w, h = end_h - g.start_h;
+  g.roi_w = w < least ? least : w;
+  g.roi_h = h < least ? least : h;
+  g.bin_h = g.roi_h / (A)P;
+  g.bin_w = g.roi_w / (A)Q;
+  g.sub_h = g.bin_h / (A)S;
+  g.sub_w = g.bin_w / (A)S;
+  return g;
+}
+
+// The part cell of bin p of P: floor(p / P * part) (MXNet's order, in A).
+template <typename A>
+__host__ __device__ __forceinline__ int deform_part(int p, int P, int part) {
+  return (int)dfloor((A)p / (A)P * (A)part);
+}
+
+// The group cell of bin p of P: floor(p * G / P), clamped to [0, G - 1].
+template <typename A>
+__host__ __device__ __forceinline__ int deform_group(int p, int P, int G) {
+  int g = (int)dfloor((A)p * (A)G / (A)P);
+  g = g < 0 ? 0 : g;
+  return g > G - 1 ? G - 1 : g;
+}
+
+// Offset index of trans[r, 2k + axis, u, v] in (R, 2K, part, part).
+__host__ __device__ __forceinline__ long long deform_trans_index(long long r, int k, int K,
+                                                                 int axis, int part, int u,
+                                                                 int v) {
+  return (((r * K + k) * 2 + axis) * (long long)part + u) * part + v;
+}
+
+// Start (hstart, wstart) of bin (p, q) of class k: p * bin + start, then + offset * size
+// (offset = trans * trans_std; 0 without trans, still added as MXNet does).
+template <typename T, typename A>
+__host__ __device__ __forceinline__ void deform_bin_start(const DeformBox<A>& g,
+                                                          const T* trans, long long r, int k,
+                                                          int K, int part, int p, int q,
+                                                          int P, int Q, A trans_std,
+                                                          bool no_trans, A* hs, A* ws) {
+  A tx = 0, ty = 0;
+  if (!no_trans) {
+    const int u = deform_part<A>(p, P, part), v = deform_part<A>(q, Q, part);
+    tx = (A)Traits<T>::load(trans[deform_trans_index(r, k, K, 0, part, u, v)]) * trans_std;
+    ty = (A)Traits<T>::load(trans[deform_trans_index(r, k, K, 1, part, u, v)]) * trans_std;
+  }
+  A w = (A)q * g.bin_w + g.start_w;
+  w += tx * g.roi_w;
+  A h = (A)p * g.bin_h + g.start_h;
+  h += ty * g.roi_h;
+  *hs = h;
+  *ws = w;
+}
+
+// One axis of a sample: inside [-0.5, limit - 0.5] (compared in double, as MXNet's
+// `w < -0.5 || w > width - 0.5`; NaN is outside), the coordinate clamped to
+// [0, limit - 1] (std::min(std::max(v, 0), limit - 1)), its taps floor / ceil and the
+// distance to the low tap.
+template <typename A>
+struct DeformAxis {
+  bool inside;
+  A v, d;
+  int lo, hi;
+};
+
+template <typename A>
+__host__ __device__ __forceinline__ DeformAxis<A> deform_axis(A v, int limit) {
+  DeformAxis<A> a;
+  a.inside = (double)v >= -0.5 && (double)v <= (double)limit - 0.5;
+  A c = v < (A)0 ? (A)0 : v;
+  c = (A)(limit - 1) < c ? (A)(limit - 1) : c;
+  a.v = c;
+  const A f = dfloor(c);
+  a.lo = (int)f;
+  a.hi = (int)dceil(c);
+  a.d = c - f;
+  return a;
+}
+
+// One sample's terms of d out / d trans (x, y) (MXNet's operation order); diff = the
+// item's out-grad / count.
+template <typename A>
+__host__ __device__ __forceinline__ void deform_trans_terms(A u00, A u01, A u10, A u11, A dx,
+                                                            A dy, A tstd, A diff, A roi_w,
+                                                            A roi_h, A* tx, A* ty) {
+  const A one = (A)1;
+  A x = u11 * dy + u10 * (one - dy) - u01 * dy - u00 * (one - dy);
+  x *= tstd * diff * roi_w;
+  A y = u11 * dx + u01 * (one - dx) - u10 * dx - u00 * (one - dx);
+  y *= tstd * diff * roi_h;
+  *tx = x;
+  *ty = y;
+}
+
+// Everything an item needs: its box, class, input plane, bin start.
+template <typename A>
+struct DeformItem {
+  DeformBox<A> g;
+  int k, cin;
+  A hs, ws;
+};
+
+template <typename T, typename A>
+__host__ __device__ __forceinline__ DeformItem<A> deform_item(
+    const T* rois, const T* trans, long long r, int c, int p, int q, A scale, A trans_std,
+    bool no_trans, int K, int C, int G, int part, int S, int P, int Q) {
+  DeformItem<A> d;
+  d.g = deform_box<T, A>(rois, r, scale, P, Q, S);
+  d.k = c / (C / K);
+  d.cin = (c * G + deform_group<A>(p, P, G)) * G + deform_group<A>(q, Q, G);
+  deform_bin_start<T, A>(d.g, trans, r, d.k, K, part, p, q, P, Q, trans_std, no_trans, &d.hs,
+                         &d.ws);
+  return d;
+}
+
+// Valid samples of an item (the divisor of its mean).
+template <typename A>
+__host__ __device__ __forceinline__ int deform_count(const DeformItem<A>& d, int S, int H,
+                                                     int W) {
+  int count = 0;
+  for (int i = 0; i < S; ++i) {
+    const bool yin = deform_axis<A>(d.hs + (A)i * d.g.sub_h, H).inside;
+    for (int j = 0; j < S; ++j)
+      count += (yin && deform_axis<A>(d.ws + (A)j * d.g.sub_w, W).inside) ? 1 : 0;
+  }
+  return count;
+}
+
+}  // namespace mx_roi
+
+#ifdef MX_ROI_HOST_NATIVE
+namespace mx_roi {
+// Native host build: the samples of every bin of one (roi, class), built once and reused
+// by every output channel of that class in the thread's block (a class-agnostic model --
+// K = 1, e.g. Deformable-ConvNets' FPN head with 256 channels -- builds them once per
+// roi): per valid sample its four tap offsets in the plane, its four bilinear weights
+// (the very products the generic kernels form: (1 - dx) * (1 - dy), ...) and its
+// distances (the offsets' gradient).  The same values in the same order: the same bits.
+template <typename A>
+struct DeformTap {
+  int o[4];
+  A w[4];
+  A dx, dy;
+};
+
+template <typename T, typename A>
+struct DeformBins {
+  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order
+  std::vector<int> start;          // bin b = p * Q + q: taps[start[b] .. start[b + 1])
+  DeformBox<A> g;
+  long long r = -1;
+  int k = -1;
+
+  // every bin of (r_, k_) (bin b = p * Q + q), unless already built
+  void ensure(const T* rois, const T* trans, long long r_, int k_, A scale, A trans_std,
+              bool no_trans, int K, int part, int S, int P, int Q, int H, int W) {
+    if (r_ == r && k_ == k) return;
+    begin(rois, r_, k_, scale, S, P, Q);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q)
+        add_bin(trans, trans_std, no_trans, K, part, S, P, Q, H, W, p, q);
+  }
+
+  // bin (p, q) of (r_, k_) alone, as bin 0 (the roi-inner walk: each item its own bin)
+ private:
+  std::vector<DeformAxis<A>> ax;
+
+  void begin(const T* rois, long long r_, int k_, A scale, int S, int P, int Q) {
+    r = r_;
+    k = k_;
+    g = deform_box<T, A>(rois, r, scale, P, Q, S);
+    taps.clear();
+    start.assign(1, 0);
+    ax.resize(S);
+  }
+
+  void add_bin(const T* trans, A trans_std, bool no_trans, int K, int part, int S, int P,
+               int Q, int H, int W, int p, int q) {
+    const A one = (A)1;
+    A hs, ws;
+    deform_bin_start<T, A>(g, trans, r, k, K, part, p, q, P, Q, trans_std, no_trans, &hs, &ws);
+    for (int j = 0; j < S; ++j) ax[j] = deform_axis<A>(ws + (A)j * g.sub_w, W);
+    for (int i = 0; i < S; ++i) {
+      const DeformAxis<A> ay = deform_axis<A>(hs + (A)i * g.sub_h, H);
+      if (!ay.inside) continue;
+      for (int j = 0; j < S; ++j) {
+        if (!ax[j].inside) continue;
+        DeformTap<A> t;
+        t.o[0] = ay.lo * W + ax[j].lo;
+        t.o[1] = ay.hi * W + ax[j].lo;
+        t.o[2] = ay.lo * W + ax[j].hi;
+        t.o[3] = ay.hi * W + ax[j].hi;
+        t.w[0] = (one - ax[j].d) * (one - ay.d);
+        t.w[1] = (one - ax[j].d) * ay.d;
+        t.w[2] = ax[j].d * (one - ay.d);
+        t.w[3] = ax[j].d * ay.d;
+        t.dx = ax[j].d;
+        t.dy = ay.d;
+        taps.push_back(t);
+      }
+    }
+    start.push_back((int)taps.size());
+  }
+};
+}  // namespace mx_roi
+#endif
+
+// The sample table of mx_roi.geometry.deformable_samples from the functions above (for
+// the equality test): items (r, k, p, q) of (R, K, P, Q); per sample index s < S the
+// clamped y of row s and x of column s, and whether each is inside (1) or not (0).
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_samples(
+    const T* __restrict__ rois, const T* __restrict__ trans, double spatial_scale,
+    double trans_std, int no_trans, int part, int S, int C, int H, int W, int P, int Q,
+    A* __restrict__ y, A* __restrict__ x, int* __restrict__ y_in, int* __restrict__ x_in,
+    long long n) {
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformBox<A> g =
+        mx_roi::deform_box<T, A>(rois, it.r, (A)spatial_scale, P, Q, S);
+    A hs, ws;
+    mx_roi::deform_bin_start<T, A>(g, trans, it.r, it.c, C, part, it.p, it.q, P, Q,
+                                   (A)trans_std, no_trans != 0, &hs, &ws);
+    for (int s = 0; s < S; ++s) {
+      const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(hs + (A)s * g.sub_h, H);
+      const mx_roi::DeformAxis<A> ax = mx_roi::deform_axis<A>(ws + (A)s * g.sub_w, W);
+      y[it.i * S + s] = ay.v;
+      x[it.i * S + s] = ax.v;
+      y_in[it.i * S + s] = ay.inside ? 1 : 0;
+      x_in[it.i * S + s] = ax.inside ? 1 : 0;
+    }
+  }
+}
+
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_forward(
+    const T* __restrict__ data, const T* __restrict__ rois, const T* __restrict__ trans,
+    double spatial_scale, double trans_std, int no_trans, int K, int G, int part, int S,
+    int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    // roi by roi (MXNet's order), the (roi, class) table shared by the class's channels.
+    // (Walking a bin's rois back to back instead, its plane hot, measured 1.7x slower on
+    // R-FCN 7x7 / 256 rois: the out / out-grad and offset reads then stride by a roi.)
+    mx_roi::DeformBins<T, A> bins;
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W);
+      const int b = it.p * Q + it.q;
+      const int count = bins.start[b + 1] - bins.start[b];
+      A sum = 0;
+      if (bins.g.batch >= 0 && count > 0) {
+        const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
+                        mx_roi::deform_group<A>(it.q, Q, G);
+        const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+        for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+          const mx_roi::DeformTap<A>& s = bins.taps[t];
+          sum += s.w[0] * mx_roi::Traits<T>::load(plane[s.o[0]]) +
+                 s.w[1] * mx_roi::Traits<T>::load(plane[s.o[1]]) +
+                 s.w[2] * mx_roi::Traits<T>::load(plane[s.o[2]]) +
+                 s.w[3] * mx_roi::Traits<T>::load(plane[s.o[3]]);
+        }
+      }
+      out[it.i] = mx_roi::Traits<T>::store(bins.g.batch < 0 || count == 0 ? (A)0
+                                                                           : sum / (A)count);
+    }
+    return;
+  }
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+        rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
+        C, G, part, S, P, Q);
+    A sum = 0;
+    int count = 0;
+    if (d.g.batch >= 0) {
+      const T* plane = data + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+      for (int i = 0; i < S; ++i) {
+        const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+        for (int j = 0; j < S; ++j) {
+          const mx_roi::DeformAxis<A> ax =
+              mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+          if (!(ay.inside && ax.inside)) continue;
+          const A v00 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]);
+          const A v01 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]);
+          const A v10 = mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]);
+          const A v11 = mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]);
+          const A one = (A)1;
+          const A value = (one - ax.d) * (one - ay.d) * v00 + (one - ax.d) * ay.d * v01 +
+                          ax.d * (one - ay.d) * v10 + ax.d * ay.d * v11;
+          sum += value;
+          ++count;
+        }
+      }
+    }
+    out[it.i] = mx_roi::Traits<T>::store(count == 0 ? (A)0 : sum / (A)count);
+  }
+}
+
+// Data gradient: each valid sample hands out grad / count with its four bilinear weights
+// (taps in MXNet's order: (lo, lo), (hi, lo), (lo, hi), (hi, hi) as (y, x)).  With
+// fuse_trans (one offset class per output channel and one bin per part cell: every offset
+// element is one item's alone) also the offsets' gradient, each item writing its two
+// elements (the sum of its samples' terms in MXNet's order, from 0: the same bits as
+// deformable_psroi_pooling_backward_trans, which is then not launched).
+template <typename T, typename A, typename O>
+__global__ void deformable_psroi_pooling_backward(
+    const T* __restrict__ grad, const T* __restrict__ data, const T* __restrict__ rois,
+    const T* __restrict__ trans, double spatial_scale, double trans_std, int no_trans, int K,
+    int G, int part, int S, int C, int Cin, int H, int W, int P, int Q,
+    O* __restrict__ bottom, A* __restrict__ trans_grad, int fuse_trans, double scale,
+    long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    // as the forward: roi by roi, MXNet's order of additions into every plane
+    mx_roi::DeformBins<T, A> bins;
+    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+      bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
+                  no_trans != 0, K, part, S, P, Q, H, W);
+      const int b = it.p * Q + it.q;
+      const int count = bins.start[b + 1] - bins.start[b];
+      A sx = 0, sy = 0;
+      if (bins.g.batch >= 0 && count > 0) {
+        const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+        const int cin = (it.c * G + mx_roi::deform_group<A>(it.p, P, G)) * G +
+                        mx_roi::deform_group<A>(it.q, Q, G);
+        const long long base = mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+        O* plane = bottom + base;
+        const T* in = data + base;
+        const A tstd = (A)trans_std;
+        for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+          const mx_roi::DeformTap<A>& s = bins.taps[t];
+          for (int m = 0; m < 4; ++m) mx_roi::grad_add(plane + s.o[m], s.w[m] * diff, scale);
+          if (fuse_trans) {
+            A tx, ty;
+            mx_roi::deform_trans_terms<A>(
+                mx_roi::Traits<T>::load(in[s.o[0]]), mx_roi::Traits<T>::load(in[s.o[1]]),
+                mx_roi::Traits<T>::load(in[s.o[2]]), mx_roi::Traits<T>::load(in[s.o[3]]),
+                s.dx, s.dy, tstd, diff, bins.g.roi_w, bins.g.roi_h, &tx, &ty);
+            sx += tx;
+            sy += ty;
+          }
+        }
+      }
+      if (fuse_trans) {
+        const int k = it.c / (C / K), u = mx_roi::deform_part<A>(it.p, P, part),
+                  v = mx_roi::deform_part<A>(it.q, Q, part);
+        trans_grad[mx_roi::deform_trans_index(it.r, k, K, 0, part, u, v)] = sx;
+        trans_grad[mx_roi::deform_trans_index(it.r, k, K, 1, part, u, v)] = sy;
+      }
+    }
+    return;
+  }
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+        rois, trans, it.r, it.c, it.p, it.q, (A)spatial_scale, (A)trans_std, no_trans != 0, K,
+        C, G, part, S, P, Q);
+    const int count = d.g.batch < 0 ? 0 : mx_roi::deform_count<A>(d, S, H, W);
+    A sx = 0, sy = 0;
+    if (count > 0) {
+      const A diff = (A)mx_roi::Traits<T>::load(grad[it.i]) / (A)count;
+      const long long base = mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+      O* plane = bottom + base;
+      const T* in = data + base;
+      for (int i = 0; i < S; ++i) {
+        const mx_roi::DeformAxis<A> ay = mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+        for (int j = 0; j < S; ++j) {
+          const mx_roi::DeformAxis<A> ax =
+              mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+          if (!(ay.inside && ax.inside)) continue;
+          const A one = (A)1;
+          const A q00 = (one - ax.d) * (one - ay.d), q01 = (one - ax.d) * ay.d;
+          const A q10 = ax.d * (one - ay.d), q11 = ax.d * ay.d;
+          const long long o00 = (long long)ay.lo * W + ax.lo, o01 = (long long)ay.hi * W + ax.lo;
+          const long long o10 = (long long)ay.lo * W + ax.hi, o11 = (long long)ay.hi * W + ax.hi;
+          mx_roi::grad_add(plane + o00, q00 * diff, scale);
+          mx_roi::grad_add(plane + o01, q01 * diff, scale);
+          mx_roi::grad_add(plane + o10, q10 * diff, scale);
+          mx_roi::grad_add(plane + o11, q11 * diff, scale);
+          if (fuse_trans) {
+            A tx, ty;
+            mx_roi::deform_trans_terms<A>(
+                mx_roi::Traits<T>::load(in[o00]), mx_roi::Traits<T>::load(in[o01]),
+                mx_roi::Traits<T>::load(in[o10]), mx_roi::Traits<T>::load(in[o11]), ax.d, ay.d,
+                (A)trans_std, diff, d.g.roi_w, d.g.roi_h, &tx, &ty);
+            sx += tx;
+            sy += ty;
+          }
+        }
+      }
+    }
+    if (fuse_trans) {
+      const int u = mx_roi::deform_part<A>(it.p, P, part), v = mx_roi::deform_part<A>(it.q, Q, part);
+      trans_grad[mx_roi::deform_trans_index(it.r, d.k, K, 0, part, u, v)] = sx;
+      trans_grad[mx_roi::deform_trans_index(it.r, d.k, K, 1, part, u, v)] = sy;
+    }
+  }
+}
+
+// Offset gradient: items (r * K + k, u, v) of (R * K, part, part) -- C is R * K, so that
+// a native launch splits over rois and classes (there: k * R + r) -- each the sum, in MXNet's order (output
+// channel c of class k, bin (p, q) of part cell (u, v), sample (i, j)), of d out / d trans;
+// written (each element by one item: no atomics, the same bits on every backend).  D is
+// the output channel count.
+template <typename T, typename A>
+__global__ void deformable_psroi_pooling_backward_trans(
+    const T* __restrict__ grad, const T* __restrict__ data, const T* __restrict__ rois,
+    const T* __restrict__ trans, double spatial_scale, double trans_std, int K, int G,
+    int part, int S, int C, int D, int Cin, int H, int W, int P, int Q,
+    A* __restrict__ trans_grad, long long n) {
+  const A tstd = (A)trans_std;
+  const int per_class = D / K;
+#ifdef MX_ROI_HOST_NATIVE
+  {
+    // a (roi, class) at once, at its item (u, v) = (0, 0): output channel by channel, each
+    // plane read once for all its bins, every sample added to its part cell's sums -- per
+    // cell still in the order c, (p, q), (i, j)
+    mx_roi::DeformBins<T, A> bins;
+    std::vector<A> sx, sy;
+    MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
+      if (it.p != 0 || it.q != 0) continue;
+      // class-major (c = k * R + r): consecutive items read the same class's planes
+      const long long R = C / K, r = it.c % R;
+      const int k = (int)(it.c / R);
+      bins.ensure(rois, trans, r, k, (A)spatial_scale, tstd, false, K, part, S, P, Q, H, W);
+      sx.assign((size_t)part * part, (A)0);
+      sy.assign((size_t)part * part, (A)0);
+      for (int c = k * per_class; bins.g.batch >= 0 && c < (k + 1) * per_class; ++c) {
+        for (int p = 0; p < P; ++p) {
+          const int u = mx_roi::deform_part<A>(p, P, part);
+          for (int q = 0; q < Q; ++q) {
+            const int cell = u * part + mx_roi::deform_part<A>(q, Q, part);
+            const int b = p * Q + q, count = bins.start[b + 1] - bins.start[b];
+            if (count == 0) continue;
+            const A diff =
+                (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
+                (A)count;
+            const int cin = (c * G + mx_roi::deform_group<A>(p, P, G)) * G +
+                            mx_roi::deform_group<A>(q, Q, G);
+            const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
+            A ax = sx[cell], ay = sy[cell];
+            for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
+              const mx_roi::DeformTap<A>& s = bins.taps[t];
+              A dx, dy;
+              mx_roi::deform_trans_terms<A>(
+                  mx_roi::Traits<T>::load(plane[s.o[0]]), mx_roi::Traits<T>::load(plane[s.o[1]]),
+                  mx_roi::Traits<T>::load(plane[s.o[2]]), mx_roi::Traits<T>::load(plane[s.o[3]]),
+                  s.dx, s.dy, tstd, diff, bins.g.roi_w, bins.g.roi_h, &dx, &dy);
+              ax += dx;
+              ay += dy;
+            }
+            sx[cell] = ax;
+            sy[cell] = ay;
+          }
+        }
+      }
+      for (int u = 0; u < part; ++u)
+        for (int v = 0; v < part; ++v) {
+          trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx[u * part + v];
+          trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy[u * part + v];
+        }
+    }
+    return;
+  }
+#endif
+  MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
+    const long long r = it.c / K;
+    const int k = it.c % K, u = it.p, v = it.q;
+    A sx = 0, sy = 0;
+    const mx_roi::DeformBox<A> g0 = mx_roi::deform_box<T, A>(rois, r, (A)spatial_scale, P,
+                                                            Q, S);
+    for (int c = k * per_class; g0.batch >= 0 && c < (k + 1) * per_class; ++c) {
+      for (int p = 0; p < P; ++p) {
+        if (mx_roi::deform_part<A>(p, P, part) != u) continue;
+        for (int q = 0; q < Q; ++q) {
+          if (mx_roi::deform_part<A>(q, Q, part) != v) continue;
+          const mx_roi::DeformItem<A> d = mx_roi::deform_item<T, A>(
+              rois, trans, r, c, p, q, (A)spatial_scale, tstd, false, K, D, G, part, S, P, Q);
+          const int count = mx_roi::deform_count<A>(d, S, H, W);
+          if (count == 0) continue;
+          const A diff =
+              (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
+              (A)count;
+          const T* plane = data + mx_roi::plane_offset(d.g.batch, d.cin, Cin, H, W);
+          for (int i = 0; i < S; ++i) {
+            const mx_roi::DeformAxis<A> ay =
+                mx_roi::deform_axis<A>(d.hs + (A)i * d.g.sub_h, H);
+            for (int j = 0; j < S; ++j) {
+              const mx_roi::DeformAxis<A> ax =
+                  mx_roi::deform_axis<A>(d.ws + (A)j * d.g.sub_w, W);
+              if (!(ay.inside && ax.inside)) continue;
+              A dx, dy;
+              mx_roi::deform_trans_terms<A>(
+                  mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.lo]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.lo]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.lo * W + ax.hi]),
+                  mx_roi::Traits<T>::load(plane[(long long)ay.hi * W + ax.hi]), ax.d, ay.d, tstd,
+                  diff, d.g.roi_w, d.g.roi_h, &dx, &dy);
+              sx += dx;
+              sy += dy;
+            }
+          }
+        }
+      }
+    }
+    trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx;
+    trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy;
+  }
+}
