@@ -1,21 +1,5 @@
-"""DeformablePSROIPooling: position-sensitive RoI pooling with learned bin offsets
-(Deformable R-FCN: Dai et al., "Deformable Convolutional Networks", ICCV 2017).
-
-Semantics of ``mx.nd.contrib.DeformablePSROIPooling`` (same parameters, defaults and
-positional order; inputs ``data`` (N, C, H, W), ``rois`` (R, 5) and, unless
-``no_trans``, ``trans`` (R, 2K, part_size, part_size)): the box ``round(x1) * s - 0.5 ..
-(round(x2) + 1) * s - 0.5`` (sizes at least 0.1) is cut into ``pooled_size`` x
-``pooled_size`` bins; bin (p, q) of output channel c is shifted by
-``trans[r, 2k + {0: x, 1: y}, u, v] * trans_std`` times the box size (class
-``k = c / (output_dim / K)``, part cell ``u = floor(p / pooled_size * part_size)``), and
-averages ``sample_per_part``\\ :sup:`2` bilinear samples -- those outside
-``[-0.5, W - 0.5] x [-0.5, H - 0.5]`` skipped, the others clamped to the map -- of input
-channel ``(c * G + gh) * G + gw`` (``gh = floor(p * G / pooled_size)``, G =
-``group_size``); 0 when no sample is inside.  Gradients for data and trans (the rois get
-zeros).  Beyond the built-in: a padding roi (batch index < 0) gives 0 and no gradient,
-a NaN sample coordinate counts as outside, bad shapes / values are refused with a
-message instead of read out of bounds; ``deterministic`` as the other ops.
-"""
+"""DeformablePSROIPooling: position-sensitive RoI pooling with learned bin offsets; semantics
+in the class docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +9,7 @@ import numpy as np
 
 from mx_roi import geometry
 from mx_roi.geometry import compute_dtype
-from mx_roi.mxpatch import GUARD_BOUND
+from mx_roi.onednn import GUARD_BOUND
 from mx_roi.params import ParamBase, param_field, parse_bool, parse_float, parse_int
 from mx_roi.registry import RoIOp, register
 
@@ -82,6 +66,24 @@ _MAX_ITEMS = 1 << 21  # NumPy kernels: work arrays of at most this many elements
 
 @register
 class DeformablePSROIPooling(RoIOp):
+    """DeformablePSROIPooling: position-sensitive RoI pooling with learned bin offsets
+    (Deformable R-FCN: Dai et al., "Deformable Convolutional Networks", ICCV 2017).
+
+    Semantics of ``mx.nd.contrib.DeformablePSROIPooling`` (same parameters, defaults and
+    positional order; inputs ``data`` (N, C, H, W), ``rois`` (R, 5) and, unless
+    ``no_trans``, ``trans`` (R, 2K, part_size, part_size)): the box ``round(x1) * s - 0.5 ..
+    (round(x2) + 1) * s - 0.5`` (sizes at least 0.1) is cut into ``pooled_size`` x
+    ``pooled_size`` bins; bin (p, q) of output channel c is shifted by
+    ``trans[r, 2k + {0: x, 1: y}, u, v] * trans_std`` times the box size (class
+    ``k = c / (output_dim / K)``, part cell ``u = floor(p / pooled_size * part_size)``), and
+    averages ``sample_per_part``\\ :sup:`2` bilinear samples -- those outside
+    ``[-0.5, W - 0.5] x [-0.5, H - 0.5]`` skipped, the others clamped to the map -- of input
+    channel ``(c * G + gh) * G + gw`` (``gh = floor(p * G / pooled_size)``, G =
+    ``group_size``); 0 when no sample is inside.  Gradients for data and trans (the rois get
+    zeros).  Beyond the built-in: a padding roi (batch index < 0) gives 0 and no gradient,
+    a NaN sample coordinate counts as outside, bad shapes / values are refused with a
+    message instead of read out of bounds; ``deterministic`` as the other ops.
+    """
     name = "DeformablePSROIPooling"
     param_cls = DeformablePSROIPoolingParam
     cuda_source = "deformable_psroi_pooling.cu"
