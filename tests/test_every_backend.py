@@ -140,6 +140,9 @@ def _take_forward_error():
 
 
 # ---------------------------------------------------- 1. R = 0 and all-padding rois
+#: boxes inside and across the 5x6 map at scale 0.5 or 1, one padding row
+GOOD_ROIS_LIVE = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 4, 3], [-1, 3, 3, 4, 5], [1, 2, 1, 5, 4]])
+
 ROI_SETS = {
     "R=0": np.zeros((0, 5)),
     # batch indices -1, -2 and -1.5 (truncates to -1): padding, never read
@@ -181,6 +184,47 @@ def test_backward_without_live_rois_honours_req_over_garbage(op_type, params, ba
                     dg, rg = _protocol_backward(op, req, data, rois, out_grad, ctx, out_shape)
                     _expect(req, dg, f"{what}: data grad (CustomOp.backward)")
                     _expect(req, rg, f"{what}: rois grad (CustomOp.backward)")
+
+
+TOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-13}
+
+
+@pytest.mark.parametrize("op_type,params", CASES, ids=CASE_IDS)
+def test_backward_with_live_rois_honours_req_over_garbage(op_type, params, backend):
+    """Ordinary rois (one padding), every dtype, gradients pre-filled with FILL: write
+    gives bit for bit what it gives over zeros, add gives FILL + that gradient, null
+    leaves FILL (as MXNet drives the CustomOp; MXNet's own autograd never hands the op a
+    null buffer it could see).  The rois gradient: zeros (write), FILL (add, null)."""
+    name, ctx = backend
+    for dtype in DTYPES:
+        data, rois, out_grad = _problem(op_type, params, dtype, GOOD_ROIS_LIVE)
+        what = f"{op_type} {params} {np.dtype(dtype).name} on {name}"
+        grads = {}
+        for req, fill in (("write", 0.0), ("write", FILL), ("add", FILL)):
+            x, r = _nd(data, ctx), _nd(rois, ctx)
+            x.attach_grad(grad_req=req)
+            r.attach_grad(grad_req=req)
+            x.grad[:] = fill
+            r.grad[:] = fill
+            with autograd.record():
+                y = mx.nd.Custom(x, r, op_type=op_type, **params)
+            y.backward(_nd(out_grad, ctx))
+            grads[req, fill] = x.grad.asnumpy()
+            _expect("write" if req == "write" else "add", r.grad.asnumpy(),
+                    f"{what}: rois grad over {fill}")
+        clean = grads["write", 0.0]
+        assert clean.any(), f"{what}: the gradient is zero: the test checks nothing"
+        assert grads["write", FILL].tobytes() == clean.tobytes(), \
+            f"{what}: req write over FILL differs from req write over zeros"
+        np.testing.assert_allclose(grads["add", FILL].astype(np.float64),
+                                   FILL + clean.astype(np.float64), rtol=TOL[np.dtype(dtype)],
+                                   atol=TOL[np.dtype(dtype)] * 8, err_msg=f"{what}: req add")
+        op, out_shape = _custom_op(op_type, params, data, rois, ctx)
+        op.forward(is_train=True, req=["write"], in_data=[_nd(data, ctx), _nd(rois, ctx)],
+                   out_data=[_filled(out_shape, dtype, ctx)], aux=[])
+        dg, rg = _protocol_backward(op, "null", data, rois, out_grad, ctx, out_shape)
+        _expect("null", dg, f"{what}: data grad (CustomOp.backward)")
+        _expect("null", rg, f"{what}: rois grad (CustomOp.backward)")
 
 
 # ------------------------------------------------------------ 2. rejected training step
