@@ -157,6 +157,8 @@ OP_SPECIFIC_BAD_PARAMS = [
     ("PSROIAlign", "output_dim", -2),
     ("PSROIAlign", "group_size", -1),
     ("PSROIAlign", "sample_ratio", "x"),
+    ("PSROIAlign", "legacy", "caffe"),       # another op's legacy kernel
+    ("ROIAlign", "legacy", "rfcn"),
 ]
 
 
