@@ -74,6 +74,8 @@ def backend(request, monkeypatch):
 
     monkeypatch.setattr(mx_roi.backends, "select", spy)
     yield name, (mx.gpu(0) if name == "cuda" else mx.cpu())
+    # the ops pick their backend with mx_roi.backends.select (none seen: they no longer
+    # do, and this check needs another way to see the backend)
     assert chosen and set(chosen) == {name}, f"ran on {sorted(set(chosen))}, not {name}"
 
 

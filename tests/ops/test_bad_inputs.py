@@ -436,12 +436,14 @@ def test_every_parameter_rejects_its_declared_bad_values(op_type, field):
     """Each value a field declares invalid (its parser's ill-formed spellings and its own
     out-of-domain values: ``mx_roi.params.invalid_examples``) is refused with the op's
     and the parameter's name, through ``mx.nd.Custom`` (strings through MXNet's
-    ``CustomOpProp``), ``mx_roi.nd`` (Python values) and a Gluon block's constructor;
+    ``CustomOpProp``), ``mx_roi.nd`` and ``mx_roi.sym`` (Python values) and a Gluon
+    block's constructor;
     the next valid call works.  A field that declares no bad value fails here: every
     parameter must have a tested bad value."""
     from mx_roi.params import invalid_examples
     from mx_roi.registry import REGISTERED
     import mx_roi.gluon
+    import mx_roi.sym
     bad_values = invalid_examples(REGISTERED[op_type].param_cls, field)
     assert bad_values, (f"{op_type}.{field}: no declared bad value (give its parser a "
                         "`invalid` tuple or its param_field an `invalid=` one)")
@@ -453,6 +455,8 @@ def test_every_parameter_rejects_its_declared_bad_values(op_type, field):
             _call(op_type, x, rois, **kwargs)
         with pytest.raises(ValueError, match=named):
             getattr(mx_roi.nd, op_type)(mx.nd.array(x), mx.nd.array(rois), **kwargs)
+        with pytest.raises(ValueError, match=named):
+            getattr(mx_roi.sym, op_type)(mx.sym.var("data"), mx.sym.var("rois"), **kwargs)
         with pytest.raises(ValueError, match=named):
             getattr(mx_roi.gluon, op_type)(**kwargs)
     out = _call(op_type, x, rois, **params)
