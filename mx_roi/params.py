@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
 __all__ = ["ParamBase", "param_field", "invalid_examples", "ROIPoolingParam", "ROIAlignParam",
-           "PSROIPoolingParam",
-           "PSROIAlignParam",
+           "PSROIPoolingParam", "PSROIAlignParam",
            "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
            "parse_choice"]
 
