@@ -5,6 +5,13 @@ MXNet hands a ``CustomOpProp`` every keyword argument as a *string* (``"(7, 7)"`
 frozen dataclass whose ``from_kwargs`` parses such strings (or plain Python values),
 validates them and raises ``ValueError`` naming the parameter and the bad value.
 ``to_kwargs`` gives back the strings to pass to ``mx.nd.Custom``/``mx.sym.Custom``.
+
+Every parser and every field also *declares* values it must reject
+(:func:`invalid_examples`): the parser's ill-formed spellings (``parser.invalid``) and
+the field's out-of-domain values (``param_field(..., invalid=...)``, e.g. 0 for a
+positive field).  ``tests/ops/test_bad_inputs.py`` feeds each of them to every
+registered op and expects the parameter's name in the error, so a new op's parameters
+are covered without editing the test -- and a field that declares none fails it.
 """
 from __future__ import annotations
 
@@ -14,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
-__all__ = ["ParamBase", "param_field", "ROIPoolingParam", "ROIAlignParam", "PSROIPoolingParam",
-           "PSROIAlignParam",
+__all__ = ["ParamBase", "param_field", "invalid_examples", "ROIPoolingParam", "ROIAlignParam",
+           "PSROIPoolingParam", "PSROIAlignParam",
            "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
            "parse_choice"]
 
@@ -24,6 +31,17 @@ def _fail(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"parameter '{name}': expected {expected}, got {value!r}")
 
 
+def _rejects(*examples):
+    """Decorator: declare ``examples``, values (or strings) the parser must reject, as
+    ``parser.invalid`` (read by :func:`invalid_examples`; not used for validation; a
+    callable returning them is accepted too)."""
+    def mark(parser):
+        parser.invalid = tuple(examples)
+        return parser
+    return mark
+
+
+@_rejects("maybe", 2, "")
 def parse_bool(name: str, value: Any) -> bool:
     """Parse ``True/False/1/0/true/false/yes/no`` (strings or values) into a bool."""
     if isinstance(value, bool):
@@ -38,6 +56,7 @@ def parse_bool(name: str, value: Any) -> bool:
     raise _fail(name, value, "a boolean (True/False/1/0)")
 
 
+@_rejects(1.5, "x", "inf", True)
 def parse_int(name: str, value: Any) -> int:
     """Parse an integer; ``"7"``, ``7`` and ``7.0`` are accepted, ``"7.5"`` is not."""
     if isinstance(value, bool):
@@ -53,6 +72,7 @@ def parse_int(name: str, value: Any) -> int:
     return int(number)
 
 
+@_rejects("abc", "nan", "-inf", True)
 def parse_float(name: str, value: Any) -> float:
     """Parse a finite float."""
     if isinstance(value, bool):
@@ -66,6 +86,7 @@ def parse_float(name: str, value: Any) -> float:
     return number
 
 
+@_rejects("abc", (1, 2, 3), (2.5, 2), "")
 def parse_size2(name: str, value: Any) -> Tuple[int, int]:
     """Parse ``7``, ``"7"``, ``"(7, 7)"``, ``"[7,5]"``, ``(7,)`` into ``(h, w)``."""
     parsed = value
@@ -93,6 +114,7 @@ def parse_size2(name: str, value: Any) -> Tuple[int, int]:
 _GROUP_EXPECTED = "0 (= the pooled grid), a positive int or a (gh, gw) pair of positive ints"
 
 
+@_rejects("abc", (1, 2, 3), 1.5)
 def parse_group(name: str, value: Any) -> Tuple[int, int]:
     """Parse a position-sensitive group grid into ``(gh, gw)``.
 
@@ -112,9 +134,24 @@ def parse_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
     return text
 
 
-def param_field(parser, default=dataclasses.MISSING, doc=""):
-    """A dataclass field carrying the string parser used by ``from_kwargs``."""
-    return field(default=default, metadata={"parser": parser, "doc": doc})
+def param_field(parser, default=dataclasses.MISSING, doc="", invalid=()):
+    """A dataclass field carrying the string parser used by ``from_kwargs``.
+
+    ``invalid``: values that parse but are out of the field's domain (0 for a positive
+    size, ...), declared for the tests (:func:`invalid_examples`), not for validation."""
+    return field(default=default, metadata={"parser": parser, "doc": doc,
+                                            "invalid": tuple(invalid)})
+
+
+def invalid_examples(param_cls, name: str) -> Tuple[Any, ...]:
+    """Values ``param_cls.from_kwargs`` must reject for field ``name``, each with an error
+    naming it: the field's parser's declared ill-formed values (``parser.invalid``), then
+    the field's own out-of-domain ones (``param_field(invalid=...)``).  Empty when
+    neither declares any (the bad-input tests fail for such a field)."""
+    f = {f.name: f for f in dataclasses.fields(param_cls)}[name]
+    declared = getattr(f.metadata["parser"], "invalid", ())
+    return tuple(declared() if callable(declared) else declared) + \
+        tuple(f.metadata.get("invalid", ()))
 
 
 _PARSED: Dict[Any, Any] = {}
@@ -195,19 +232,36 @@ class ParamBase:
                     raise _fail(name, values, "positive value(s)")
 
 
+#: out-of-domain examples of the fields (``param_field(invalid=...)``)
+_POSITIVE = (0, -1)
+_POSITIVE_PAIR = (0, -2, (0, 2), (2, -1))
+_GROUP_INVALID = (-1, (2, -1), (0, 3), (3, 0))
+
+
+@_rejects(*parse_size2.invalid)
 def _size2(name, value):
     return parse_size2(name, value)
 
 
+@_rejects("median", "", 1)
 def _mode(name, value):
     return parse_choice(name, value, ("avg", "max"))
 
 
+#: every ``legacy`` kernel name of every op (an op must refuse the others' names)
+_LEGACY_KERNELS = set()
+
+
 def _legacy(*kernels):
     """Parser of a ``legacy`` field: '' (or 'none') or one of ``kernels``."""
+    _LEGACY_KERNELS.update(kernels)
+
     def parse(name, value):
         text = str(value).strip().lower()
         return parse_choice(name, "" if text in ("none", "") else text, ("",) + kernels)
+    # read when the tests ask (every op's names are known by then): the other ops' kernels
+    parse.invalid = lambda: ("bogus", 1, "-".join(kernels) + "-x") + \
+        tuple(sorted(_LEGACY_KERNELS - set(kernels)))
     return parse
 
 
@@ -216,8 +270,10 @@ class ROIPoolingParam(ParamBase):
     """Parameters of ``ROIPooling`` (Fast R-CNN max pooling over quantised bins)."""
 
     op_name = "ROIPooling"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output")
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale, e.g. 1/16")
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
+                                               invalid=_POSITIVE_PAIR)
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale, e.g. 1/16",
+                                       invalid=_POSITIVE)
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
@@ -226,8 +282,10 @@ class ROIAlignParam(ParamBase):
     """Parameters of ``ROIAlign`` (bilinear sampling, average or max per bin)."""
 
     op_name = "ROIAlign"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output")
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
+                                               invalid=_POSITIVE_PAIR)
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
+                                       invalid=_POSITIVE)
     sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
     aligned: bool = param_field(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
     pool_mode: str = param_field(_mode, "avg", "'avg' or 'max' over the sample points")
@@ -270,11 +328,14 @@ class PSROIPoolingParam(_GroupGrid, ParamBase):
     """Parameters of ``PSROIPooling`` (R-FCN position-sensitive average pooling)."""
 
     op_name = "PSROIPooling"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side")
-    output_dim: int = param_field(parse_int, doc="output channels")
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
+                                               invalid=_POSITIVE_PAIR)
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=_POSITIVE)
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
+                                       invalid=_POSITIVE)
     group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
-                                         "position-sensitive (gh, gw) grid; 0 = pooled_size")
+                                         "position-sensitive (gh, gw) grid; 0 = pooled_size",
+                                         invalid=_GROUP_INVALID)
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
@@ -283,15 +344,19 @@ class PSROIAlignParam(_GroupGrid, ParamBase):
     """Parameters of ``PSROIAlign`` (position-sensitive ROIAlign, average)."""
 
     op_name = "PSROIAlign"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side")
-    output_dim: int = param_field(parse_int, doc="output channels")
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
+    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
+                                               invalid=_POSITIVE_PAIR)
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=_POSITIVE)
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
+                                       invalid=_POSITIVE)
     sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
     aligned: bool = param_field(parse_bool, False, "half-pixel offset")
     group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
-                                         "position-sensitive (gh, gw) grid; 0 = pooled_size")
+                                         "position-sensitive (gh, gw) grid; 0 = pooled_size",
+                                         invalid=_GROUP_INVALID)
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
     legacy: str = param_field(_legacy("rfcn"), "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
-    sample_num: int = param_field(parse_int, 2, "legacy='rfcn': interior samples per bin side")
+    sample_num: int = param_field(parse_int, 2, "legacy='rfcn': interior samples per bin side",
+                                  invalid=_POSITIVE)
 
     _positive = _GroupGrid._positive + ("sample_num",)

@@ -22,6 +22,19 @@ CASES = [
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 
 
+def gpu_available():
+    """Whether ``mx.gpu(0)`` runs our ops: CuPy, an MXNet GPU build and a GPU."""
+    import mxnet as mx
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    try:
+        return mx.context.num_gpus() > 0
+    except Exception:
+        return False
+
+
 def channels(name, params, c=3):
     """Input channels: ``c``, or output_dim * group_size^2 for the position-sensitive ops."""
     if "output_dim" not in params:

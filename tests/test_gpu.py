@@ -10,23 +10,14 @@ import mxnet as mx
 from mxnet import autograd
 
 import mx_roi  # noqa: F401
-from tests.gpu_cases import CASES, DTYPES, IDS, close, problem
+from tests.gpu_cases import CASES, DTYPES, IDS, close, gpu_available, problem
 from tests.ops.base import random_rois
 
 
-def _gpu_available():
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        return False
-    try:
-        return mx.context.num_gpus() > 0
-    except Exception:
-        return False
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _gpu_available(),
+              pytest.mark.skipif(not gpu_available(),
                                  reason="needs CuPy, an MXNet GPU build and a GPU")]
 
 def run(ctx, name, params, data, rois, grad=None, grad_req="write", passes=1):

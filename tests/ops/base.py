@@ -403,9 +403,10 @@ class RoIOpTester:
         PH, PW = self.pooled(case)
         cout = self.out_channels(case, self.C)
         grad = np.zeros((0, cout, PH, PW), dtype)
-        with mx.util.np_shape(True):
+        with mx.util.np_shape(True):  # over garbage: write must still zero
             out, dg, rg = run_custom(self.op_type, data,
-                                     np.zeros((0, self.rois_columns), dtype), case, grad=grad)
+                                     np.zeros((0, self.rois_columns), dtype), case,
+                                     grad=grad, grad_fill=7.25)
         assert out.shape == (0, cout, PH, PW) and out.dtype == np.dtype(dtype)
         assert dg.shape == data.shape and not dg.any()
         assert rg.shape == (0, self.rois_columns)
@@ -467,7 +468,7 @@ class RoIOpTester:
         out, dg, _ = self.check_forward_backward(data, rois, grad, case, dtype, "[batch -1]")
         assert not out[neg].any(), "rois with batch index -1 must give zero output"
         rois[:, 0] = -1
-        out, dg, rg = run_custom(self.op_type, data, rois, case, grad=grad)
+        out, dg, rg = run_custom(self.op_type, data, rois, case, grad=grad, grad_fill=7.25)
         assert not out.any() and not dg.any() and not rg.any()
 
     @dtype_param_32_64

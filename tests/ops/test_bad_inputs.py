@@ -157,6 +157,8 @@ OP_SPECIFIC_BAD_PARAMS = [
     ("PSROIAlign", "output_dim", -2),
     ("PSROIAlign", "group_size", -1),
     ("PSROIAlign", "sample_ratio", "x"),
+    ("PSROIAlign", "legacy", "caffe"),       # another op's legacy kernel
+    ("ROIAlign", "legacy", "rfcn"),
 ]
 
 
@@ -404,3 +406,80 @@ def test_bad_environment_variables(op_type, var, value, match, monkeypatch):
     monkeypatch.delenv(var)
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
     _next_call_works(op_type)
+
+
+# ---- issue 37: every parameter of every registered op, from the parameter structs -----
+
+def _registered_fields():
+    """(op_type, field) for every field of every registered op's parameter struct."""
+    import dataclasses
+    from mx_roi.registry import REGISTERED
+    return [(name, f.name) for name, op_cls in sorted(REGISTERED.items())
+            for f in dataclasses.fields(op_cls.param_cls)]
+
+
+def _valid_params_and_inputs(op_type):
+    """The op's first selftest case (registry) and small inputs it accepts."""
+    from mx_roi.registry import REGISTERED
+    op_cls = REGISTERED[op_type]
+    params = dict(op_cls.selftest_cases[0])
+    param = op_cls.param_cls.from_kwargs(**params)
+    channels = getattr(param, "in_channels", 3)
+    x = np.random.default_rng(0).standard_normal((2, channels, 6, 7)).astype(np.float32)
+    rois = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 12, 11], [-1, 3, 3, 4, 5]], np.float32)
+    return params, x, rois
+
+
+@pytest.mark.parametrize("op_type,field", _registered_fields(),
+                         ids=[f"{o}-{f}" for o, f in _registered_fields()])
+def test_every_parameter_rejects_its_declared_bad_values(op_type, field):
+    """Each value a field declares invalid (its parser's ill-formed spellings and its own
+    out-of-domain values: ``mx_roi.params.invalid_examples``) is refused with the op's
+    and the parameter's name, through ``mx.nd.Custom`` (strings through MXNet's
+    ``CustomOpProp``), ``mx_roi.nd`` and ``mx_roi.sym`` (Python values) and a Gluon
+    block's constructor;
+    the next valid call works.  A field that declares no bad value fails here: every
+    parameter must have a tested bad value."""
+    from mx_roi.params import invalid_examples
+    from mx_roi.registry import REGISTERED
+    import mx_roi.gluon
+    import mx_roi.sym
+    bad_values = invalid_examples(REGISTERED[op_type].param_cls, field)
+    assert bad_values, (f"{op_type}.{field}: no declared bad value (give its parser a "
+                        "`invalid` tuple or its param_field an `invalid=` one)")
+    params, x, rois = _valid_params_and_inputs(op_type)
+    named = rf"{op_type}: parameter '{field}': expected "
+    for value in bad_values:
+        kwargs = dict(params, **{field: value})
+        with pytest.raises(ERRORS, match=named):
+            _call(op_type, x, rois, **kwargs)
+        with pytest.raises(ValueError, match=named):
+            getattr(mx_roi.nd, op_type)(mx.nd.array(x), mx.nd.array(rois), **kwargs)
+        with pytest.raises(ValueError, match=named):
+            getattr(mx_roi.sym, op_type)(mx.sym.var("data"), mx.sym.var("rois"), **kwargs)
+        with pytest.raises(ValueError, match=named):
+            getattr(mx_roi.gluon, op_type)(**kwargs)
+    out = _call(op_type, x, rois, **params)
+    assert out.shape[0] == rois.shape[0] and np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("op_type", sorted(OPS))
+def test_every_required_parameter_missing_is_named(op_type):
+    import dataclasses
+    from mx_roi.registry import REGISTERED
+    params, x, rois = _valid_params_and_inputs(op_type)
+    required = [f.name for f in dataclasses.fields(REGISTERED[op_type].param_cls)
+                if f.default is dataclasses.MISSING]
+    assert required, op_type
+    for name in required:
+        kwargs = {k: v for k, v in params.items() if k != name}
+        with pytest.raises(ERRORS, match=rf"{op_type}: missing required parameter\(s\) "
+                                         rf"'{name}'"):
+            _call(op_type, x, rois, **kwargs)
+
+
+def test_registered_ops_are_the_tested_ops():
+    """The per-field test reads the registry; OPS (the hand-written valid cases of the
+    other tests here) must not fall behind it."""
+    from mx_roi.registry import REGISTERED
+    assert set(OPS) == set(REGISTERED)
