@@ -1,31 +1,38 @@
-"""Keep a failed forward's error on that forward's own output (MXNet 1.9.1's error slot).
+"""Keep a failed callback's error with the call that failed (MXNet 1.9.1's error slot).
 
 How MXNet 1.9.1 delivers a custom-op callback's error (``src/operator/custom/
 custom-inl.h``, ``CustomOperator::Push``): a worker thread runs the callback; when it
 fails, the error goes into *one process-wide slot* (``exception_``); the worker then
 pushes a completion (``CustomOperatorWait``, an engine op reading the arrays it handed
 to the callback), and each completion, when the engine runs it, takes whatever error is
-in the slot (``Throw()``) and fails its own op's outputs with it.  So the error lands on
-the op whose completion *runs* first after the failure, not necessarily the one that
-failed: in training steps (record -> backward -> read, no wait) the previous step's
-backward often finished its callback just before this step's forward failed on the same
-worker, and its completion, pushed but not yet run, took the forward's error onto a
-gradient nobody reads; the forward's output then came back with no error.
+in the slot (``Throw()``), then any error marked on its arrays (``Engine::Throw(var)``),
+and fails its own op's outputs with it.  So a callback's error lands on the op whose
+completion *runs* first after the failure, not necessarily the one that failed: in
+training steps (record -> backward -> read, no wait) a valid call's completion waiting
+in the engine's queue (behind other layers' work, or the previous step's backward)
+took a rejected forward's error onto an array nobody reads, and the rejected output
+came back as NaN with no error (and the valid call raised the wrong error, or a later
+``waitall`` did).
 
-What this module does (:func:`enter` when an mx_roi callback starts, then either
-:func:`succeed` or :func:`fail`): a callback that succeeds notes one of the arrays its
-completion reads (MXNet's own NDArray view of the op's rois, a non-owning copy with its
-own engine variable, so keeping it keeps no memory alive).  A callback that is about to
-fail first waits until every other mx_roi callback running at that moment has returned,
-then until the completions of all noted callbacks have run (a write-wait on each noted
-array, which the engine orders after its readers).  The slot is then free of competitors
-when the error goes in, and the failing op's own completion -- pushed right after, and
-ready at once -- is the next to take it.
+Two measures:
 
-What it cannot cover: an mx_roi callback that starts after the failing one began to wait
-and whose completion is pushed before the failing one's (a few microseconds after its
-error goes in), or a custom op that is not mx_roi's (not tracked): the error then goes
-where MXNet sends it, as before this module.
+* A rejected forward does not fail its callback at all (:func:`fail_output`): it marks
+  its output array with a failed engine operation, which only its own completion
+  checks, and returns; the error is recorded for the translation
+  (:func:`mx_roi.errors.record_output_error`).  Nothing else can take it.
+* A callback that must raise anyway (a backward that rejects its inputs; a forward
+  under ``NaiveEngine`` or with no output to mark) first waits (:func:`fail`) until no
+  other mx_roi callback is running and the completions of all that succeeded have run
+  (each succeeded callback notes, :func:`succeed`, MXNet's own view of its rois: a
+  non-owning copy with its own engine variable, read by its completion; a write-wait on
+  it is ordered after that completion).  The slot then holds no competitor's error and
+  the failing op's completion, pushed right after and ready at once, is normally the
+  next to run.  Not covered there: a callback that starts after that wait and completes
+  within the few hundred microseconds before the error goes in, and custom ops that are
+  not mx_roi's (not tracked).
+
+Every mx_roi forward/backward callback calls :func:`enter`, then :func:`succeed`, or on
+rejection :func:`fail_output` or :func:`fail`.
 """
 from __future__ import annotations
 
