@@ -125,7 +125,7 @@ def fail_output(token: int, out) -> bool:
         _cond.notify_all()
     cpu = mx.cpu()
     marked = mx.nd.take(mx.nd.zeros((1,), ctx=cpu, dtype=out.dtype),
-                        mx.nd.array([2], ctx=cpu, dtype=out.dtype), mode="raise")
+                        mx.nd.full((1,), 2, ctx=cpu, dtype=out.dtype), mode="raise")
     if out.context != cpu:
         marked = marked.as_in_context(out.context)
     mx.nd.broadcast_to(marked.reshape((1,) * out.ndim), shape=out.shape, out=out)

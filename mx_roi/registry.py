@@ -234,9 +234,13 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             except Exception as exc:
                 # NaN output: should the error still be lost, the result cannot pass for
                 # numbers.  Written straight into memory on the CPU (an engine write
-                # would hold back this op's completion).
-                if req[0] in ("write", "inplace") and out_data[0].size:
-                    _fill_nan(out_data[0])
+                # would hold back this op's completion).  A safety net only: its own
+                # failure must not replace the op's error or skip what follows.
+                try:
+                    if req[0] in ("write", "inplace") and out_data[0].size:
+                        _fill_nan(out_data[0])
+                except Exception:  # noqa: BLE001
+                    pass
                 # the error reaches the caller through the output, not through MXNet's
                 # one process-wide callback error, which another op may take
                 # (mx_roi.error_slot); where that cannot be done, raise as usual
