@@ -11,8 +11,9 @@ gradient of a sum is checked through the forward's linearity: see ``_grad_ref``)
 reporting RSS.  ``handover ROUNDS ENTRIES OPS`` forces MXNet 1.9.1's hand-over of a
 failed callback's error to another op's completion (mx_roi.error_slot) and checks each
 error stays with its own call; ``unread STEPS ENTRIES OPS`` runs bad training steps whose
-gradient nobody reads (the loop in which that hand-over was seen).  Prints one JSON line with the counts; exit status 0 unless a check fails.
-An abort or hang shows up in the parent as a signal / timeout.
+gradient nobody reads (the loop in which that hand-over was seen).  Prints one JSON line
+with the counts; exit status 0 unless a check fails.  An abort or hang shows up in the
+parent as a signal / timeout.
 """
 from __future__ import annotations
 
