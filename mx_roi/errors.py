@@ -34,6 +34,11 @@ Which record belongs to which MXNet error (the generic error carries no identity
   recently with the same kind, the error is left as MXNet made it (it may be that op's).
 * The backward of a rejected forward does not raise (see :mod:`mx_roi.registry`), so a
   failed training step produces exactly one error.
+* A rejected forward does not hand its error to MXNet's callback machinery at all (which
+  may give it to another op: :mod:`mx_roi.error_slot`): :func:`record_output_error`
+  records it (kind ``forward-output``) and :func:`mx_roi.error_slot.fail_output` makes
+  the op's own output carry a failed engine operation, whose MXNet error
+  (:data:`OUTPUT_MARKER`) :func:`translate` turns into that record's message.
 """
 from __future__ import annotations
 
@@ -52,7 +57,11 @@ __all__ = ["RoIError", "recording", "translate", "print_hook", "issuer"]
 #: at most this many unconsumed forward/backward records are kept (oldest dropped)
 MAX_PENDING = 64
 
-_ASYNC = {"forward": "callbacks[kCustomOpForward]", "backward": "callbacks[kCustomOpBackward]"}
+_ASYNC = {"forward": "callbacks[kCustomOpForward]", "backward": "callbacks[kCustomOpBackward]",
+          "forward-output": "take operator contains indices out of bound"}
+#: MXNet's message of the failed operation that carries a rejected forward's error to the
+#: op's output (:func:`mx_roi.error_slot.fail_output`)
+OUTPUT_MARKER = _ASYNC["forward-output"]
 _SYNC_MARKERS = ("params.info->callbacks[", "custom.cc", "kCustomOp")
 
 _lock = threading.Lock()
@@ -111,6 +120,27 @@ def recording(fn):
                            f"{type(exc).__name__}: {exc}", traceback.format_exc()))
             raise
     return wrapper
+
+
+def record_output_error(exc, who) -> None:
+    """Record exception ``exc`` (being handled) of a rejected forward issued by thread
+    ``who``, whose error reaches the caller through the op's output
+    (:func:`mx_roi.error_slot.fail_output`) instead of MXNet's callback error."""
+    tb = traceback.format_exc()
+    _store(_Record("forward-output", who, f"{type(exc).__name__}: {exc}", tb))
+    if os.environ.get("MX_ROI_TRACEBACK", "").strip() not in ("", "0"):
+        # what MXNet's callback wrapper prints for a callback that raised
+        builtins.print(f"Error in CustomOp.forward: {tb}")
+
+
+def discard_output_error(who) -> None:
+    """Drop the latest ``forward-output`` record of thread ``who`` (its error went the
+    usual way after all)."""
+    with _lock:
+        for i in range(len(_pending) - 1, -1, -1):
+            if _pending[i].kind == "forward-output" and _pending[i].issuer == who:
+                del _pending[i]
+                return
 
 
 def _foreign(kind: str) -> None:
@@ -187,7 +217,9 @@ def translate(err):
         return err
     where = "" if rec.issuer in (None, issuer()) else (
         "\n(that call was made on another thread; MXNet raised its error here)")
-    new = RoIError(f"{rec.message}{where}\n(raised inside an mx_roi custom op; MXNet's "
+    how = " and carried to its output by a failed internal operation" \
+        if rec.kind == "forward-output" else ""
+    new = RoIError(f"{rec.message}{where}\n(raised inside an mx_roi custom op{how}; MXNet's "
                    f"report follows)\n{text}")
     new.mx_roi_traceback = rec.traceback
     return new

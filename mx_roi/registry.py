@@ -15,7 +15,7 @@ from typing import Dict, Tuple, Type
 import mxnet as mx
 import numpy as np
 
-from . import backends, ndio
+from . import backends, error_slot, errors, ndio
 from .cuda import source as kernel_sources
 from .errors import issuer, recording
 from .onednn import GUARD_BOUND, bounded_dtype
@@ -250,6 +250,14 @@ def _zero(req, nd) -> None:
             nd[:] = 0
 
 
+def _fill_nan(nd) -> None:
+    """NaN into all of ``nd`` (CPU: straight into its memory, no engine op)."""
+    if nd.context.device_type == "cpu":
+        ndio.writable_numpy(nd).fill(np.nan)
+    else:
+        nd[:] = np.nan
+
+
 def _row(rois, r):
     try:
         return [float(v) for v in rois[r].tolist()]
@@ -275,40 +283,64 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
         @recording
         def forward(self, is_train, req, in_data, out_data, aux):
             self.saved, self.rejected = None, True
+            token = error_slot.enter()  # see mx_roi.error_slot: enter, then succeed/fail
             try:
                 self.saved = self.backend.forward(self.op, req[0], in_data[0], in_data[1],
                                                   out_data[0], keep=is_train,
                                                   extra=in_data[2:])
-            except Exception:
-                # NaN output: should MXNet drop this error (it keeps one custom-op error
-                # at a time; seen with failing calls on several threads), the result
-                # cannot pass for numbers
-                if req[0] in ("write", "inplace") and out_data[0].size:
-                    out_data[0][:] = np.nan
+            except Exception as exc:
+                # NaN output: should the error still be lost, the result cannot pass for
+                # numbers.  Written straight into memory on the CPU (an engine write
+                # would hold back this op's completion).  A safety net only: its own
+                # failure must not replace the op's error or skip what follows.
+                try:
+                    if req[0] in ("write", "inplace") and out_data[0].size:
+                        _fill_nan(out_data[0])
+                except Exception:  # noqa: BLE001
+                    pass
+                # the error reaches the caller through the output, not through MXNet's
+                # one process-wide callback error, which another op may take
+                # (mx_roi.error_slot); where that cannot be done, raise as usual
+                if req[0] != "null" and out_data[0].size:
+                    errors.record_output_error(exc, self._mx_roi_issuer)
+                    try:
+                        if error_slot.fail_output(token, out_data[0]):
+                            return
+                    except Exception:  # noqa: BLE001 - raise the op's own error below
+                        pass
+                    errors.discard_output_error(self._mx_roi_issuer)
+                error_slot.fail(token)
                 raise
             self.rejected = False
+            error_slot.succeed(token, in_data[1])
 
         @recording
         def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
             saved, self.saved = self.saved, None
             rois_req = req[1] if self.op.differentiates_rois else "null"
-            if self.rejected:
-                # MXNet runs the backward of a forward that raised: the forward's error
-                # is the one the caller gets; the gradient is zeros and no kernel reads
-                # the rejected rois
-                _zero(req[0], in_grad[0])
-                _zero(rois_req, in_grad[1])
-                for r, g in zip(req[2:], in_grad[2:]):
-                    _zero(r, g)
-            else:
-                # the backend validates the rois again itself before any kernel runs
-                self.backend.backward(self.op, req[0], out_grad[0], in_data[0], in_data[1],
-                                      in_grad[0], saved, rois_req, in_grad[1],
-                                      extra=in_data[2:],
-                                      extra_grad=tuple(zip(req[2:], in_grad[2:])))
-            if not self.op.differentiates_rois:
-                # rois get no gradient: zeros for write, nothing to add for add
-                _zero(req[1], in_grad[1])
+            token = error_slot.enter()
+            try:
+                if self.rejected:
+                    # MXNet runs the backward of a forward that raised: the forward's
+                    # error is the one the caller gets; the gradient is zeros and no
+                    # kernel reads the rejected rois
+                    _zero(req[0], in_grad[0])
+                    _zero(rois_req, in_grad[1])
+                    for r, g in zip(req[2:], in_grad[2:]):
+                        _zero(r, g)
+                else:
+                    # the backend validates the rois again itself before any kernel runs
+                    self.backend.backward(self.op, req[0], out_grad[0], in_data[0],
+                                          in_data[1], in_grad[0], saved, rois_req, in_grad[1],
+                                          extra=in_data[2:],
+                                          extra_grad=tuple(zip(req[2:], in_grad[2:])))
+                if not self.op.differentiates_rois:
+                    # rois get no gradient: zeros for write, nothing to add for add
+                    _zero(req[1], in_grad[1])
+            except Exception:
+                error_slot.fail(token)
+                raise
+            error_slot.succeed(token, in_data[1])
 
     _Op.__name__ = _Op.__qualname__ = f"{op_cls.__name__}CustomOp"
 

@@ -8,8 +8,12 @@ against tests/reference.py.  ``python -m tests.fuzz_child soak STEPS`` runs STEP
 alternating good/bad Gluon training steps per op in one process (oneDNN guard on),
 checking each good step's gradient against a finite-difference-free reference (the
 gradient of a sum is checked through the forward's linearity: see ``_grad_ref``) and
-reporting RSS.  Prints one JSON line with the counts; exit status 0 unless a check fails.
-An abort or hang shows up in the parent as a signal / timeout.
+reporting RSS.  ``handover ROUNDS ENTRIES OPS`` forces MXNet 1.9.1's hand-over of a
+failed callback's error to another op's completion (mx_roi.error_slot) and checks each
+error stays with its own call; ``unread STEPS ENTRIES OPS`` runs bad training steps whose
+gradient nobody reads (the loop in which that hand-over was seen).  Prints one JSON line
+with the counts; exit status 0 unless a check fails.  An abort or hang shows up in the
+parent as a signal / timeout.
 """
 from __future__ import annotations
 
@@ -253,13 +257,182 @@ def soak(steps: int) -> dict:
     return counts
 
 
+def _inputs(x, rois):
+    """NDArrays for a step: data (with a gradient buffer) and rois.  Creating an NDArray
+    from NumPy waits for MXNet's CPU worker: :func:`handover` makes them before it
+    occupies the worker."""
+    xd = mx.nd.array(x)
+    xd.attach_grad()
+    return xd, mx.nd.array(rois)
+
+
+def _issue(op_type, entry, xd, rd, params, blocks):
+    """Issue a training step on NDArrays ``xd`` (gradient attached), ``rd``: record ->
+    forward -> backward, nothing read.  Returns the output and the input gradient, both
+    still being computed."""
+    if entry == "sym":
+        key = (op_type, "sym")
+        if key not in blocks:
+            blocks[key] = mx.sym.Custom(mx.sym.var("data"), mx.sym.var("rois"),
+                                        op_type=op_type, **params)
+        exe = blocks[key].bind(mx.cpu(), args={"data": xd, "rois": rd},
+                               args_grad={"data": xd.grad},
+                               grad_req={"data": "write", "rois": "null"})
+        exe.forward(is_train=True)
+        exe.backward(mx.nd.ones(exe.outputs[0].shape))
+        return exe.outputs[0], xd.grad
+    with autograd.record():
+        if entry == "nd":
+            y = mx.nd.Custom(xd, rd, op_type=op_type, **params)
+        else:
+            key = (op_type, entry)
+            if key not in blocks:
+                blocks[key] = getattr(mx_roi.gluon, op_type)(**params)
+                blocks[key].hybridize()
+            y = blocks[key](xd, rd)
+    y.backward(mx.nd.ones(y.shape))
+    return y, xd.grad
+
+
+def _unread_step(op_type, entry, x, rois, params, blocks):
+    """A training step that reads the output only (the gradient is left unread, as a
+    training loop does after a step that raised)."""
+    y, grad = _issue(op_type, entry, *_inputs(x, rois), params, blocks)
+    return y.asnumpy(), grad
+
+
+def handover(rounds: int, entries, op_types, busy: int = 1000) -> dict:
+    """The hand-over of MXNet 1.9.1's custom-op error slot, made to happen every time:
+    queue a (busy, busy) matrix product (MXNet's CPU worker is busy with it), issue a
+    valid training step (its callbacks finish; their completions wait behind the
+    product), then a bad one, whose forward fails while those completions still wait.
+    Without mx_roi.error_slot the valid step's completion took the bad step's error: the
+    bad output read with no error (``bad_silent``) and the valid one raised
+    (``good_raised``)."""
+    import time
+    counts = dict(steps=0, raised=0, wrong_message=0, bad_silent=0, good_raised=0,
+                  wrong_numbers=0, wrong_grad=0)
+    blocks = {}
+    g = np.random.default_rng(6)
+    heavy = mx.nd.ones((busy, busy))
+    log = []
+    for op_type in op_types:
+        params, cin, fwd = OPS[op_type]
+        x = g.standard_normal((2, cin, 6, 7)).astype(np.float32)
+        want_out = fwd(x, GOOD_ROIS)
+        for entry in entries:
+            for i in range(rounds):
+                counts["steps"] += 2
+                bad = GOOD_ROIS.copy()
+                bad[1, 4] = np.nan
+                good_in, bad_in = _inputs(x, GOOD_ROIS), _inputs(x, bad)
+                mx.nd.dot(heavy, heavy)
+                good_out, good_grad = _issue(op_type, entry, *good_in, params, blocks)
+                time.sleep(0.005)  # the valid step's forward callback finishes meanwhile
+                bad_out, _ = _issue(op_type, entry, *bad_in, params, blocks)
+                try:
+                    bad_out.asnumpy()
+                    counts["bad_silent"] += 1
+                    log.append((op_type, entry, i, "bad step: no error"))
+                except mx.base.MXNetError as exc:
+                    counts["raised"] += 1
+                    if "rois[1] has a NaN or infinite" not in str(exc).splitlines()[0]:
+                        counts["wrong_message"] += 1
+                        log.append((op_type, entry, i, str(exc).splitlines()[0][:120]))
+                try:
+                    out, grad = good_out.asnumpy(), good_grad.asnumpy()
+                    counts["wrong_numbers"] += not np.allclose(out, want_out, rtol=1e-4,
+                                                               atol=1e-4)
+                    counts["wrong_grad"] += not np.isfinite(grad).all()
+                except mx.base.MXNetError as exc:
+                    counts["good_raised"] += 1
+                    log.append((op_type, entry, i, "valid step raised",
+                                str(exc).splitlines()[0][:120]))
+    try:
+        mx.nd.waitall()
+        counts["stale_at_waitall"] = 0
+    except mx.base.MXNetError as exc:
+        counts["stale_at_waitall"] = 1
+        log.append(("waitall", str(exc).splitlines()[0][:120]))
+    from mx_roi import errors
+    counts["pending_records"] = errors.pending()
+    counts["log"] = log[:20]
+    return counts
+
+
+def unread(steps: int, entries, op_types) -> dict:
+    """Training steps with bad rois whose gradient nobody reads (record -> backward, no
+    wait -> read the output), every tenth one valid (output and gradient read, checked):
+    each bad step must raise its own error when the output is read (MXNet 1.9.1 hands a
+    failed callback's error to whichever custom op completes next: mx_roi.error_slot),
+    and no valid step may raise.  :func:`handover` forces the hand-over; this is the
+    plain training loop in which it was seen."""
+    counts = dict(steps=0, raised=0, wrong_message=0, silent=0, nonfinite_silent=0,
+                  wrong_numbers=0, wrong_grad=0, valid=0)
+    blocks = {}
+    g = np.random.default_rng(5)
+    log = []
+    for op_type in op_types:
+        params, cin, fwd = OPS[op_type]
+        x = g.standard_normal((2, cin, 6, 7)).astype(np.float32)
+        for entry in entries:
+            for i in range(steps):
+                counts["steps"] += 1
+                if i % 10 == 9:
+                    try:
+                        out, grad = _unread_step(op_type, entry, x, GOOD_ROIS, params, blocks)
+                        grad = grad.asnumpy()
+                        counts["valid"] += 1
+                        counts["wrong_numbers"] += not np.allclose(
+                            out, fwd(x, GOOD_ROIS), rtol=1e-4, atol=1e-4)
+                        counts["wrong_grad"] += not np.isfinite(grad).all()
+                    except mx.base.MXNetError as exc:
+                        counts["wrong_message"] += 1
+                        log.append((op_type, entry, i, "valid step raised",
+                                    str(exc).splitlines()[0][:120]))
+                    continue
+                r = GOOD_ROIS.copy()
+                if i % 2:
+                    r[1, 0], want = 7 + i, f"rois[1] has batch index {7 + i} but"
+                else:
+                    r[1, 4], want = np.nan, "rois[1] has a NaN or infinite"
+                try:
+                    out, _ = _unread_step(op_type, entry, x, r, params, blocks)
+                    counts["silent"] += 1
+                    counts["nonfinite_silent"] += not np.isfinite(out).all()
+                    log.append((op_type, entry, i, "no error"))
+                except mx.base.MXNetError as exc:
+                    counts["raised"] += 1
+                    if want not in str(exc).splitlines()[0]:
+                        counts["wrong_message"] += 1
+                        log.append((op_type, entry, i, str(exc).splitlines()[0][:120]))
+    try:  # no stale error left for a later synchronisation
+        mx.nd.waitall()
+        counts["stale_at_waitall"] = 0
+    except mx.base.MXNetError as exc:
+        counts["stale_at_waitall"] = 1
+        log.append(("waitall", str(exc).splitlines()[0][:120]))
+    from mx_roi import errors
+    counts["pending_records"] = errors.pending()
+    counts["log"] = log[:20]
+    return counts
+
+
 if __name__ == "__main__":
     if os.environ.get("MX_ROI_FUZZ_RESCAN") == "1":
         # every training call of a max op keeps no argmax: its backward rescans the data
         from mx_roi.cuda import backend as _backend
         _backend.ARGMAX_KEEP_MAX_ELEMENTS = 0
     mode = sys.argv[1]
-    res = fuzz(int(sys.argv[2]), int(sys.argv[3])) if mode == "fuzz" else soak(int(sys.argv[2]))
+    if mode == "fuzz":
+        res = fuzz(int(sys.argv[2]), int(sys.argv[3]))
+    elif mode == "unread":  # unread STEPS ENTRY,ENTRY,... OP,OP,...
+        res = unread(int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4].split(","))
+    elif mode == "handover":  # handover ROUNDS ENTRY,ENTRY,... OP,OP,...
+        res = handover(int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4].split(","))
+    else:
+        res = soak(int(sys.argv[2]))
     print("RESULT " + json.dumps(res, default=str), flush=True)
-    bad = sum(res.get(k, 0) for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad"))
+    bad = sum(res.get(k, 0) for k in ("wrong_message", "silent", "wrong_numbers", "wrong_grad",
+                                       "stale_at_waitall", "bad_silent", "good_raised"))
     sys.exit(1 if bad else 0)

@@ -483,3 +483,89 @@ def test_registered_ops_are_the_tested_ops():
     other tests here) must not fall behind it."""
     from mx_roi.registry import REGISTERED
     assert set(OPS) == set(REGISTERED)
+def test_rejected_forward_error_travels_with_its_output():
+    """A rejected forward's error is recorded and carried by its own output (not by
+    MXNet's process-wide callback error, which another op's completion may take:
+    mx_roi.error_slot): pending until the output is read, raised there once with the
+    op's message, nothing left for waitall; a foreign take(mode='raise') error -- the
+    operation that carries ours -- stays MXNet's own."""
+    from mx_roi import errors
+    from mxnet import autograd
+    params, x, rois = _inputs("PSROIPooling")
+    rois[1, 4] = np.nan
+    xd = mx.nd.array(x)
+    xd.attach_grad()
+    with autograd.record():
+        out = mx.nd.Custom(xd, mx.nd.array(rois), op_type="PSROIPooling", **params)
+    out.backward(mx.nd.ones(out.shape))
+    import time
+    deadline = time.monotonic() + 10
+    while not errors._pending and time.monotonic() < deadline:  # the callback runs later
+        time.sleep(0.001)
+    assert [r.kind for r in errors._pending] == ["forward-output"]
+    with pytest.raises(errors.RoIError, match=r"^ValueError: PSROIPooling: rois\[1\] has a "
+                       r"NaN or infinite value \[1\.0, 0\.0, 2\.0, 12\.0, nan\]; coordinates "
+                       r"must be finite\n\(raised inside an mx_roi custom op and carried to "
+                       r"its output by a failed internal operation; MXNet's report follows\)"):
+        out.asnumpy()
+    assert errors.pending() == 0
+    assert np.isfinite(xd.grad.asnumpy()).all()  # one error per step: not again here
+    mx.nd.waitall()
+    with pytest.raises(MXNetError, match=errors.OUTPUT_MARKER) as info:
+        mx.nd.take(mx.nd.zeros(2), mx.nd.array([5]), mode="raise").asnumpy()
+    assert not isinstance(info.value, errors.RoIError)
+    _next_call_works("PSROIPooling")
+
+
+def test_failing_callback_waits_for_the_completions_of_others():
+    """error_slot.fail (the raise path) returns only once no other mx_roi callback runs
+    and every noted completion has run: here none is queued, so it returns at once
+    having waited on each noted array, and forgets them."""
+    import threading
+    from mx_roi import error_slot
+    arrays = [mx.nd.zeros(3) for _ in range(2)]
+    done = []
+    a, b = error_slot.enter(), error_slot.enter()
+    error_slot.succeed(a, arrays[0])
+
+    def failing():
+        done.append(error_slot.fail(b))
+
+    th = threading.Thread(target=failing)
+    c = error_slot.enter()  # still running: the failing callback waits for it
+    th.start()
+    th.join(0.3)
+    assert th.is_alive() and not done
+    error_slot.succeed(c, arrays[1])
+    th.join(10)
+    assert done and done[0] >= 2 and not error_slot._noted and not error_slot._running
+
+
+def test_rejected_forward_under_naive_engine_raises_its_error():
+    """Under MXNET_ENGINE_TYPE=NaiveEngine (operations run at once) a rejected forward
+    raises the usual way, at the call, with its own message; the next call works."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import numpy as np, mxnet as mx, mx_roi\n"
+        "from mx_roi import errors\n"
+        "x = mx.nd.ones((1, 8, 6, 7))\n"
+        "r = mx.nd.array([[0, 1, 1, 4, np.nan]])\n"
+        "try:\n"
+        "    mx_roi.nd.PSROIPooling(x, r, 1.0, 2, 2).asnumpy()\n"
+        "except errors.RoIError as e:\n"
+        "    print('RAISED', str(e).splitlines()[0])\n"
+        "r = mx.nd.array([[0, 1, 1, 4, 4]])\n"
+        "print('NEXT', float(mx_roi.nd.PSROIPooling(x, r, 1.0, 2, 2).sum().asscalar()))\n"
+        "print('PENDING', errors.pending())\n")
+    env = dict(os.environ, MXNET_ENGINE_TYPE="NaiveEngine",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "RAISED ValueError: PSROIPooling: rois[0] has a NaN or infinite value [0.0, 1.0, " \
+           "1.0, 4.0, nan]; coordinates must be finite" in lines, proc.stdout
+    assert "NEXT 8.0" in lines and "PENDING 0" in lines, proc.stdout
