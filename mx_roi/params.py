@@ -24,7 +24,7 @@ from typing import Any, Dict, Tuple
 __all__ = ["ParamBase", "param_field", "invalid_examples", "ROIPoolingParam", "ROIAlignParam",
            "PSROIPoolingParam", "PSROIAlignParam",
            "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
-           "parse_choice"]
+           "parse_choice", "INVALID_POSITIVE", "INVALID_POSITIVE_PAIR"]
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -232,9 +232,10 @@ class ParamBase:
                     raise _fail(name, values, "positive value(s)")
 
 
-#: out-of-domain examples of the fields (``param_field(invalid=...)``)
-_POSITIVE = (0, -1)
-_POSITIVE_PAIR = (0, -2, (0, 2), (2, -1))
+#: out-of-domain examples of the fields (``param_field(invalid=...)``); the public two are
+#: also declared by the ops' own structs in ``operators/``
+INVALID_POSITIVE = (0, -1)
+INVALID_POSITIVE_PAIR = (0, -2, (0, 2), (2, -1))
 _GROUP_INVALID = (-1, (2, -1), (0, 3), (3, 0))
 
 
@@ -271,9 +272,9 @@ class ROIPoolingParam(ParamBase):
 
     op_name = "ROIPooling"
     pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
-                                               invalid=_POSITIVE_PAIR)
+                                               invalid=INVALID_POSITIVE_PAIR)
     spatial_scale: float = param_field(parse_float, doc="image -> feature map scale, e.g. 1/16",
-                                       invalid=_POSITIVE)
+                                       invalid=INVALID_POSITIVE)
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
@@ -283,9 +284,9 @@ class ROIAlignParam(ParamBase):
 
     op_name = "ROIAlign"
     pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
-                                               invalid=_POSITIVE_PAIR)
+                                               invalid=INVALID_POSITIVE_PAIR)
     spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=_POSITIVE)
+                                       invalid=INVALID_POSITIVE)
     sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
     aligned: bool = param_field(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
     pool_mode: str = param_field(_mode, "avg", "'avg' or 'max' over the sample points")
@@ -329,10 +330,10 @@ class PSROIPoolingParam(_GroupGrid, ParamBase):
 
     op_name = "PSROIPooling"
     pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
-                                               invalid=_POSITIVE_PAIR)
-    output_dim: int = param_field(parse_int, doc="output channels", invalid=_POSITIVE)
+                                               invalid=INVALID_POSITIVE_PAIR)
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
     spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=_POSITIVE)
+                                       invalid=INVALID_POSITIVE)
     group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
                                          "position-sensitive (gh, gw) grid; 0 = pooled_size",
                                          invalid=_GROUP_INVALID)
@@ -345,10 +346,10 @@ class PSROIAlignParam(_GroupGrid, ParamBase):
 
     op_name = "PSROIAlign"
     pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
-                                               invalid=_POSITIVE_PAIR)
-    output_dim: int = param_field(parse_int, doc="output channels", invalid=_POSITIVE)
+                                               invalid=INVALID_POSITIVE_PAIR)
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
     spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=_POSITIVE)
+                                       invalid=INVALID_POSITIVE)
     sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
     aligned: bool = param_field(parse_bool, False, "half-pixel offset")
     group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
@@ -357,6 +358,6 @@ class PSROIAlignParam(_GroupGrid, ParamBase):
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
     legacy: str = param_field(_legacy("rfcn"), "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
     sample_num: int = param_field(parse_int, 2, "legacy='rfcn': interior samples per bin side",
-                                  invalid=_POSITIVE)
+                                  invalid=INVALID_POSITIVE)
 
     _positive = _GroupGrid._positive + ("sample_num",)

@@ -10,8 +10,14 @@ import numpy as np
 from mx_roi import geometry
 from mx_roi.geometry import compute_dtype
 from mx_roi.onednn import GUARD_BOUND
-from mx_roi.params import ParamBase, param_field, parse_bool, parse_float, parse_int
+from mx_roi.params import INVALID_POSITIVE, ParamBase, param_field, parse_bool, parse_float, \
+    parse_int
 from mx_roi.registry import RoIOp, register
+
+
+#: most samples per bin side: 2^20 per bin, RROIAlign's bound (a kernel's loop, in
+#: reasonable time and in int range)
+MAX_SAMPLE_PER_PART = int(geometry.MAX_ROTATED_SAMPLES ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -19,13 +25,19 @@ class DeformablePSROIPoolingParam(ParamBase):
     """Parameters of ``DeformablePSROIPooling`` (``contrib.DeformablePSROIPooling``'s)."""
 
     op_name = "DeformablePSROIPooling"
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
-    output_dim: int = param_field(parse_int, doc="output channels")
-    group_size: int = param_field(parse_int, doc="position-sensitive G x G grid")
-    pooled_size: int = param_field(parse_int, doc="output bins per side")
-    part_size: int = param_field(parse_int, 0, "offset cells per side; 0 = pooled_size")
-    sample_per_part: int = param_field(parse_int, 1, "samples per bin side")
-    trans_std: float = param_field(parse_float, 0.0, "offset scale (trans * trans_std)")
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
+                                       invalid=INVALID_POSITIVE)
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
+    group_size: int = param_field(parse_int, doc="position-sensitive G x G grid",
+                                  invalid=INVALID_POSITIVE + ((2, 2),))
+    pooled_size: int = param_field(parse_int, doc="output bins per side",
+                                   invalid=INVALID_POSITIVE + ((3, 3),))
+    part_size: int = param_field(parse_int, 0, "offset cells per side; 0 = pooled_size",
+                                 invalid=(-1,))
+    sample_per_part: int = param_field(parse_int, 1, "samples per bin side",
+                                       invalid=INVALID_POSITIVE + (MAX_SAMPLE_PER_PART + 1,))
+    trans_std: float = param_field(parse_float, 0.0, "offset scale (trans * trans_std)",
+                                   invalid=(-0.1,))
     no_trans: bool = param_field(parse_bool, False, "no offsets: inputs data, rois only")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
@@ -37,6 +49,10 @@ class DeformablePSROIPoolingParam(ParamBase):
         if self.part_size < 0:
             raise ValueError(f"parameter 'part_size': expected 0 (= pooled_size) or a "
                              f"positive int, got {self.part_size!r}")
+        if self.sample_per_part > MAX_SAMPLE_PER_PART:
+            raise ValueError(f"parameter 'sample_per_part': expected at most "
+                             f"{MAX_SAMPLE_PER_PART} (samples per bin side), got "
+                             f"{self.sample_per_part}")
         if self.trans_std < 0:
             raise ValueError(f"parameter 'trans_std': expected a value >= 0, got "
                              f"{self.trans_std!r}")

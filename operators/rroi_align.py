@@ -7,8 +7,8 @@ from typing import Any, Tuple
 import numpy as np
 
 from mx_roi import geometry
-from mx_roi.params import ParamBase, param_field, parse_bool, parse_float, parse_int, \
-    parse_size2
+from mx_roi.params import INVALID_POSITIVE, INVALID_POSITIVE_PAIR, ParamBase, param_field, \
+    parse_bool, parse_float, parse_int, parse_size2
 from mx_roi.registry import RoIOp, register
 
 
@@ -17,9 +17,12 @@ class RROIAlignParam(ParamBase):
     """Parameters of ``RROIAlign`` (rotated boxes, average of bilinear samples)."""
 
     op_name = "RROIAlign"
-    pooled_size: Tuple[int, int] = param_field(parse_size2, doc="(h, w) of the output")
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale")
-    sampling_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
+    pooled_size: Tuple[int, int] = param_field(parse_size2, doc="(h, w) of the output",
+                                               invalid=INVALID_POSITIVE_PAIR)
+    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
+                                       invalid=INVALID_POSITIVE)
+    sampling_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive",
+                                      invalid=(1025, 1 << 31))
     aligned: bool = param_field(parse_bool, False,
                                 "half-pixel offset, no 1x1 floor (Detectron2)")
     clockwise: bool = param_field(parse_bool, False, "angles clockwise (mmcv)")

@@ -88,14 +88,36 @@ def _op(op_type, params):
     return op_cls(op_cls.param_cls.from_kwargs(**params))
 
 
-def _problem(op_type, params, dtype, rois, seed=0):
-    """data (2, C, 5, 6) for the op's channel rule, and a random out-grad for ``rois``."""
+#: the maps of every problem here: N images of H x W cells
+N, H, W = 2, 5, 6
+
+
+def _problem(op_type, params, dtype, batch, edit=None, seed=0):
+    """``(data (2, C, 5, 6), rois (R, K), extra, out_grad)`` for the op's channel rule,
+    rois layout (K = ``rois_columns``) and extra inputs: the op's own random boxes
+    (``random_rois``, some partly off the map) with the batch indices ``batch``, then
+    ``edit(rois)`` (float64, in place: bad values); its extra inputs
+    (``example_extra_inputs``) and a random out-grad."""
     op = _op(op_type, params)
     rng = np.random.default_rng(seed)
-    data = rng.standard_normal((2, getattr(op.param, "in_channels", 3), 5, 6)).astype(dtype)
-    rois = np.asarray(rois, dtype).reshape(-1, 5)
+    data = rng.standard_normal((N, getattr(op.param, "in_channels", 3), H, W)).astype(dtype)
+    rois = np.asarray(type(op).random_rois(np.random.default_rng(seed + 1), len(batch), N, H,
+                                           W, op.param.spatial_scale),
+                      np.float64).reshape(len(batch), op.rois_columns)
+    rois[:, 0] = batch
+    if edit is not None:
+        edit(rois)
+    rois = rois.astype(dtype)
+    extra = [np.asarray(a, dtype) for a in op.example_extra_inputs(rng, data.shape, rois)]
     out_grad = (1.0 + rng.random(op.out_shape(data.shape, rois.shape))).astype(dtype)
-    return data, rois, out_grad
+    return data, rois, extra, out_grad
+
+
+def _differentiated(op_type, params):
+    """Per input in MXNet's order (data, rois, extra inputs...): whether it gets a
+    gradient (the rois only from an op that differentiates them)."""
+    op = _op(op_type, params)
+    return [True, op.differentiates_rois] + [True] * (len(op.input_names()) - 2)
 
 
 def _nd(a, ctx):
@@ -115,33 +137,62 @@ def _expect(req, got, what):
         f"got values {np.unique(got)[:6]}")
 
 
+def _expect_live(req, got, clean, dtype, what):
+    """``got`` after a backward with live rois into a FILL-ed buffer with ``req``, given
+    ``clean`` (req write over zeros; None for an input without a gradient: then
+    :func:`_expect`): write -> ``clean`` bit for bit, add -> FILL + clean, null -> FILL."""
+    if clean is None or req == "null":
+        _expect("write" if clean is None and req == "write" else "add", got, what)
+    elif req == "write":
+        assert got.tobytes() == clean.tobytes(), \
+            f"{what}: req write over FILL differs from req write over zeros"
+    else:
+        np.testing.assert_allclose(got.astype(np.float64), FILL + clean.astype(np.float64),
+                                   rtol=TOL[np.dtype(dtype)], atol=TOL[np.dtype(dtype)] * 8,
+                                   err_msg=f"{what}: req add")
+
+
 # ---- MXNet's CustomOp protocol, driven as MXNet drives it --------------------------
-def _custom_op(op_type, params, data, rois, ctx):
-    """The CustomOp MXNet would create for these inputs (``CustomOpProp`` with string
-    kwargs -> ``list_arguments`` -> ``infer_shape`` -> ``create_operator``) and the
-    output shape."""
+def _custom_op(op_type, params, inputs, ctx):
+    """The CustomOp MXNet would create for the NumPy ``inputs`` (data, rois, extra...)
+    (``CustomOpProp`` with string kwargs -> ``list_arguments`` -> ``infer_shape`` ->
+    ``create_operator``) and the output shape."""
     prop = REGISTERED[op_type].CustomOpProp(**{k: str(v) for k, v in params.items()})
-    prop.list_arguments()
-    _, (out_shape,), _ = prop.infer_shape([list(data.shape), list(rois.shape)])
-    return prop.create_operator(ctx, [data.shape, rois.shape], [data.dtype, data.dtype]), \
-        tuple(out_shape)
+    assert len(prop.list_arguments()) == len(inputs)
+    _, (out_shape,), _ = prop.infer_shape([list(a.shape) for a in inputs])
+    return prop.create_operator(ctx, [a.shape for a in inputs],
+                                [inputs[0].dtype] * len(inputs)), tuple(out_shape)
 
 
-#: (data req, rois req) pairs: each req of each input, never the same for both (a req
-#: read from the wrong input shows)
+#: req of the next input: each req of each input, never the same for two neighbours (a
+#: req read from the wrong input shows)
 REQ_PAIRS = {"write": "add", "add": "null", "null": "write"}
 #: the same under autograd, where a null input has no gradient buffer to look at
 SWAPPED = {"write": "add", "add": "write"}
 
 
-def _protocol_backward(op, req, data, rois, out_grad, ctx, out_shape, rois_req=None):
-    """``op.backward`` into FILL-ed gradients (data ``req``, rois ``rois_req``, default
-    ``REQ_PAIRS[req]``); returns (data grad, rois grad) as NumPy."""
-    dg, rg = _filled(data.shape, data.dtype, ctx), _filled(rois.shape, rois.dtype, ctx)
-    op.backward(req=[req, rois_req or REQ_PAIRS[req]], out_grad=[_nd(out_grad, ctx)],
-                in_data=[_nd(data, ctx), _nd(rois, ctx)],
-                out_data=[_filled(out_shape, data.dtype, ctx)], in_grad=[dg, rg], aux=[])
-    return dg.asnumpy(), rg.asnumpy()
+def _reqs(req, count):
+    """Reqs of ``count`` inputs in MXNet's order: ``req`` for the data, then each input
+    the :data:`REQ_PAIRS` successor of the one before (three inputs: all three reqs)."""
+    reqs = [req]
+    while len(reqs) < count:
+        reqs.append(REQ_PAIRS[reqs[-1]])
+    return reqs
+
+
+def _protocol_forward(op, inputs, ctx, out_shape, dtype):
+    op.forward(is_train=True, req=["write"], in_data=[_nd(a, ctx) for a in inputs],
+               out_data=[_filled(out_shape, dtype, ctx)], aux=[])
+
+
+def _protocol_backward(op, reqs, inputs, out_grad, ctx, out_shape):
+    """``op.backward`` with ``reqs`` (one per input) into FILL-ed gradients; returns the
+    gradients of all inputs (data, rois, extra...) as NumPy."""
+    grads = [_filled(a.shape, a.dtype, ctx) for a in inputs]
+    op.backward(req=list(reqs), out_grad=[_nd(out_grad, ctx)],
+                in_data=[_nd(a, ctx) for a in inputs],
+                out_data=[_filled(out_shape, inputs[0].dtype, ctx)], in_grad=grads, aux=[])
+    return [g.asnumpy() for g in grads]
 
 
 def _take_forward_error():
@@ -153,51 +204,57 @@ def _take_forward_error():
         "callbacks[kCustomOpForward])(...)")))
 
 
-# ---------------------------------------------------- 1. R = 0 and all-padding rois
-#: boxes inside and across the 5x6 map at scale 0.5 or 1, one padding row
-GOOD_ROIS_LIVE = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 4, 3], [-1, 3, 3, 4, 5], [1, 2, 1, 5, 4]])
+def _autograd_step(op_type, params, inputs, reqs, out_grad, ctx):
+    """record -> ``mx.nd.Custom`` -> backward with each input's gradient (``reqs``, one
+    per input) pre-filled with FILL; returns (output, gradients) as NumPy."""
+    arrays = [_nd(a, ctx) for a in inputs]
+    for a, req in zip(arrays, reqs):
+        a.attach_grad(grad_req=req)
+        a.grad[:] = FILL
+    with autograd.record():
+        y = mx.nd.Custom(*arrays, op_type=op_type, **params)
+    y.backward(_nd(out_grad, ctx))
+    return y.asnumpy(), [a.grad.asnumpy() for a in arrays]
 
-ROI_SETS = {
-    "R=0": np.zeros((0, 5)),
-    # batch indices -1, -2 and -1.5 (truncates to -1): padding, never read
-    "all-padding": np.array([[-1, 0, 0, 8, 8], [-2, 1, 1, 5, 9], [-1.5, 2, 0, 3, 4]]),
-}
+
+# ---------------------------------------------------- 1. R = 0 and all-padding rois
+#: batch indices of the live rois (one padding row)
+LIVE_BATCH = [0, 1, -1, 1]
+
+#: batch indices with no live roi: -1, -2 and -1.5 (truncates to -1) are padding
+ROI_SETS = {"R=0": [], "all-padding": [-1, -2, -1.5]}
 
 
 @pytest.mark.parametrize("op_type,params", CASES, ids=CASE_IDS)
 def test_backward_without_live_rois_honours_req_over_garbage(op_type, params, backend):
     """R = 0 and all-padding rois, every dtype: through ``mx.nd.Custom`` under autograd
     (write, add) and through the op's backward as MXNet calls it (write, add, null), the
-    data and rois gradients start as FILL: write -> zeros, add and null -> unchanged;
-    the forward gives zeros (all padding) or an empty output (R = 0)."""
+    gradients of every input (data, rois, extra inputs) start as FILL: write -> zeros,
+    add and null -> unchanged; the forward gives zeros (all padding) or an empty output
+    (R = 0)."""
     name, ctx = backend
     for dtype in DTYPES:
-        for kind, rois in ROI_SETS.items():
-            data, rois, out_grad = _problem(op_type, params, dtype, rois)
+        for kind, batch in ROI_SETS.items():
+            data, rois, extra, out_grad = _problem(op_type, params, dtype, batch)
+            inputs = [data, rois] + extra
             what = f"{op_type} {params} {kind} {np.dtype(dtype).name} on {name}"
             with mx.util.np_shape(True):  # zero-size arrays (R = 0)
-                for req, rois_req in SWAPPED.items():
-                    x, r = _nd(data, ctx), _nd(rois, ctx)
-                    x.attach_grad(grad_req=req)
-                    r.attach_grad(grad_req=rois_req)
-                    x.grad[:] = FILL
-                    r.grad[:] = FILL
-                    with autograd.record():
-                        y = mx.nd.Custom(x, r, op_type=op_type, **params)
-                    y.backward(_nd(out_grad, ctx))
-                    out = y.asnumpy()
+                for req, other in SWAPPED.items():
+                    reqs = [req] + [other] * (len(inputs) - 1)
+                    out, grads = _autograd_step(op_type, params, inputs, reqs, out_grad, ctx)
                     assert out.shape == out_grad.shape and not out.any(), what
-                    _expect(req, x.grad.asnumpy(), f"{what}: data grad (autograd)")
-                    _expect(rois_req, r.grad.asnumpy(), f"{what}: rois grad (autograd)")
-                op, out_shape = _custom_op(op_type, params, data, rois, ctx)
+                    for i, (r, g) in enumerate(zip(reqs, grads)):
+                        _expect(r, g, f"{what}: input {i} grad (autograd)")
+                op, out_shape = _custom_op(op_type, params, inputs, ctx)
                 out = _filled(out_shape, dtype, ctx)
-                op.forward(is_train=True, req=["write"], in_data=[_nd(data, ctx), _nd(rois, ctx)],
-                           out_data=[out], aux=[])
+                op.forward(is_train=True, req=["write"],
+                           in_data=[_nd(a, ctx) for a in inputs], out_data=[out], aux=[])
                 assert not out.asnumpy().any(), f"{what}: forward over a FILL-ed output"
                 for req in ("write", "add", "null"):
-                    dg, rg = _protocol_backward(op, req, data, rois, out_grad, ctx, out_shape)
-                    _expect(req, dg, f"{what}: data grad (CustomOp.backward)")
-                    _expect(REQ_PAIRS[req], rg, f"{what}: rois grad (CustomOp.backward)")
+                    reqs = _reqs(req, len(inputs))
+                    grads = _protocol_backward(op, reqs, inputs, out_grad, ctx, out_shape)
+                    for i, (r, g) in enumerate(zip(reqs, grads)):
+                        _expect(r, g, f"{what}: input {i} grad (CustomOp.backward)")
 
 
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-13}
@@ -205,89 +262,96 @@ TOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-6, np.dtype(np.float
 
 @pytest.mark.parametrize("op_type,params", CASES, ids=CASE_IDS)
 def test_backward_with_live_rois_honours_req_over_garbage(op_type, params, backend):
-    """Ordinary rois (one padding), every dtype, gradients pre-filled with FILL: write
-    gives bit for bit what it gives over zeros, add gives FILL + that gradient, null
-    leaves FILL (as MXNet drives the CustomOp; MXNet's own autograd never hands the op a
-    null buffer it could see).  The rois gradient: zeros (write), FILL (add, null)."""
+    """Ordinary rois (one padding), every dtype, gradients of every input pre-filled with
+    FILL: write gives bit for bit what it gives over zeros, add gives FILL + that
+    gradient, null leaves FILL (as MXNet drives the CustomOp; MXNet's own autograd never
+    hands the op a null buffer it could see).  The rois of an op that does not
+    differentiate them: zeros (write), FILL (add, null)."""
     name, ctx = backend
+    differentiated = _differentiated(op_type, params)
     for dtype in DTYPES:
-        data, rois, out_grad = _problem(op_type, params, dtype, GOOD_ROIS_LIVE)
+        data, rois, extra, out_grad = _problem(op_type, params, dtype, LIVE_BATCH)
+        inputs = [data, rois] + extra
         what = f"{op_type} {params} {np.dtype(dtype).name} on {name}"
-        grads = {}
-        for req, fill in (("write", 0.0), ("write", FILL), ("add", FILL)):
-            x, r = _nd(data, ctx), _nd(rois, ctx)
-            x.attach_grad(grad_req=req)
-            r.attach_grad(grad_req=SWAPPED[req] if fill else req)
-            x.grad[:] = fill
-            r.grad[:] = fill
-            with autograd.record():
-                y = mx.nd.Custom(x, r, op_type=op_type, **params)
-            y.backward(_nd(out_grad, ctx))
-            grads[req, fill] = x.grad.asnumpy()
-            if fill:
-                _expect(SWAPPED[req], r.grad.asnumpy(), f"{what}: rois grad")
-        clean = grads["write", 0.0]
-        assert clean.any(), f"{what}: the gradient is zero: the test checks nothing"
-        assert grads["write", FILL].tobytes() == clean.tobytes(), \
-            f"{what}: req write over FILL differs from req write over zeros"
-        np.testing.assert_allclose(grads["add", FILL].astype(np.float64),
-                                   FILL + clean.astype(np.float64), rtol=TOL[np.dtype(dtype)],
-                                   atol=TOL[np.dtype(dtype)] * 8, err_msg=f"{what}: req add")
-        op, out_shape = _custom_op(op_type, params, data, rois, ctx)
-        op.forward(is_train=True, req=["write"], in_data=[_nd(data, ctx), _nd(rois, ctx)],
-                   out_data=[_filled(out_shape, dtype, ctx)], aux=[])
-        dg, rg = _protocol_backward(op, "null", data, rois, out_grad, ctx, out_shape)
-        _expect("null", dg, f"{what}: data grad (CustomOp.backward)")
-        _expect("write", rg, f"{what}: rois grad (CustomOp.backward)")
+        # req write over zeros: the clean gradients
+        arrays = [_nd(a, ctx) for a in inputs]
+        for a in arrays:
+            a.attach_grad(grad_req="write")
+        with autograd.record():
+            y = mx.nd.Custom(*arrays, op_type=op_type, **params)
+        y.backward(_nd(out_grad, ctx))
+        clean = [a.grad.asnumpy() if d else None for a, d in zip(arrays, differentiated)]
+        for i, c in enumerate(clean):
+            assert c is None or c.any(), \
+                f"{what}: input {i}'s gradient is zero: the test checks nothing"
+        for req, other in SWAPPED.items():  # data write, others add; then the reverse
+            reqs = [req] + [other] * (len(inputs) - 1)
+            _, grads = _autograd_step(op_type, params, inputs, reqs, out_grad, ctx)
+            for i, (r, g) in enumerate(zip(reqs, grads)):
+                _expect_live(r, g, clean[i], dtype, f"{what}: input {i} grad (autograd)")
+        op, out_shape = _custom_op(op_type, params, inputs, ctx)
+        _protocol_forward(op, inputs, ctx, out_shape, dtype)
+        reqs = _reqs("null", len(inputs))
+        grads = _protocol_backward(op, reqs, inputs, out_grad, ctx, out_shape)
+        for i, (r, g) in enumerate(zip(reqs, grads)):
+            _expect_live(r, g, clean[i], dtype, f"{what}: input {i} grad (CustomOp.backward)")
 
 
 # ------------------------------------------------------------ 2. rejected training step
-GOOD_ROIS = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 12, 11], [-1, 3, 3, 4, 5], [1, 3, 3, 4, 5]])
+#: batch indices of the good rois of a step (one padding row)
+GOOD_BATCH = [0, 1, -1, 1]
 
 
-def _bad_rois(kind):
-    """GOOD_ROIS with bad rows 1 and 3 (and a padding row between them)."""
-    rois = GOOD_ROIS.astype(np.float64)
-    if kind == "batch":
-        rois[1, 0], rois[3, 0] = 2, 9
-    else:
-        rois[1, 3], rois[3, 1] = np.inf, np.nan
-    return rois
+def _bad_edit(kind):
+    """Makes rows 1 and 3 of the GOOD_BATCH rois bad (a padding row between them)."""
+    def edit(rois):
+        if kind == "batch":
+            rois[1, 0], rois[3, 0] = 2, 9
+        else:
+            rois[1, 3], rois[3, 1] = np.inf, np.nan
+    return edit
 
 
 BAD_MESSAGE = {"batch": r"rois\[1\] has batch index 2 but data holds only 2 image",
                "non-finite": r"rois\[1\] has a NaN or infinite value"}
 
 
-def _step(entry, op_type, params, x, r, out_grad, req, ctx, held):
+def _step(entry, op_type, params, inputs, out_grad, req, ctx, held):
     """One training step (record -> forward -> backward -> read, no wait) through
     ``entry`` (``nd``, ``sym`` or ``gluon-hybrid``: the block is kept in ``held`` per
-    op and parameters), the data gradient pre-filled with FILL (``held["grad"]``, set
-    before anything can raise); returns the output as NumPy."""
+    op and parameters) on the NDArrays ``inputs`` (data, rois, extra...), the gradient
+    of each differentiated input pre-filled with FILL (``held["grads"]``, set before
+    anything can raise); returns the output as NumPy."""
+    checked = [i for i, d in enumerate(_differentiated(op_type, params)) if d]
     if entry == "sym":
-        sym = mx.sym.Custom(mx.sym.var("data"), mx.sym.var("rois"), op_type=op_type, **params)
-        exe = sym.simple_bind(ctx, data=x.shape, rois=r.shape,
-                              type_dict={"data": x.dtype, "rois": r.dtype},
-                              grad_req={"data": req, "rois": "null"})
-        exe.arg_dict["data"][:] = x
-        exe.arg_dict["rois"][:] = r
-        held["grad"] = exe.grad_dict["data"]
-        held["grad"][:] = FILL
+        names = REGISTERED[op_type].CustomOpProp(**params).list_arguments()
+        sym = mx.sym.Custom(*[mx.sym.var(n) for n in names], op_type=op_type, **params)
+        exe = sym.simple_bind(ctx, **{n: a.shape for n, a in zip(names, inputs)},
+                              type_dict={n: a.dtype for n, a in zip(names, inputs)},
+                              grad_req={n: req if i in checked else "null"
+                                        for i, n in enumerate(names)})
+        for n, a in zip(names, inputs):
+            exe.arg_dict[n][:] = a
+        held["grads"] = [exe.grad_dict[names[i]] for i in checked]
+        for g in held["grads"]:
+            g[:] = FILL
         exe.forward(is_train=True)
         exe.backward(out_grad)
         return exe.outputs[0].asnumpy()
-    x.attach_grad(grad_req=req)
-    held["grad"] = x.grad
-    x.grad[:] = FILL
+    held["grads"] = []
+    for i in checked:
+        inputs[i].attach_grad(grad_req=req)
+        held["grads"].append(inputs[i].grad)
+        inputs[i].grad[:] = FILL
     with autograd.record():
         if entry == "nd":
-            y = mx.nd.Custom(x, r, op_type=op_type, **params)
+            y = mx.nd.Custom(*inputs, op_type=op_type, **params)
         else:
             key = (op_type, str(sorted(params.items())))
             if key not in held:
                 held[key] = getattr(mx_roi.gluon, op_type)(**params)
                 held[key].hybridize()
-            y = held[key](x, r)
+            y = held[key](*inputs)
     y.backward(out_grad)
     return y.asnumpy()
 
@@ -300,44 +364,50 @@ def _step(entry, op_type, params, x, r, out_grad, req, ctx, held):
 #: -1.6e29 or -5e36), so the data gradient gets that memory (write) or FILL plus it
 #: (add): measured 3-9 of 100 rejected hybridized steps per op and req, and in about one
 #: run of this test in four through mx.sym; never with oneDNN off, never through
-#: ``mx.nd.Custom`` (its guard adds no node).
+#: ``mx.nd.Custom`` (its guard adds no node).  The guard wraps every input, so the
+#: gradients of extra inputs and of differentiated rois get the same (seen: NaN in
+#: DeformablePSROIPooling's trans gradient, denormals in PrRoIPool's rois gradient).
 GRAPH_GUARD_LEAK = ("known defect: a rejected step through a graph (mx.sym, hybridized "
                     "Gluon) with the oneDNN guard leaves stale or uninitialised memory in "
-                    "the data gradient when MXNet skips the Custom backward")
+                    "the input gradients when MXNet skips the Custom backward")
 
 
 @pytest.mark.parametrize("op_type,params", OP_CASES, ids=OP_IDS)
 def test_rejected_training_step_leaves_the_gradient_clean(op_type, params, backend):
     """A step with bad rois (each kind) through ``mx.nd.Custom``, ``mx.sym`` and a
-    hybridized Gluon block raises naming the first bad row; the data gradient, pre-filled
+    hybridized Gluon block raises naming the first bad row; each input gradient
+    (data, extra inputs, the rois of an op that differentiates them), pre-filled
     with FILL, is then: add -> FILL; write -> zeros (the queued backward ran) or FILL
     (MXNet skipped it), whole, never a mix or other values.  The next good step of the
-    same entry gives the plain forward's output and a finite gradient.  (Graphs with the
+    same entry gives the plain forward's output and finite gradients.  (Graphs with the
     oneDNN guard: see :data:`GRAPH_GUARD_LEAK`; ``mx.nd.Custom`` is held to it strictly.)"""
     from mx_roi.onednn import onednn_enabled
     name, ctx = backend
-    data, good, out_grad = _problem(op_type, params, np.float32, GOOD_ROIS)
-    want = mx.nd.Custom(_nd(data, ctx), _nd(good, ctx), op_type=op_type, **params).asnumpy()
+    data, good, extra, out_grad = _problem(op_type, params, np.float32, GOOD_BATCH)
+    want = mx.nd.Custom(*[_nd(a, ctx) for a in [data, good] + extra], op_type=op_type,
+                        **params).asnumpy()
     held, leaks = {}, []
     for entry in ("nd", "sym", "gluon-hybrid"):
         for kind in BAD_MESSAGE:
             for req in ("write", "add"):
                 what = f"{op_type} {entry} {kind} req {req} on {name}"
-                bad = _bad_rois(kind).astype(np.float32)
+                _, bad, _, _ = _problem(op_type, params, np.float32, GOOD_BATCH,
+                                        _bad_edit(kind))
                 with pytest.raises(MXNetError, match=rf"{op_type}: {BAD_MESSAGE[kind]}"):
-                    _step(entry, op_type, params, _nd(data, ctx), _nd(bad, ctx),
+                    _step(entry, op_type, params, [_nd(a, ctx) for a in [data, bad] + extra],
                           _nd(out_grad, ctx), req, ctx, held)
-                g = held["grad"].asnumpy()
-                if req == "write" and not g.any():
-                    continue  # the queued backward ran and zeroed it
-                if entry != "nd" and onednn_enabled() and (g != FILL).any():
-                    leaks.append(f"{what}: {np.unique(g)[:4]}")
-                    continue
-                _expect("add", g, f"{what}: data grad after the rejected step")
-            out = _step(entry, op_type, params, _nd(data, ctx), _nd(good, ctx),
+                for i, grad in enumerate(held["grads"]):
+                    g = grad.asnumpy()
+                    if req == "write" and not g.any():
+                        continue  # the queued backward ran and zeroed it
+                    if entry != "nd" and onednn_enabled() and (g != FILL).any():
+                        leaks.append(f"{what} gradient {i}: {np.unique(g)[:4]}")
+                        continue
+                    _expect("add", g, f"{what}: gradient {i} after the rejected step")
+            out = _step(entry, op_type, params, [_nd(a, ctx) for a in [data, good] + extra],
                         _nd(out_grad, ctx), "write", ctx, held)
             np.testing.assert_array_equal(out, want, err_msg=f"{op_type} {entry}: next step")
-            assert np.isfinite(held["grad"].asnumpy()).all()
+            assert all(np.isfinite(g.asnumpy()).all() for g in held["grads"])
     if leaks:
         pytest.xfail(f"{GRAPH_GUARD_LEAK}: {leaks}")
 
@@ -346,39 +416,47 @@ def test_rejected_training_step_leaves_the_gradient_clean(op_type, params, backe
 def test_queued_backward_of_a_rejected_forward(op_type, params, backend):
     """MXNet may run the queued backward of a forward that raised (timing decides): driven
     as MXNet drives it, the backward of each kind of rejected forward, into FILL-ed
-    gradients, every dtype: write -> zeros, add and null -> unchanged, no error of its
-    own; the forward's error is the one reported, naming the first bad row."""
+    gradients of every input, every dtype: write -> zeros, add and null -> unchanged, no
+    error of its own; the forward's error is the one reported, naming the first bad row."""
     name, ctx = backend
     for dtype in DTYPES:
         for kind in BAD_MESSAGE:
-            data, bad, out_grad = _problem(op_type, params, dtype, _bad_rois(kind))
+            data, bad, extra, out_grad = _problem(op_type, params, dtype, GOOD_BATCH,
+                                                  _bad_edit(kind))
+            inputs = [data, bad] + extra
             what = f"{op_type} {kind} {np.dtype(dtype).name} on {name}"
             for req in ("write", "add", "null"):
-                op, out_shape = _custom_op(op_type, params, data, bad, ctx)
+                op, out_shape = _custom_op(op_type, params, inputs, ctx)
                 with pytest.raises(ValueError, match=BAD_MESSAGE[kind]):
-                    op.forward(is_train=True, req=["write"],
-                               in_data=[_nd(data, ctx), _nd(bad, ctx)],
-                               out_data=[_filled(out_shape, dtype, ctx)], aux=[])
+                    _protocol_forward(op, inputs, ctx, out_shape, dtype)
                 assert BAD_MESSAGE[kind].replace("\\", "") in _take_forward_error()
-                dg, rg = _protocol_backward(op, req, data, bad, out_grad, ctx, out_shape)
-                _expect(req, dg, f"{what}: data grad")
-                _expect(REQ_PAIRS[req], rg, f"{what}: rois grad")
+                reqs = _reqs(req, len(inputs))
+                grads = _protocol_backward(op, reqs, inputs, out_grad, ctx, out_shape)
+                for i, (r, g) in enumerate(zip(reqs, grads)):
+                    _expect(r, g, f"{what}: input {i} grad")
 
 
 # ------------------------------------------------------------ 3. the first bad row
-def _several_bad(kind, first):
-    """Six rois with three bad rows, the first at ``first``; for non-finite values the
-    later rows are bad in earlier columns (a column-wise scan would name them first)."""
-    rois = np.array([[0, 1, 1, 9, 8], [-1, 0, 2, 12, 11], [1, 3, 3, 4, 5],
-                     [0, 2, 2, 6, 6], [1, 0, 0, 5, 5], [0, 4, 4, 8, 8]], np.float64)
+#: batch indices of the six rois of the first-bad-row tests (one padding row)
+SEVERAL_BATCH = [0, -1, 1, 0, 1, 0]
+
+
+def _several_bad(kind, first, columns):
+    """An edit making three rows of the SEVERAL_BATCH rois bad, the first at ``first``
+    (and the message naming it); for non-finite values the later rows are bad in earlier
+    columns (a column-wise scan would name them first), the first in the last of the
+    op's ``columns``."""
     rows = [first] + [r for r in (3, 4, 5) if r != first][:2]
     if kind == "batch":
-        for r, b in zip(rows, (2, 9, 2.5)):  # 2 = N: the boundary
-            rois[r, 0] = b
-        return rois, rf"rois\[{first}\] has batch index 2 but data holds only 2 image"
-    for r, (col, v) in zip(rows, ((4, np.inf), (1, np.nan), (0, -np.inf))):
-        rois[r, col] = v
-    return rois, rf"rois\[{first}\] has a NaN or infinite value"
+        def edit(rois):
+            for r, b in zip(rows, (2, 9, 2.5)):  # 2 = N: the boundary
+                rois[r, 0] = b
+        return edit, rf"rois\[{first}\] has batch index 2 but data holds only 2 image"
+
+    def edit(rois):
+        for r, (col, v) in zip(rows, ((columns - 1, np.inf), (1, np.nan), (0, -np.inf))):
+            rois[r, col] = v
+    return edit, rf"rois\[{first}\] has a NaN or infinite value"
 
 
 @pytest.mark.parametrize("op_type,params", OP_CASES, ids=OP_IDS)
@@ -388,35 +466,38 @@ def test_several_bad_rois_message_names_the_first(op_type, params, backend):
     check finds them; also driven as MXNet drives it) each name the first bad row by
     index, never a later one."""
     name, ctx = backend
+    columns = REGISTERED[op_type].rois_columns
     for kind in ("batch", "non-finite"):
         for first in (0, 2):
-            bad, msg = _several_bad(kind, first)
-            data, bad, out_grad = _problem(op_type, params, np.float32, bad)
-            _, good, _ = _problem(op_type, params, np.float32, GOOD_ROIS[[0, 1, 3, 0, 1, 3]])
+            edit, msg = _several_bad(kind, first, columns)
+            data, bad, extra, out_grad = _problem(op_type, params, np.float32,
+                                                  SEVERAL_BATCH, edit)
+            _, good, _, _ = _problem(op_type, params, np.float32, [0, 1, 1, 0, 1, 1])
             pattern = rf"^{op_type}: {msg}"
+            ex = [_nd(a, ctx) for a in extra]
             x, r = _nd(data, ctx), _nd(bad, ctx)
             with pytest.raises(MXNetError, match=rf"{op_type}: {msg}"):
-                mx.nd.Custom(x, r, op_type=op_type, **params).asnumpy()
+                mx.nd.Custom(x, r, *ex, op_type=op_type, **params).asnumpy()
             x.attach_grad()
             with pytest.raises(MXNetError, match=rf"{op_type}: {msg}"):
                 with autograd.record():
-                    y = mx.nd.Custom(x, r, op_type=op_type, **params)
+                    y = mx.nd.Custom(x, r, *ex, op_type=op_type, **params)
                 y.backward(_nd(out_grad, ctx))
                 y.asnumpy()
             # backward: a good forward, then the rois overwritten in place
             r = _nd(good, ctx)
             with autograd.record():
-                y = mx.nd.Custom(x, r, op_type=op_type, **params)
+                y = mx.nd.Custom(x, r, *ex, op_type=op_type, **params)
             y.asnumpy()
             r[:] = _nd(bad, ctx)
             with pytest.raises(MXNetError, match=rf"{op_type}: {msg}"):
                 y.backward(_nd(out_grad, ctx))
                 x.grad.asnumpy()
-            op, out_shape = _custom_op(op_type, params, data, good, ctx)
-            op.forward(is_train=True, req=["write"], in_data=[_nd(data, ctx), _nd(good, ctx)],
-                       out_data=[_filled(out_shape, np.float32, ctx)], aux=[])
+            op, out_shape = _custom_op(op_type, params, [data, good] + extra, ctx)
+            _protocol_forward(op, [data, good] + extra, ctx, out_shape, np.float32)
             with pytest.raises(ValueError, match=pattern):
-                _protocol_backward(op, "write", data, bad, out_grad, ctx, out_shape)
+                _protocol_backward(op, _reqs("write", 2 + len(extra)), [data, bad] + extra,
+                                   out_grad, ctx, out_shape)
             from mx_roi import errors
             errors.translate(MXNetError("Check failed: params.info->"
                                         "callbacks[kCustomOpBackward](...)"))

@@ -15,42 +15,96 @@ import mxnet as mx
 from mxnet.base import MXNetError
 
 import mx_roi  # noqa: F401
+from mx_roi.registry import REGISTERED
 
-from tests.fuzz_child import OPS  # op_type -> (valid params, input channels, reference forward)
+from tests.fuzz_child import OPS as _FUZZ_OPS
+from tests.ops import test_prroi_pool as _prroi, test_rroi_align as _rroi
+
+
+def _deformable_builtin(x, rois, trans):
+    return mx.nd.contrib.DeformablePSROIPooling(
+        mx.nd.array(x), mx.nd.array(rois), mx.nd.array(trans),
+        **{k: v for k, v in OPS["DeformablePSROIPooling"][0].items()}).asnumpy()
+
+
+#: op_type -> (valid params, input channels, reference forward(data, rois, *extra)): the
+#: fuzz child's four, and the newer ops with their scalar oracles (tests/ops) or, where
+#: MXNet's built-in has the same semantics on valid inputs, the built-in
+OPS = dict(_FUZZ_OPS, **{
+    "RROIAlign": (dict(pooled_size=(2, 2), spatial_scale=0.5, sampling_ratio=2), 3,
+                  lambda x, r: _rroi.reference_forward(x, r, (2, 2), 0.5, 2)),
+    "PrRoIPool": (dict(pooled_size=(2, 2), spatial_scale=0.5), 3,
+                  lambda x, r: _prroi.reference_forward(x, r, (2, 2), 0.5)),
+    "DeformablePSROIPooling": (dict(spatial_scale=0.5, output_dim=2, group_size=2,
+                                    pooled_size=2, part_size=2, sample_per_part=2,
+                                    trans_std=0.2), 8, _deformable_builtin),
+})
 
 ERRORS = (MXNetError, ValueError, TypeError)
 
 op_param = pytest.mark.parametrize("op_type", list(OPS))
+
+#: three rois (batch 0, 1, 1) on the 6 x 7 maps of :func:`_inputs`, (R, 5) ops' layout
+_ROIS5 = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 12, 11], [1, 3, 3, 4, 5]])
+
+
+def _rois(op_type, params, dtype=np.float32):
+    """:data:`_ROIS5` in the op's layout: as they are for an (R, 5) op, else the op's own
+    random boxes (``random_rois``) with the same batch indices."""
+    op_cls = REGISTERED[op_type]
+    if op_cls.rois_columns == 5:
+        return _ROIS5.astype(dtype)
+    rois = op_cls.random_rois(np.random.default_rng(0), 3, 2, 6, 7,
+                              float(params["spatial_scale"]))
+    rois[:, 0] = _ROIS5[:, 0]
+    return rois.astype(dtype)
 
 
 def _inputs(op_type, dtype=np.float32, N=2, C=None):
     params, cin, _ = OPS[op_type]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((N, C or cin, 6, 7)).astype(dtype)
-    rois = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 12, 11], [1, 3, 3, 4, 5]], dtype)
-    return params, x, rois
+    return params, x, _rois(op_type, params, dtype)
+
+
+def _extra(op_type, x, rois, params):
+    """The op's extra inputs (``example_extra_inputs``, seeded) for ``params``, or for
+    its valid parameters where ``params`` are bad (their error comes first)."""
+    op_cls = REGISTERED[op_type]
+    try:
+        param = op_cls.param_cls.from_kwargs(**params)
+    except ValueError:
+        param = op_cls.param_cls.from_kwargs(**OPS[op_type][0])
+    return op_cls(param).example_extra_inputs(np.random.default_rng(1), x.shape, rois)
+
+
+def _nd_inputs(op_type, x, rois, params):
+    return [mx.nd.array(a, dtype=a.dtype) for a in [x, rois] + _extra(op_type, x, rois, params)]
 
 
 def _call(op_type, x, rois, **params):
-    out = mx.nd.Custom(mx.nd.array(x, dtype=x.dtype), mx.nd.array(rois, dtype=rois.dtype),
-                       op_type=op_type, **params)
+    out = mx.nd.Custom(*_nd_inputs(op_type, x, rois, params), op_type=op_type, **params)
     return out.asnumpy()
 
 
 def _call_backward(op_type, x, rois, **params):
     from mxnet import autograd
-    xd = mx.nd.array(x, dtype=x.dtype)
+    xd, *others = _nd_inputs(op_type, x, rois, params)
     xd.attach_grad()
     with autograd.record():
-        out = mx.nd.Custom(xd, mx.nd.array(rois, dtype=rois.dtype), op_type=op_type, **params)
+        out = mx.nd.Custom(xd, *others, op_type=op_type, **params)
     out.backward(mx.nd.ones(out.shape, dtype=x.dtype))
     return xd.grad.asnumpy()
+
+
+def _reference(op_type, x, rois):
+    return OPS[op_type][2](x, rois, *_extra(op_type, x, rois, OPS[op_type][0]))
 
 
 def _next_call_works(op_type):
     params, x, rois = _inputs(op_type)
     out = _call(op_type, x, rois, **params)
-    np.testing.assert_allclose(out, OPS[op_type][2](x, rois), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, _reference(op_type, x, rois), rtol=1e-5, atol=1e-5)
     _call_backward(op_type, x, rois, **params)
 
 
@@ -74,21 +128,25 @@ def test_batch_index_out_of_range_backward(op_type):
 
 
 @op_param
-@pytest.mark.parametrize("where", [0, 1, 4])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-def test_non_finite_coordinates(op_type, where, value):
-    params, x, rois = _inputs(op_type)
-    rois[1, where] = value
-    with pytest.raises(ERRORS, match=r"(?i)nan|finite"):
-        _call(op_type, x, rois, **params)
+def test_non_finite_coordinates(op_type, value):
+    """A non-finite value in any column of the op's layout (the batch index too)."""
+    for where in range(REGISTERED[op_type].rois_columns):
+        params, x, rois = _inputs(op_type)
+        rois[1, where] = value
+        with pytest.raises(ERRORS, match=rf"{op_type}: rois\[1\] has a NaN or infinite value"):
+            _call(op_type, x, rois, **params)
     _next_call_works(op_type)
 
 
 @op_param
-@pytest.mark.parametrize("shape", [(3, 4), (3, 6), (3,), (3, 5, 1)])
+@pytest.mark.parametrize("shape", [(3, -1), (3, 1), (3,), (3, 0, 1)],
+                         ids=["K-1", "K+1", "rank1", "rank3"])
 def test_rois_wrong_shape(op_type, shape):
+    """(R, K - 1), (R, K + 1), (R,), (R, K, 1) for the op's K = rois_columns."""
     params, x, _ = _inputs(op_type)
-    rois = np.zeros(shape, np.float32)
+    k = REGISTERED[op_type].rois_columns
+    rois = np.zeros(tuple(k + d if i == 1 else d for i, d in enumerate(shape)), np.float32)
     with pytest.raises(ERRORS, match="rois"):
         _call(op_type, x, rois, **params)
     _next_call_works(op_type)
@@ -206,7 +264,7 @@ def test_fractional_batch_index_below_n_is_valid(op_type):
     params, x, rois = _inputs(op_type)
     rois[:, 0] = [1.9, 0.5, 1.0]
     out = _call(op_type, x, rois, **params)
-    np.testing.assert_allclose(out, OPS[op_type][2](x, rois), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, _reference(op_type, x, rois), rtol=1e-5, atol=1e-5)
 
 
 # ---- issue 12: backward of a rejected forward, empty maps, error attribution ----------
@@ -214,11 +272,11 @@ def test_fractional_batch_index_below_n_is_valid(op_type):
 def _train_step(op_type, x, rois, **params):
     """record -> backward -> read, no wait in between (a training step)."""
     from mxnet import autograd
-    xd = mx.nd.array(x, dtype=x.dtype)
+    xd, *others = _nd_inputs(op_type, x, rois, params)
     xd.attach_grad()
     xd.grad[:] = 7.0  # garbage: write must overwrite
     with autograd.record():
-        out = mx.nd.Custom(xd, mx.nd.array(rois, dtype=rois.dtype), op_type=op_type, **params)
+        out = mx.nd.Custom(xd, *others, op_type=op_type, **params)
     out.backward(mx.nd.ones(out.shape, dtype=x.dtype))
     return out.asnumpy(), xd.grad.asnumpy()
 
@@ -229,7 +287,7 @@ def test_rejected_forward_backward_is_safe_and_steps_keep_their_errors(op_type):
     memory with the rejected rois nor raise a second error; each bad step gets its own
     message, each good step the right numbers."""
     params, x, rois = _inputs(op_type)
-    want = OPS[op_type][2](x, rois)
+    want = _reference(op_type, x, rois)
     for i in range(30):
         bad = rois.copy()
         if i % 3 == 1:
@@ -260,11 +318,15 @@ def test_backward_validates_rois_itself(op_type):
     R = rois.shape[0]
     out_shape = op.out_shape(x.shape, rois.shape)
     assert out_shape[0] == R
+    extra = [mx.nd.array(a) for a in _extra(op_type, x, rois, params)]
     for name in ("numpy", "native", "emulated-cuda"):
-        grad = mx.nd.zeros(x.shape)
+        grad, rois_grad = mx.nd.zeros(x.shape), mx.nd.zeros(rois.shape)
+        extra_grad = [("write", mx.nd.zeros(a.shape)) for a in extra]
         with pytest.raises(ValueError, match="batch index 5 but data holds only 2"):
             B.get(name).backward(op, "write", mx.nd.ones(out_shape), mx.nd.array(x),
-                                 mx.nd.array(rois), grad, None)
+                                 mx.nd.array(rois), grad, None,
+                                 "write" if op.differentiates_rois else "null", rois_grad,
+                                 extra=extra, extra_grad=extra_grad)
 
 
 EMPTY_CASES = [(op, dict(OPS[op][0]), OPS[op][1]) for op in OPS] + \
@@ -279,19 +341,26 @@ def test_empty_feature_map_gives_zeros(op_type, params, channels, hw):
     sym, with garbage-prefilled buffers."""
     from mxnet import autograd
     shape = (2, channels) + hw
-    rois = mx.nd.array([[0, 1, 1, 3, 3], [1, 0, 0, 2, 2]])
+    rois_np = _rois(op_type, params)[:2]
+    extra_np = _extra(op_type, np.ones(shape), rois_np, params)
+    rois = mx.nd.array(rois_np)
     with mx.util.np_shape(True):
         x = mx.nd.ones(shape)
         x.attach_grad()
         with autograd.record():
-            y = mx.nd.Custom(x, rois, op_type=op_type, **params)
+            y = mx.nd.Custom(x, rois, *[mx.nd.array(a) for a in extra_np], op_type=op_type,
+                             **params)
         y.backward(mx.nd.ones(y.shape))
         assert y.shape[0] == 2 and np.all(y.asnumpy() == 0)
         assert x.grad.shape == shape
-        sym = mx.sym.Custom(mx.sym.var("data"), mx.sym.var("rois"), op_type=op_type, **params)
-        exe = sym.simple_bind(mx.cpu(), data=shape, rois=(2, 5))
+        names = REGISTERED[op_type].CustomOpProp(**params).list_arguments()
+        sym = mx.sym.Custom(*[mx.sym.var(n) for n in names], op_type=op_type, **params)
+        exe = sym.simple_bind(mx.cpu(), data=shape, rois=rois_np.shape,
+                              **{n: a.shape for n, a in zip(names[2:], extra_np)})
         exe.outputs[0][:] = 5.0
         exe.arg_dict["rois"][:] = rois
+        for n, a in zip(names[2:], extra_np):
+            exe.arg_dict[n][:] = a
         exe.forward(is_train=True)
         exe.backward(mx.nd.ones(exe.outputs[0].shape))
         out = exe.outputs[0].asnumpy()
@@ -426,7 +495,8 @@ def _valid_params_and_inputs(op_type):
     param = op_cls.param_cls.from_kwargs(**params)
     channels = getattr(param, "in_channels", 3)
     x = np.random.default_rng(0).standard_normal((2, channels, 6, 7)).astype(np.float32)
-    rois = np.array([[0, 1, 1, 9, 8], [1, 0, 2, 12, 11], [-1, 3, 3, 4, 5]], np.float32)
+    rois = _rois(op_type, params)
+    rois[2, 0] = -1  # a padding roi
     return params, x, rois
 
 
@@ -448,15 +518,17 @@ def test_every_parameter_rejects_its_declared_bad_values(op_type, field):
     assert bad_values, (f"{op_type}.{field}: no declared bad value (give its parser a "
                         "`invalid` tuple or its param_field an `invalid=` one)")
     params, x, rois = _valid_params_and_inputs(op_type)
+    inputs = _nd_inputs(op_type, x, rois, params)  # with the valid call's extra inputs
+    names = REGISTERED[op_type].CustomOpProp(**params).list_arguments()
     named = rf"{op_type}: parameter '{field}': expected "
     for value in bad_values:
         kwargs = dict(params, **{field: value})
         with pytest.raises(ERRORS, match=named):
-            _call(op_type, x, rois, **kwargs)
+            mx.nd.Custom(*inputs, op_type=op_type, **kwargs).asnumpy()
         with pytest.raises(ValueError, match=named):
-            getattr(mx_roi.nd, op_type)(mx.nd.array(x), mx.nd.array(rois), **kwargs)
+            getattr(mx_roi.nd, op_type)(*inputs, **kwargs)
         with pytest.raises(ValueError, match=named):
-            getattr(mx_roi.sym, op_type)(mx.sym.var("data"), mx.sym.var("rois"), **kwargs)
+            getattr(mx_roi.sym, op_type)(*[mx.sym.var(n) for n in names], **kwargs)
         with pytest.raises(ValueError, match=named):
             getattr(mx_roi.gluon, op_type)(**kwargs)
     out = _call(op_type, x, rois, **params)
