@@ -195,7 +195,9 @@ def test_through_custom_op(monkeypatch):
     r = mx.nd.array([[0, 0, 0, 3, 3]])
     y = mx.nd.Custom(x, r, op_type="ROIPooling", pooled_size=(2, 2), spatial_scale=1.0)
     np.testing.assert_array_equal(y.asnumpy()[0, 0], [[6, 8], [16, 18]])
-    assert seen == ["roi_pooling_forward<float, float, unsigned char>"]  # inference: uint8
+    # the tables built by the device geometry kernel, as on a GPU; inference: uint8
+    assert seen == ["roi_bins_geometry<float, float>",
+                    "roi_pooling_forward<float, float, unsigned char>"]
 
 
 # ---------------------------------------------------------------- argument checking
@@ -485,7 +487,11 @@ def _fake_cupy():
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
         get_current_stream=lambda: _Stream())
-    fake.asnumpy = np.array  # a host copy, as CuPy's
+    def asnumpy(a, stream=None):  # a host copy, as CuPy's (on ``stream``, then its sync)
+        fake.log.append(("asnumpy",))
+        return np.array(a)
+
+    fake.asnumpy = asnumpy
     fake.from_dlpack, fake.cuda, fake.toolchain = from_dlpack, cuda, Toolchain()
     fake.pool = _Pool()
     fake.get_default_memory_pool = lambda: fake.pool

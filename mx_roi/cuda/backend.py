@@ -88,8 +88,8 @@ import numpy as np
 from .. import ndio, scratch
 from ..geometry import compute_dtype
 from ..ndio import Kind
-from ..saved import keep_for_backward, unpack_saved
-from . import loader
+from ..saved import Saved, keep_for_backward, unpack_saved
+from . import device_geometry, loader
 from . import source as S
 from .tables import argmax_dtype, host_tables, to_device
 
@@ -298,14 +298,19 @@ class Launch:
         xp = np  # the host tables (a GPU call's too): no device reads, emulation's bits
         if geo.divisor.size == 0:
             return 1.0
+
+        def host(a):  # tables built on the device (device_geometry): read once, here
+            return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
+
         sums, peaks = [], []
         for axis in (geo.y, geo.x):
-            w = xp.abs(axis.w_low.astype(np.float64)) + xp.abs(axis.w_high.astype(np.float64))
-            live = xp.arange(w.shape[2])[None, None, :] < axis.count[:, :, None]
+            w = xp.abs(host(axis.w_low).astype(np.float64)) + \
+                xp.abs(host(axis.w_high).astype(np.float64))
+            live = xp.arange(w.shape[2])[None, None, :] < host(axis.count)[:, :, None]
             w = xp.where(live, w, 0.0)                                   # (R, P, G)
             sums.append(w.sum(axis=2))
             peaks.append(w.max(axis=2) if w.shape[2] else xp.zeros(w.shape[:2]))
-        avg = sums[0][:, :, None] * sums[1][:, None, :] / geo.divisor.astype(np.float64)
+        avg = sums[0][:, :, None] * sums[1][:, None, :] / host(geo.divisor).astype(np.float64)
         peak = peaks[0][:, :, None] * peaks[1][:, None, :]
         return max(1.0, float(xp.max(xp.maximum(avg, peak))))
 
@@ -460,11 +465,21 @@ class CudaBackend:
         import cupy
         return cupy.cuda.Device(nd.context.device_id)
 
-    def _sync(self):
-        if self.kind is Kind.CUDA:
-            import cupy
-            cupy.cuda.get_current_stream().synchronize()
-            _trim_pool(cupy)
+    def _sync(self, status=None):
+        """Wait for the call's work on the stream (GPU); returns the host copy of the
+        device geometry's ``status`` when given -- read as the wait itself: one copy
+        on the stream, then one synchronisation."""
+        if self.kind is not Kind.CUDA:
+            return status
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if status is not None:
+            host = cupy.asnumpy(status, stream=stream)  # a copy on the stream, its sync
+        else:
+            stream.synchronize()
+            host = None
+        _trim_pool(cupy)
+        return host
 
     def _launch(self, op, dtype, nd):
         native = self.kind is Kind.NATIVE
@@ -476,12 +491,74 @@ class CudaBackend:
         return Launch(module, self._xp(), dtype, deterministic)
 
     # ---- the backend interface ----------------------------------------------------
+    #: whether the GPU and emulated-cuda forwards build the geometry on the device
+    #: (:mod:`mx_roi.cuda.device_geometry`); False: the rois go to the host (the path of
+    #: calls the device path does not take), kept switchable for tests comparing the two
+    device_geometry = True
+
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False):
         with self._device(data_nd):
+            dev = None
             try:
-                return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+                dev = self._device_path(op, req, data_nd, rois_nd)
+                if dev is None:
+                    return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+                result = self._forward_device(op, req, data_nd, out_nd, keep, dev)
             finally:  # after _forward's temporaries are dropped: the pool can free them
-                self._sync()
+                status = self._sync(dev.status if dev is not None else None)
+            error = dev.error(op, status, self._xp())
+            if error is not None:
+                raise error
+            if dev.overflowed(status):  # a box needing wider tables: the host-built ones
+                try:
+                    return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+                finally:
+                    self._sync()
+            return result
+
+    def _device_path(self, op, req, data_nd, rois_nd):
+        """The device geometry's rois and spec, ``(spec, rois)``, when this forward builds
+        its tables on the device; else None (host path: the native build, an op without
+        a compiled geometry, req null or add, no rois, an empty map, a sample grid too
+        wide for the shape-derived widths)."""
+        if not self.device_geometry or self.kind is Kind.NATIVE or \
+                req not in ("write", "inplace"):
+            return None
+        shape, rshape = tuple(data_nd.shape), tuple(rois_nd.shape)
+        if len(shape) != 4 or len(rshape) != 2 or rshape[0] == 0 or 0 in shape:
+            return None
+        spec = self._spec(op)
+        if not device_geometry.supported(spec, shape[2], shape[3]):
+            return None
+        return _DevicePending(spec, self._read(rois_nd))
+
+    def _spec(self, op):
+        spec = op.__dict__.get("_compiled_spec", _UNSET)
+        if spec is _UNSET:
+            spec = op.__dict__["_compiled_spec"] = op.geometry_spec()
+        return spec
+
+    def _forward_device(self, op, req, data_nd, out_nd, keep, pending):
+        """The forward on device-built tables (no host read of the rois); ``pending``
+        becomes the call's :class:`~mx_roi.cuda.device_geometry.DeviceGeometry` (its
+        status read at the sync)."""
+        data, rois = self._read(data_nd), pending.rois
+        op.check_dtypes(data.dtype, rois.dtype)
+        _check_plane(op, data.shape)
+        launch = self._launch(op, data.dtype, data_nd)
+        dev = device_geometry.build(launch, pending.spec, rois, data.shape[0], data.shape[2],
+                                    data.shape[3])
+        pending.dev = dev
+        geo = dev.geo
+        launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
+                                                                          rois.shape)))
+        launch.keep = bool(keep)
+        out, saved = op.forward_cuda(launch, geo, data)
+        if out is not launch.out_target:
+            self._write(out_nd, req, out)
+        if keep:  # the backward reuses the geometry (when its rois are the same)
+            return keep_for_backward(saved, rois, data.shape[2:], geo)
+        return None
 
     def _host_rois(self, rois_nd) -> np.ndarray:
         """The rois as a NumPy array: the checks and the geometry run on the host for every
@@ -568,6 +645,11 @@ class CudaBackend:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
+        if isinstance(saved, Saved) and not isinstance(saved.rois, np.ndarray):
+            # a device-path forward kept its rois on the device: compared on the host (the
+            # backward reads the rois there anyway)
+            import cupy
+            saved.rois = cupy.asnumpy(saved.rois)
         saved, geo = unpack_saved(saved, rois, shape[2:], np)
         if geo is None:
             geo = self._geometry(op, rois, shape[2], shape[3])
@@ -614,6 +696,27 @@ def _check_plane(op, shape):
 
 
 _UNSET = object()
+
+
+class _DevicePending:
+    """A forward taking the device path: its spec and device rois, then (``dev``) its
+    :class:`~mx_roi.cuda.device_geometry.DeviceGeometry` once the kernel is queued."""
+
+    __slots__ = ("spec", "rois", "dev")
+
+    def __init__(self, spec, rois):
+        self.spec, self.rois, self.dev = spec, rois, None
+
+    @property
+    def status(self):
+        return self.dev.status if self.dev is not None else None
+
+    def error(self, op, status, xp):
+        return self.dev.error(op, status, xp) if self.dev is not None else None
+
+    def overflowed(self, status):
+        return self.dev is not None and self.dev.overflow_possible and \
+            self.dev.overflowed(status)
 
 
 class _NullContext:

@@ -171,7 +171,12 @@ def int_bins_tables(bins) -> dict:
 def int_bins_max_cells(bins) -> int:
     """The most cells of any bin of IntBins ``bins`` (an empty bin has none).  A bin is
     a y range times an x range, so per roi the longest y range times the longest x
-    range; from the host tables (a GPU call's too: :func:`host_tables`)."""
+    range; from the host tables (a GPU call's too: :func:`host_tables`); tables built on
+    the device (:mod:`mx_roi.cuda.device_geometry`) carry a bound instead (``max_cells``:
+    the map's cells), as nothing of them is read on the host."""
+    bound = getattr(bins, "max_cells", None)
+    if bound is not None:
+        return int(bound)
     bins = host_tables(bins)
     if bins.hstart.size == 0 or bins.wstart.size == 0:
         return 0
