@@ -486,7 +486,7 @@ def _fake_cupy():
 
     cuda = types.SimpleNamespace(
         Device=lambda i: contextlib.nullcontext(),
-        get_current_stream=lambda: _Stream())
+        get_current_stream=lambda: _Stream(), get_device_id=lambda: 0)
     def asnumpy(a, stream=None):  # a host copy, as CuPy's (on ``stream``, then its sync)
         fake.log.append(("asnumpy",))
         return np.array(a)

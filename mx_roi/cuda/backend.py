@@ -506,9 +506,7 @@ class CudaBackend:
                 result = self._forward_device(op, req, data_nd, out_nd, keep, dev)
             finally:  # after _forward's temporaries are dropped: the pool can free them
                 status = self._sync(dev.status if dev is not None else None)
-            error = dev.error(op, status, self._xp())
-            if error is not None:
-                raise error
+            dev.raise_if_bad(op, status, self._xp())
             if dev.overflowed(status):  # a box needing wider tables: the host-built ones
                 try:
                     return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
@@ -711,8 +709,9 @@ class _DevicePending:
     def status(self):
         return self.dev.status if self.dev is not None else None
 
-    def error(self, op, status, xp):
-        return self.dev.error(op, status, xp) if self.dev is not None else None
+    def raise_if_bad(self, op, status, xp):
+        if self.dev is not None:
+            self.dev.raise_if_bad(op, status, xp)
 
     def overflowed(self, status):
         return self.dev is not None and self.dev.overflow_possible and \

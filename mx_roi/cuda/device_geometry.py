@@ -99,6 +99,12 @@ class DeviceGeometry:
         rois = self.rois if xp is np else xp.asnumpy(self.rois)
         return op.roi_error(code, row, rois, self.images)
 
+    def raise_if_bad(self, op, status_host, xp):
+        """Raise :meth:`error`'s ValueError, if any (the device check of the rois)."""
+        error = self.error(op, status_host, xp)
+        if error is not None:
+            raise error
+
     @staticmethod
     def overflowed(status_host) -> bool:
         """Whether some roi needed more sample points than the tables hold."""

@@ -1,0 +1,181 @@
+"""The geometry built on the device (mx_roi.cuda.device_geometry): host synchronisations
+and host<->device copies of one GPU call, counted without a GPU, and the emulation's bits
+on device-built tables against host-built ones.
+
+The CUDA backend runs with a counting stand-in for ``cupy`` (tests/test_emulation.py's
+NumPy-backed fake, its kernels the host-compiled ones) whose arrays are a NumPy subclass
+(:class:`DeviceArray`): anything the backend hands a kernel that is not already one was
+uploaded (``h2d``); every ``asnumpy`` is a copy to the host (``d2h``) followed by a wait,
+and every ``Stream.synchronize`` a wait (``sync``).  A forward on device-built geometry
+(mx_roi.cuda.device_geometry) must copy nothing either way before its last launch, wait
+once, read back only its 16-byte status word in that wait, and give the emulation's bits;
+a bad roi must raise the host check's message from that one wait.
+"""
+import sys
+
+import numpy as np
+import pytest
+
+from mx_roi.cuda import loader
+from mx_roi.cuda.backend import CudaBackend
+from mx_roi.ndio import Kind
+from mx_roi.registry import get_op
+from tests.test_emulation import CASES, EMU, _fake_cupy, _ids, make_op, nd, problem, run
+
+
+class DeviceArray(np.ndarray):
+    """A NumPy array playing device memory."""
+
+
+def _dev(a):
+    return a if isinstance(a, DeviceArray) else np.asarray(a).view(DeviceArray)
+
+
+def _counting_cupy():
+    fake = _fake_cupy()
+    log = fake.log
+    fake.ndarray = DeviceArray
+    from_dlpack = fake.from_dlpack
+    fake.from_dlpack = lambda obj: from_dlpack(obj).view(DeviceArray)
+
+    def made(fn):
+        return lambda *a, **k: _dev(fn(*a, **k))
+
+    for name in ("empty", "zeros", "full", "empty_like", "zeros_like", "arange"):
+        setattr(fake, name, made(getattr(np, name)))
+
+    def upload(fn):
+        def to_device(a, *args, **kwargs):
+            if not isinstance(a, DeviceArray):
+                log.append(("h2d", int(np.asarray(a).nbytes)))
+            return _dev(fn(a, *args, **kwargs))
+        return to_device
+
+    fake.asarray = upload(np.asarray)
+    fake.array = upload(np.array)
+    fake.ascontiguousarray = upload(np.ascontiguousarray)
+
+    def asnumpy(a, stream=None):
+        log.append(("d2h", int(a.nbytes)))
+        log.append(("sync",))  # CuPy's copy to the host waits for it (blocking)
+        return np.array(a).view(np.ndarray)
+
+    fake.asnumpy = asnumpy
+    return fake
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = _counting_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", f)
+    monkeypatch.setattr(loader, "_MODULES", dict(loader._MODULES))
+    monkeypatch.setattr(loader, "_cupy_toolchain", lambda: f.toolchain)
+    monkeypatch.setattr(sys.modules[get_op("PSROIPooling").__module__], "_DEVICE_MAPS", {})
+    return f
+
+
+def _forward(gpu, op, data, rois, keep=False):
+    """One forward through ``gpu`` (CPU NDArrays, read through the backend's DLPack
+    views as GPU memory); returns the output (host), pre-filled with garbage."""
+    out = nd(np.full(op.out_shape(data.shape, rois.shape), 7.25, data.dtype))
+    gpu.forward(op, "write", nd(data), nd(rois), out, keep=keep)
+    return out.asnumpy()
+
+
+def _inside(op, data, rois, grad):
+    """The problem with its boxes clipped to the map (a detector's boxes lie inside the
+    image; the adversarial ones far outside take the host path: the test below)."""
+    scale = float(op.param.spatial_scale)
+    rois = rois.copy()
+    rois[:, 1::2] = np.clip(rois[:, 1::2], 0, (data.shape[3] - 1) / scale)
+    rois[:, 2::2] = np.clip(rois[:, 2::2], 0, (data.shape[2] - 1) / scale)
+    return data, rois, grad
+
+
+def _events(log):
+    """The log's sync / copy events and launches, in order."""
+    return [e for e in log if e[0] in ("sync", "d2h", "h2d", "launch")]
+
+
+@pytest.mark.parametrize("name,params", CASES[:10], ids=_ids(CASES[:10]))
+def test_forward_one_sync_no_copy_before_launch(fake, name, params):
+    op = make_op(name, params)
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=3))
+    gpu = CudaBackend(Kind.CUDA)
+    _forward(gpu, op, data, rois)  # compile, first-call caches
+    for keep in (False, True):
+        fake.log.clear()
+        got = _forward(gpu, op, data, rois, keep=keep)
+        ev = _events(fake.log)
+        launches = [i for i, e in enumerate(ev) if e[0] == "launch"]
+        assert launches and ev[launches[0]][1].startswith("roi_"), ev
+        assert ev[launches[0]][1].split("<")[0] in ("roi_bins_geometry", "roi_grid_geometry")
+        before = [e for e in ev[:launches[-1]] if e[0] != "launch"]
+        assert before == [], f"{name}: host waits/copies before the launch: {before}"
+        after = ev[launches[-1] + 1:]
+        assert after == [("d2h", 16), ("sync",)], f"{name}: after the launches: {after}"
+    want = run(EMU, op, data, rois, grad)[0]
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("bad", ["nan", "batch"])
+def test_bad_roi_raises_after_the_one_sync(fake, bad):
+    op = make_op("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2))
+    data, rois, _ = _inside(op, *problem(op, np.float32, seed=4))
+    rois = np.concatenate([rois, rois, rois])
+    if bad == "nan":
+        rois[4, 3] = np.nan
+        rois[2, 0] = 9.0  # a batch error on an earlier row: the NaN row is named first
+    else:
+        rois[5, 0] = data.shape[0]
+        rois[7, 0] = 99.0
+    gpu = CudaBackend(Kind.CUDA)
+    with pytest.raises(ValueError) as want:
+        run(EMU, op, data, rois, None)
+    fake.log.clear()
+    with pytest.raises(ValueError) as got:
+        _forward(gpu, op, data, rois)
+    assert str(got.value) == str(want.value)
+    ev = _events(fake.log)
+    last = max(i for i, e in enumerate(ev) if e[0] == "launch")
+    # the status read is the one wait; then the rois come back for the message only
+    assert ev[last + 1:] == [("d2h", 16), ("sync",), ("d2h", rois.nbytes), ("sync",)], ev
+    # the next call works
+    fake.log.clear()
+    good = np.array(rois)
+    good[:, 0] = 0
+    good[:, 1:] = np.nan_to_num(good[:, 1:])
+    _forward(gpu, op, data, good)
+
+
+def test_box_beyond_the_widths_runs_again_on_host_tables(fake):
+    """Adaptive ROIAlign: a box much larger than the map needs more sample points than the
+    shape-derived widths hold; the call runs again on the host-built tables (same bits)."""
+    op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1))
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=8))
+    rois[0, 1:] = [-500.0, -400.0, 900.0, 700.0]
+    gpu = CudaBackend(Kind.CUDA)
+    fake.log.clear()
+    got = _forward(gpu, op, data, rois)
+    assert got.tobytes() == run(EMU, op, data, rois, grad)[0].tobytes()
+    assert sum(e == ("sync",) for e in fake.log) == 3  # status, the rois' copy, the rerun
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=_ids(CASES))
+def test_device_tables_give_the_host_tables_bits(name, params, monkeypatch):
+    """emulated-cuda on device-built tables (the GPU's path) against the same kernels on
+    host-built tables: forward and backward byte-equal, every dtype, adversarial rois
+    (boxes far off the map take the host path again) and rois inside the map."""
+    op = make_op(name, params)
+    for dtype in (np.float16, np.float32, np.float64):
+        problems = [problem(op, dtype, seed=11)]
+        problems.append(_inside(op, *problem(op, dtype, seed=12)))
+        for data, rois, grad in problems:
+            garbage_out = np.full(op.out_shape(data.shape, rois.shape), -3.5, dtype)
+            garbage_grad = np.full(data.shape, 2.75, dtype)
+            monkeypatch.setattr(CudaBackend, "device_geometry", False)
+            want = run(EMU, op, data, rois, grad, init_out=garbage_out, init_grad=garbage_grad)
+            monkeypatch.setattr(CudaBackend, "device_geometry", True)
+            got = run(EMU, op, data, rois, grad, init_out=garbage_out, init_grad=garbage_grad)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), (name, dtype)
