@@ -18,6 +18,7 @@ import pytest
 
 from mx_roi.cuda import loader
 from mx_roi.cuda.backend import CudaBackend
+from mx_roi.mxpatch import GUARD_BOUND
 from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 from tests.test_emulation import CASES, EMU, _fake_cupy, _ids, make_op, nd, problem, run
@@ -98,7 +99,7 @@ def _events(log):
 
 
 @pytest.mark.parametrize("name,params", CASES[:10], ids=_ids(CASES[:10]))
-def test_forward_one_sync_no_copy_before_launch(fake, name, params):
+def test_forward_one_sync_no_copy_before_launch(fake, name, params, monkeypatch):
     op = make_op(name, params)
     data, rois, grad = _inside(op, *problem(op, np.float32, seed=3))
     gpu = CudaBackend(Kind.CUDA)
@@ -114,41 +115,60 @@ def test_forward_one_sync_no_copy_before_launch(fake, name, params):
         assert before == [], f"{name}: host waits/copies before the launch: {before}"
         after = ev[launches[-1] + 1:]
         assert after == [("d2h", 16), ("sync",)], f"{name}: after the launches: {after}"
-    want = run(EMU, op, data, rois, grad)[0]
+    want = _host_path(op, data, rois, grad, monkeypatch)[0]
     assert got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("bad", ["nan", "batch"])
-def test_bad_roi_raises_after_the_one_sync(fake, bad):
-    op = make_op("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2))
-    data, rois, _ = _inside(op, *problem(op, np.float32, seed=4))
+def _host_path(op, data, rois, grad, monkeypatch):
+    """The emulation on host-built tables (the path before the device geometry)."""
+    monkeypatch.setattr(CudaBackend, "device_geometry", False)
+    try:
+        return run(EMU, op, data, rois, grad)
+    finally:
+        monkeypatch.setattr(CudaBackend, "device_geometry", True)
+
+
+@pytest.mark.parametrize("bad", ["nan", "guard", "batch"])
+@pytest.mark.parametrize("name,params", [
+    ("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2)),
+    ("ROIPooling", dict(pooled_size=(2, 2), spatial_scale=0.5))], ids=["grid", "bins"])
+def test_bad_roi_raises_after_the_one_sync(fake, bad, name, params, monkeypatch):
+    op = make_op(name, params)
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=4))
     rois = np.concatenate([rois, rois, rois])
-    if bad == "nan":
-        rois[4, 3] = np.nan
+    if bad in ("nan", "guard"):
+        # the oneDNN guard's clip value counts as infinite (mx_roi.mxpatch.GUARD_BOUND)
+        rois[4, 3] = np.nan if bad == "nan" else GUARD_BOUND
         rois[2, 0] = 9.0  # a batch error on an earlier row: the NaN row is named first
     else:
         rois[5, 0] = data.shape[0]
         rois[7, 0] = 99.0
     gpu = CudaBackend(Kind.CUDA)
     with pytest.raises(ValueError) as want:
-        run(EMU, op, data, rois, None)
+        _host_path(op, data, rois, grad, monkeypatch)
     fake.log.clear()
+    out = nd(np.full(op.out_shape(data.shape, rois.shape), 7.25, data.dtype))
     with pytest.raises(ValueError) as got:
-        _forward(gpu, op, data, rois)
+        gpu.forward(op, "write", nd(data), nd(rois), out)
     assert str(got.value) == str(want.value)
+    # the bad rows were padding to the kernels (no data read with them), the others ran
+    out = out.asnumpy()
+    bad_rows = ~(np.abs(rois) < GUARD_BOUND).all(axis=1) | (rois[:, 0] >= data.shape[0])
+    assert (out[bad_rows] == 0).all() and (out[~bad_rows] != 7.25).all()
     ev = _events(fake.log)
     last = max(i for i, e in enumerate(ev) if e[0] == "launch")
     # the status read is the one wait; then the rois come back for the message only
     assert ev[last + 1:] == [("d2h", 16), ("sync",), ("d2h", rois.nbytes), ("sync",)], ev
     # the next call works
     fake.log.clear()
-    good = np.array(rois)
+    good = np.nan_to_num(rois)
     good[:, 0] = 0
-    good[:, 1:] = np.nan_to_num(good[:, 1:])
-    _forward(gpu, op, data, good)
+    good = _inside(op, data, good, None)[1]
+    assert _forward(gpu, op, data, good).tobytes() == \
+        _host_path(op, data, good, grad, monkeypatch)[0].tobytes()
 
 
-def test_box_beyond_the_widths_runs_again_on_host_tables(fake):
+def test_box_beyond_the_widths_runs_again_on_host_tables(fake, monkeypatch):
     """Adaptive ROIAlign: a box much larger than the map needs more sample points than the
     shape-derived widths hold; the call runs again on the host-built tables (same bits)."""
     op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1))
@@ -157,7 +177,7 @@ def test_box_beyond_the_widths_runs_again_on_host_tables(fake):
     gpu = CudaBackend(Kind.CUDA)
     fake.log.clear()
     got = _forward(gpu, op, data, rois)
-    assert got.tobytes() == run(EMU, op, data, rois, grad)[0].tobytes()
+    assert got.tobytes() == _host_path(op, data, rois, grad, monkeypatch)[0].tobytes()
     assert sum(e == ("sync",) for e in fake.log) == 3  # status, the rois' copy, the rerun
 
 
