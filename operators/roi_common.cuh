@@ -1439,11 +1439,13 @@ __device__ __forceinline__ bool roi_status(const T* rois, long long r, long long
 // roi is recorded in ``status`` (roi_status) and its table row marked as padding (batch
 // -1): the op kernels read no data for it, and the call raises once it reads the status.
 // Parameters as mx_roi::geo::Params; N the images of the map, bound/use_bound the
-// finite-coordinate bound of check_rois; n = R.
+// finite-coordinate bound of check_rois; n = R.  Integer bins: a roi with a bin of more
+// than ``cells`` cells (the bound the argmax type was chosen for) is flagged in status[1]
+// and marked as padding, as a grid roi needing more points than Gy, Gx.
 template <typename T, typename A>
 __global__ void roi_bins_geometry(const T* __restrict__ rois, int mode, int P, int Q, int H,
                                   int W, float spatial_scale, long long N, double bound,
-                                  int use_bound, int* __restrict__ batch,
+                                  int use_bound, long long cells, int* __restrict__ batch,
                                   int* __restrict__ hstart, int* __restrict__ hend,
                                   int* __restrict__ wstart, int* __restrict__ wend,
                                   unsigned long long* __restrict__ status, long long n) {
@@ -1464,7 +1466,15 @@ __global__ void roi_bins_geometry(const T* __restrict__ rois, int mode, int P, i
   const long long step = (long long)blockDim.x * (long long)gridDim.x;
   for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step) {
     mx_roi::geo::geometry_roi<T, A>(g, rois, r, t);
-    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status)) batch[r] = -1;
+    // the most cells of a bin of this roi (longest y range times longest x range) against
+    // what the max kernels' argmax type was chosen for
+    int h = 0, w = 0;
+    for (int p = 0; p < P; ++p) h = mx_roi::geo::imax(h, hend[r * P + p] - hstart[r * P + p]);
+    for (int q = 0; q < Q; ++q) w = mx_roi::geo::imax(w, wend[r * Q + q] - wstart[r * Q + q]);
+    const bool over = (long long)h * (long long)w > cells;
+    if (over) status[1] = 1ULL;
+    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
+      batch[r] = -1;
   }
 }
 

@@ -168,10 +168,17 @@ def test_bad_roi_raises_after_the_one_sync(fake, bad, name, params, monkeypatch)
         _host_path(op, data, good, grad, monkeypatch)[0].tobytes()
 
 
-def test_box_beyond_the_widths_runs_again_on_host_tables(fake, monkeypatch):
-    """Adaptive ROIAlign: a box much larger than the map needs more sample points than the
-    shape-derived widths hold; the call runs again on the host-built tables (same bits)."""
-    op = make_op("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1))
+@pytest.mark.parametrize("name,params", [
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, sample_ratio=-1)),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, legacy="caffe")),
+    ("ROIPooling", dict(pooled_size=(2, 2), spatial_scale=0.5))], ids=["adaptive", "caffe",
+                                                                      "pool"])
+def test_box_beyond_the_widths_runs_again_on_host_tables(fake, name, params, monkeypatch):
+    """A box much larger than the map needs more sample points than the shape-derived
+    widths hold (adaptive ROIAlign, Caffe grid) or has bins larger than the argmax type
+    was chosen for (ROIPooling); the call runs again on the host-built tables (same
+    bits)."""
+    op = make_op(name, params)
     data, rois, grad = _inside(op, *problem(op, np.float32, seed=8))
     rois[0, 1:] = [-500.0, -400.0, 900.0, 700.0]
     gpu = CudaBackend(Kind.CUDA)
@@ -199,3 +206,30 @@ def test_device_tables_give_the_host_tables_bits(name, params, monkeypatch):
             got = run(EMU, op, data, rois, grad, init_out=garbage_out, init_grad=garbage_grad)
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), (name, dtype)
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[4]], ids=["pool", "align-max"])
+def test_backward_reads_both_rois_in_one_copy(fake, name, params, monkeypatch):
+    """The backward still checks its rois on the host (left for a device backward): the
+    rois a device-path forward kept on the device come back with the backward's own in
+    one copy and one wait before its launches; then the stream sync.  Same bits as the
+    host-table path, the forward's argmax reused."""
+    op = make_op(name, params)
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=9))
+    gpu = CudaBackend(Kind.CUDA)
+    run(gpu, op, data, rois, grad)  # compile, first-call caches
+    x, r, g = nd(data), nd(rois), nd(grad)
+    out = nd(np.full(op.out_shape(data.shape, rois.shape), 7.25, data.dtype))
+    dx = nd(np.full(data.shape, -1.5, data.dtype))
+    saved = gpu.forward(op, "write", x, r, out, keep=True)
+    fake.log.clear()
+    gpu.backward(op, "write", g, x, r, dx, saved)
+    ev = _events(fake.log)
+    first = min(i for i, e in enumerate(ev) if e[0] == "launch")
+    last = max(i for i, e in enumerate(ev) if e[0] == "launch")
+    assert ev[:first] == [("d2h", 2 * rois.nbytes), ("sync",)], ev
+    assert "rescan" not in " ".join(e[1] for e in ev if e[0] == "launch")
+    assert ev[last + 1:] == [("sync",)], ev
+    want = _host_path(op, data, rois, grad, monkeypatch)
+    assert out.asnumpy().tobytes() == want[0].tobytes()
+    assert dx.asnumpy().tobytes() == want[1].tobytes()

@@ -568,6 +568,23 @@ class CudaBackend:
             return cupy.asnumpy(ndio.read_cupy(rois_nd))
         return self._read(rois_nd)
 
+    def _backward_rois(self, rois_nd, saved) -> np.ndarray:
+        """The backward's rois on the host (:meth:`_host_rois`).  A device-path forward
+        kept its rois on the device (``saved.rois``): both come back in the same one copy
+        (and wait), and ``saved.rois`` becomes the host copy :func:`unpack_saved` compares."""
+        if self.kind is not Kind.CUDA or not isinstance(saved, Saved):
+            return self._host_rois(rois_nd)
+        import cupy
+        if not isinstance(saved.rois, cupy.ndarray):
+            return self._host_rois(rois_nd)
+        rois = ndio.read_cupy(rois_nd)
+        if saved.rois.shape != rois.shape or saved.rois.dtype != rois.dtype:
+            saved.rois = np.empty((0, 5), rois.dtype)  # not the same rois: nothing reused
+            return cupy.asnumpy(rois)
+        both = cupy.asnumpy(cupy.concatenate([saved.rois, rois]))
+        saved.rois = both[:rois.shape[0]]
+        return both[rois.shape[0]:]
+
     def _compiled(self, op):
         """``(spec, CompiledGeometry)`` when ``op`` has a compiled geometry
         (:meth:`~mx_roi.registry.RoIOp.geometry_spec`) and this is a host build, else
@@ -635,7 +652,7 @@ class CudaBackend:
         xp = self._xp()
         shape = tuple(in_grad_nd.shape)
         _check_plane(op, shape)
-        rois = self._host_rois(rois_nd)
+        rois = self._backward_rois(rois_nd, saved)
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
         self._check(op, shape, in_grad_nd.dtype, rois)
@@ -643,11 +660,6 @@ class CudaBackend:
             if req != "add":
                 self._write(in_grad_nd, req, xp.zeros(shape, in_grad_nd.dtype))
             return
-        if isinstance(saved, Saved) and not isinstance(saved.rois, np.ndarray):
-            # a device-path forward kept its rois on the device: compared on the host (the
-            # backward reads the rois there anyway)
-            import cupy
-            saved.rois = cupy.asnumpy(saved.rois)
         saved, geo = unpack_saved(saved, rois, shape[2:], np)
         if geo is None:
             geo = self._geometry(op, rois, shape[2], shape[3])

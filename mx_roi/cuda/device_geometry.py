@@ -15,9 +15,10 @@ host check's message (:meth:`DeviceGeometry.raise_if_bad`).
 Table sizes cannot depend on the rois (that would need a device read before the launch):
 
 * integer bins (ROIPooling, PSROIPooling): their shapes depend on R, P, Q only; the
-  argmax type of the max kernels is chosen for the largest possible bin, ``H * W`` cells
-  (a bin is clipped to the map): ``uint8`` up to 254 cells, ``uint16`` up to 65534
-  (the host builds size it for the largest bin of the call);
+  argmax type of the max kernels is chosen for :func:`bin_cells`, the largest bin of a box
+  inside the map (``(ceil((H + 1) / P) + 1) * (ceil((W + 1) / Q) + 1)``, at most ``H * W``):
+  ``uint8`` up to 254 cells (7x7 bins on a 50x68 map: 99), as the host builds' exact
+  choice mostly is; a roi with a larger bin is flagged like a grid overflow (below);
 * sample grids with a fixed sample count (ROIAlign ``sample_ratio > 0``, R-FCN
   PSROIAlign): ``sample`` points per bin side, as on the host;
 * adaptive ROIAlign (``sample_ratio <= 0``) and the Caffe grid: the padded count per bin
@@ -63,6 +64,16 @@ def grid_widths(spec, height: int, width: int):
     if gy * P > G.MAX_SAMPLES_PER_AXIS or gx * Q > G.MAX_SAMPLES_PER_AXIS:
         return None
     return gy, gx
+
+
+def bin_cells(spec, height: int, width: int) -> int:
+    """The most cells per bin the integer-bin tables of a device call allow (the argmax
+    type's bound): those of a box inside the map, at most the map's cells."""
+    P, Q = int(spec.pooled_size[0]), int(spec.pooled_size[1])
+    H, W = int(height), int(width)
+    if spec.mode != "pool_bins":  # PSROIPooling averages: no argmax, no bound needed
+        return H * W
+    return min(H * W, (-(-(H + 1) // P) + 1) * (-(-(W + 1) // Q) + 1))
 
 
 def may_overflow(spec) -> bool:
@@ -147,11 +158,12 @@ def build(launch, spec, rois, images: int, height: int, width: int) -> DeviceGeo
     if spec.mode in INT_BINS_MODES:
         t = _carve(xp, [((R,), i32), ((R, P), i32), ((R, P), i32), ((R, Q), i32),
                         ((R, Q), i32)])
-        launch.forward("roi_bins_geometry", R, batch=t[0], hstart=t[1], hend=t[2],
-                       wstart=t[3], wend=t[4], **common)
+        cells = bin_cells(spec, H, W)
+        launch.forward("roi_bins_geometry", R, cells=cells, batch=t[0], hstart=t[1],
+                       hend=t[2], wstart=t[3], wend=t[4], **common)
         geo = G.IntBins(*t)
-        geo.max_cells = H * W  # the argmax type's bound (int_bins_max_cells)
-        return DeviceGeometry(geo, status, rois, int(images), False)
+        geo.max_cells = cells  # the argmax type's bound (int_bins_max_cells)
+        return DeviceGeometry(geo, status, rois, int(images), cells < H * W)
     gy, gx = grid_widths(spec, H, W)
     acc = launch.acc
     specs = [((R,), i32)]
