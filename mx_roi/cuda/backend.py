@@ -9,7 +9,15 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
    kernels write straight into MXNet's output / input-gradient memory (req write/inplace:
    ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
    (``asnumpy``, ``dst[:] = value``);
-2. ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
+2. a GPU or ``emulated-cuda`` forward of an op with a compiled geometry
+   (``op.geometry_spec()``) reads no roi on the host before its launches: one kernel, one
+   thread per roi, checks the rois and fills the tables on the device
+   (:mod:`mx_roi.cuda.device_geometry`); a bad roi is recorded in a status word and its
+   row marked as padding (no data read with it); the status is read at the stream sync
+   the call ends with, and the call then raises the host check's message (a box needing
+   wider tables than the shapes allot reruns on host tables, below).  Every other call
+   (the backward, ``native``, req null/add, no rois, an empty map):
+   ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
    rois on the host (a GPU call copies its (R, 5) rois back once); on the host builds,
    for an op with a compiled geometry (``op.geometry_spec()``), the first bad roi is
    found in compiled code (``check_inputs(..., compiled=...)``: the same roi, the same
@@ -42,8 +50,10 @@ calls.  The argmax is (R, C, P, Q), bin-relative (the winner's
 index among its bin's candidates), in the smallest unsigned type that fits every bin of
 the call (:func:`mx_roi.cuda.tables.argmax_dtype`: ``uint8`` for bins of at most 254
 candidates -- a quarter of an int32 argmax --, else ``uint16`` or ``uint32``; the type's
-maximum means "no winner"), the kernels' template parameter ``I``, deduced from the
-array's dtype (:meth:`Launch.expression`).  A call's temporaries (geometry tables, the
+maximum means "no winner"; on device-built tables the type fits the largest bin of a
+box inside the map, :func:`mx_roi.cuda.device_geometry.bin_cells`, and the sample grids'
+padded widths, as nothing of the rois is read on the host), the kernels' template
+parameter ``I``, deduced from the array's dtype (:meth:`Launch.expression`).  A call's temporaries (geometry tables, the
 float16 or fixed-point accumulator) are dropped when it returns, and after the stream
 sync CuPy's default memory pool frees its unused blocks whenever they exceed
 :data:`POOL_KEEP_BYTES` (32 MiB), so MXNet's allocator can reuse them; smaller caches are
@@ -74,10 +84,13 @@ launches on its current stream of ``cupy.cuda.Device(ctx.device_id)``.  Before r
 the backend calls ``cupy.cuda.get_current_stream().synchronize()`` so that everything it
 wrote is complete when MXNet's engine hands the outputs to the next operator (MXNet's
 stream knows nothing of CuPy's).  Cost: one host wait per forward/backward -- the op's
-kernels are not overlapped with the next MXNet op -- plus the copy of the rois to the
-host (validation and geometry run there) and, in deterministic mode, the read of the
-bound; each a few microseconds, small against the kernels.  ``mx.nd.waitall()`` is never
-called inside an op.
+kernels are not overlapped with the next MXNet op.  A forward on device-built tables
+copies nothing to or from the host before its launches and makes that wait the copy of
+its 16-byte status word (``cupy.asnumpy(status, stream=...)``: one copy, one sync);
+the backward still copies its rois to the host first (validation and geometry there:
+one more wait; after a device-path forward, its kept rois come back in the same copy)
+and, in deterministic mode, reads the bound; each a few microseconds.
+``mx.nd.waitall()`` is never called inside an op.
 """
 from __future__ import annotations
 

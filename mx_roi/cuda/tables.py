@@ -1,8 +1,9 @@
 """Geometry tables (mx_roi.geometry) as kernel arguments, by the kernels' parameter names.
 
-The kernels read the tables exactly as :mod:`mx_roi.geometry` builds them (no geometry
-is re-derived on the device; the host builds fill the same tables from the compiled
-twin, :mod:`mx_roi.cuda.compiled_geometry`).  These helpers only name them: ``Launch.forward``/
+The kernels read the tables exactly as :mod:`mx_roi.geometry` builds them (the host
+builds fill the same tables from the compiled twin, :mod:`mx_roi.cuda.compiled_geometry`;
+a GPU or emulated-cuda forward fills them on the device, :mod:`mx_roi.cuda.device_geometry`,
+with wider padding where the widths come from the shapes).  These helpers only name them: ``Launch.forward``/
 ``backward`` (:mod:`mx_roi.cuda.backend`) binds each to the kernel parameter of that name
 (tables a kernel does not take are left out) and fixes layout and dtype.
 """
