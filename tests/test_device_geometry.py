@@ -233,3 +233,67 @@ def test_backward_reads_both_rois_in_one_copy(fake, name, params, monkeypatch):
     want = _host_path(op, data, rois, grad, monkeypatch)
     assert out.asnumpy().tobytes() == want[0].tobytes()
     assert dx.asnumpy().tobytes() == want[1].tobytes()
+
+
+@pytest.mark.parametrize("name,params,keep", [
+    ("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=-1), True),
+    ("PSROIPooling", dict(pooled_size=3, output_dim=2, spatial_scale=0.5), True),
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=0.5, pool_mode="max"), False),
+    ("ROIPooling", dict(pooled_size=(2, 2), spatial_scale=0.5), False)],
+    ids=["align-avg", "ps-pool", "align-max-rescan", "pool-rescan"])
+@pytest.mark.parametrize("req", ["write", "add"])
+def test_backward_without_argmax_one_sync_no_copy_before_launch(fake, name, params, keep, req,
+                                                               monkeypatch):
+    """A backward that needs no argmax (average ops; max ops whose forward kept none: the
+    rescan kernels) builds its tables on the device too: nothing copied or waited for
+    before its launches, the status read as its one wait, the host-table path's bits
+    (req add: where no roi can need wider tables -- fixed widths -- else the host path)."""
+    op = make_op(name, params)
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=13))
+    gpu = CudaBackend(Kind.CUDA)
+    x, r, g = nd(data), nd(rois), nd(grad)
+    init = np.full(data.shape, 0.5 if req == "add" else -7.5, data.dtype)
+    out = nd(np.zeros(op.out_shape(data.shape, rois.shape), data.dtype))
+    saved = gpu.forward(op, "write", x, r, out, keep=True)
+    if not keep:
+        saved = None  # (as a large call's forward keeps no argmax)
+    dx = nd(init)
+    fake.log.clear()
+    gpu.backward(op, req, g, x, r, dx, saved)
+    ev = _events(fake.log)
+    # adaptive widths (the ROIAlign cases), bins bounded by the map (ROIPooling): req add
+    # keeps the host path, which starts with the rois' copy
+    host_path = req == "add" and name in ("ROIAlign", "ROIPooling")
+    first = min(i for i, e in enumerate(ev) if e[0] == "launch")
+    last = max(i for i, e in enumerate(ev) if e[0] == "launch")
+    if host_path:
+        kept = 2 if keep else 1  # (with the rois the forward kept, in the same copy)
+        assert ev[:2] == [("d2h", kept * rois.nbytes), ("sync",)], ev
+    else:
+        assert ev[first][1].split("<")[0].endswith("_geometry"), ev
+        assert [e for e in ev[:last] if e[0] != "launch"] == [], ev
+        assert ev[last + 1:] == [("d2h", 16), ("sync",)], ev
+    monkeypatch.setattr(CudaBackend, "device_geometry", False)
+    want = nd(init)
+    EMU.backward(op, req, g, x, r, want, None if not keep else EMU.forward(
+        op, "write", x, r, nd(np.zeros(out.shape, data.dtype)), keep=True))
+    assert dx.asnumpy().tobytes() == want.asnumpy().tobytes()
+
+
+def test_backward_bad_roi_raises_after_the_one_sync(fake, monkeypatch):
+    op = make_op("ROIAlign", dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2))
+    data, rois, grad = _inside(op, *problem(op, np.float32, seed=14))
+    rois[3, 2] = np.inf
+    monkeypatch.setattr(CudaBackend, "device_geometry", False)
+    with pytest.raises(ValueError) as want:
+        EMU.backward(op, "write", nd(grad), nd(data), nd(rois), nd(data.copy()), None)
+    monkeypatch.setattr(CudaBackend, "device_geometry", True)
+    gpu = CudaBackend(Kind.CUDA)
+    fake.log.clear()
+    with pytest.raises(ValueError) as got:
+        gpu.backward(op, "write", nd(grad), nd(data), nd(rois), nd(data.copy()), None)
+    assert str(got.value) == str(want.value)
+    ev = _events(fake.log)
+    last = max(i for i, e in enumerate(ev) if e[0] == "launch")
+    assert [e for e in ev[:last] if e[0] != "launch"] == [], ev
+    assert ev[last + 1:] == [("d2h", 16), ("sync",), ("d2h", rois.nbytes), ("sync",)], ev

@@ -656,10 +656,60 @@ class CudaBackend:
         if req == "null":
             return
         with self._device(in_grad_nd):
+            dev = None
             try:
-                self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved)
+                dev = self._backward_device_path(op, req, rois_nd, in_grad_nd, saved)
+                if dev is None:
+                    self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved)
+                    return
+                self._backward_device(op, req, grad_nd, data_nd, in_grad_nd, dev)
             finally:  # after _backward's temporaries are dropped: the pool can free them
-                self._sync()
+                status = self._sync(dev.status if dev is not None else None)
+            dev.raise_if_bad(op, status, self._xp())
+            if dev.overflowed(status):  # (req write/inplace): again on host-built tables
+                try:
+                    self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved)
+                finally:
+                    self._sync()
+
+    def _backward_device_path(self, op, req, rois_nd, in_grad_nd, saved):
+        """Like :meth:`_device_path`, for a backward that needs nothing of its forward but
+        the rois (an average op, or a max op whose forward kept no argmax: the rescan
+        kernels), not deterministic (its bound reads the tables on the host), and for req
+        add only where no roi can need wider tables (a rerun would add twice)."""
+        value = saved.value if isinstance(saved, Saved) else saved
+        if value is not None or getattr(op.param, "deterministic", False):
+            return None
+        pending = self._device_path(op, "write", in_grad_nd, rois_nd)
+        if pending is None or req not in ("write", "inplace", "add"):
+            return None
+        if req == "add":
+            shape = tuple(in_grad_nd.shape)
+            spec = pending.spec
+            if device_geometry.may_overflow(spec) or (
+                    spec.mode == "pool_bins" and
+                    device_geometry.bin_cells(spec, shape[2], shape[3]) < shape[2] * shape[3]):
+                return None
+        return pending
+
+    def _backward_device(self, op, req, grad_nd, data_nd, in_grad_nd, pending):
+        """The backward on device-built tables (no host read of the rois; the status read
+        at the sync, as the forward's)."""
+        shape = tuple(in_grad_nd.shape)
+        _check_plane(op, shape)
+        rois = pending.rois
+        op.check_dtypes(in_grad_nd.dtype, rois.dtype)
+        grad = self._read(grad_nd)
+        launch = self._launch(op, grad.dtype, in_grad_nd)
+        dev = device_geometry.build(launch, pending.spec, rois, shape[0], shape[2], shape[3])
+        pending.dev = dev
+        launch.geo = dev.geo
+        if op.backward_needs_data:  # no argmax: the winners are rescanned
+            launch.data = self._read(data_nd)
+        target = self._target(in_grad_nd, req, grad=True, size=math.prod(shape))
+        launch.grad_target, launch.grad_req = target, req
+        value = op.backward_cuda(launch, dev.geo, grad, shape, None)
+        self._store_grad(in_grad_nd, req, value, target)
 
     def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved):
         xp = self._xp()
