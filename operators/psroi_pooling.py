@@ -66,10 +66,22 @@ class PositionSensitive(RoIOp):
     def channel_map(self, xp=np):
         """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
         cmap = _host_tables(self.param)[1]
-        return cmap if xp is np else xp.asarray(cmap)  # on a GPU: one small copy
+        if xp is np:
+            return cmap
+        # on a GPU: uploaded once per parameters and device, not per call (a copy before
+        # the launch would wait on the host)
+        key = (self.param, int(xp.cuda.get_device_id()))
+        dev = _DEVICE_MAPS.get(key)
+        if dev is None:
+            if len(_DEVICE_MAPS) >= 256:  # stay bounded, as _HOST_TABLES
+                _DEVICE_MAPS.clear()
+            dev = _DEVICE_MAPS[key] = xp.asarray(cmap)
+        return dev
 
 
 _HOST_TABLES = {}
+#: (parameters, device id) -> the channel map on that GPU (read-only by the kernels)
+_DEVICE_MAPS = {}
 
 
 def _host_tables(param):

@@ -1211,7 +1211,7 @@ __device__ __forceinline__ void put(int* low, int* high, A* wl, A* wh, A* coord,
   high[k] = t.high;
   wl[k] = t.w_low;
   wh[k] = t.w_high;
-  coord[k] = c;
+  if (coord) coord[k] = c;  // null on the device: only the pictures read the coordinates
 }
 
 // One axis of a ROIAlign roi: count and points of its ``pooled`` bins; returns the count.
@@ -1370,31 +1370,163 @@ __device__ void geometry_counts(const Params& g, const T* rois, long long R, int
 // The first bad roi of R (rois (R, 5)) for images 0..N-1: 1 = a NaN or infinite value
 // (|x| >= bound counts as infinite where the dtype holds bound), checked over all rows
 // first; 2 = a batch index >= N (N = 0: trunc(b) >= 0); 0 = none.  ``row`` gets the row.
+// Whether roi ``row`` (5 values) has a NaN or infinite value (check_rois' code 1).
+template <typename T, typename A>
+__device__ __forceinline__ bool roi_nonfinite(const T* row, double bound, bool use_bound) {
+  typedef Traits<T> Tr;
+  const double b_t = (double)(A)bound;  // the bound in the rois' type, as NumPy compares
+  for (int k = 0; k < 5; ++k) {
+    const double v = (double)Tr::load(row[k]);
+    if (use_bound ? !(fabs(v) < b_t) : !(v - v == 0)) return true;
+  }
+  return false;
+}
+
+// Whether roi ``row`` has a batch index >= N (check_rois' code 2; N = 0: trunc(b) >= 0).
+template <typename T>
+__device__ __forceinline__ bool roi_batch_out(const T* row, long long N) {
+  const double b = (double)Traits<T>::load(row[0]);
+  return N > 0 ? b >= (double)N : trunc(b) >= (double)N;
+}
+
 template <typename T, typename A>
 __device__ int check_rois(const T* rois, long long R, long long N, double bound, bool use_bound,
                           long long* row) {
-  typedef Traits<T> Tr;
-  const double b_t = (double)(A)bound;  // the bound in the rois' type, as NumPy compares
   for (long long r = 0; r < R; ++r)
-    for (int k = 0; k < 5; ++k) {
-      const double v = (double)Tr::load(rois[r * 5 + k]);
-      if (use_bound ? !(fabs(v) < b_t) : !(v - v == 0)) {
-        *row = r;
-        return 1;
-      }
+    if (roi_nonfinite<T, A>(rois + r * 5, bound, use_bound)) {
+      *row = r;
+      return 1;
     }
-  for (long long r = 0; r < R; ++r) {
-    const double b = (double)Tr::load(rois[r * 5]);
-    if (N > 0 ? b >= (double)N : trunc(b) >= (double)N) {
+  for (long long r = 0; r < R; ++r)
+    if (roi_batch_out(rois + r * 5, N)) {
       *row = r;
       return 2;
     }
-  }
   return 0;
+}
+
+// ---- the status word of the device geometry (kernels roi_bins_geometry /
+// roi_grid_geometry below; mx_roi.cuda.device_geometry reads it) ---------------------------
+// status[0]: the complement of the smallest key of a bad roi, key = row for code 1 (a NaN or
+// infinite value) and 2^62 + row for code 2 (a batch index >= N), so that the largest
+// complement (atomicMax, from a zeroed word) names check_rois' roi: the first non-finite
+// row, else the first row with a batch index out of range; 0 = every roi is valid.
+// status[1]: 1 when some roi needs more sample points per bin side than the tables hold.
+const unsigned long long STATUS_BATCH_KEY = 1ULL << 62;
+
+// Checks roi r (check_rois' rule), records a bad one in status[0]; true if it is bad.
+template <typename T, typename A>
+__device__ __forceinline__ bool roi_status(const T* rois, long long r, long long N, double bound,
+                                           bool use_bound, unsigned long long* status) {
+  const T* row = rois + r * 5;
+  unsigned long long key;
+  if (roi_nonfinite<T, A>(row, bound, use_bound))
+    key = (unsigned long long)r;
+  else if (roi_batch_out(row, N))
+    key = STATUS_BATCH_KEY + (unsigned long long)r;
+  else
+    return false;
+  atomicMax(status, ~key);
+  return true;
 }
 
 }  // namespace geo
 }  // namespace mx_roi
+
+// ==== the geometry on the device: one thread per roi ======================================
+// The roi check and the tables of mx_roi::geo, filled where the op kernels read them (a GPU
+// call copies nothing to the host before its launches; mx_roi.cuda.device_geometry).  A bad
+// roi is recorded in ``status`` (roi_status) and its table row marked as padding (batch
+// -1): the op kernels read no data for it, and the call raises once it reads the status.
+// Parameters as mx_roi::geo::Params; N the images of the map, bound/use_bound the
+// finite-coordinate bound of check_rois; n = R.  Integer bins: a roi with a bin of more
+// than ``cells`` cells (the bound the argmax type was chosen for) is flagged in status[1]
+// and marked as padding, as a grid roi needing more points than Gy, Gx.
+template <typename T, typename A>
+__global__ void roi_bins_geometry(const T* __restrict__ rois, int mode, int P, int Q, int H,
+                                  int W, float spatial_scale, long long N, double bound,
+                                  int use_bound, long long cells, int* __restrict__ batch,
+                                  int* __restrict__ hstart, int* __restrict__ hend,
+                                  int* __restrict__ wstart, int* __restrict__ wend,
+                                  unsigned long long* __restrict__ status, long long n) {
+  mx_roi::geo::Params g;
+  g.mode = mode;
+  g.P = P;
+  g.Q = Q;
+  g.H = H;
+  g.W = W;
+  g.sample = g.aligned = g.Gy = g.Gx = 0;
+  g.scale = spatial_scale;
+  mx_roi::geo::Tables<A> t = {};
+  t.batch = batch;
+  t.hstart = hstart;
+  t.hend = hend;
+  t.wstart = wstart;
+  t.wend = wend;
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step) {
+    mx_roi::geo::geometry_roi<T, A>(g, rois, r, t);
+    // the most cells of a bin of this roi (longest y range times longest x range) against
+    // what the max kernels' argmax type was chosen for
+    int h = 0, w = 0;
+    for (int p = 0; p < P; ++p) h = mx_roi::geo::imax(h, hend[r * P + p] - hstart[r * P + p]);
+    for (int q = 0; q < Q; ++q) w = mx_roi::geo::imax(w, wend[r * Q + q] - wstart[r * Q + q]);
+    const bool over = (long long)h * (long long)w > cells;
+    if (over) status[1] = 1ULL;
+    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
+      batch[r] = -1;
+  }
+}
+
+// The sample grid's tables (coordinates left out) for padded counts Gy, Gx chosen from the
+// shapes; a roi needing more points per bin side than that is marked as padding and
+// flagged in status[1] (the call then runs again with tables built to measure).
+template <typename T, typename A>
+__global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, int Q, int H,
+                                  int W, int sample, int aligned, float spatial_scale, int Gy,
+                                  int Gx, long long N, double bound, int use_bound,
+                                  int* __restrict__ batch, int* __restrict__ y_count,
+                                  int* __restrict__ y_low, int* __restrict__ y_high,
+                                  A* __restrict__ y_wl, A* __restrict__ y_wh,
+                                  int* __restrict__ x_count, int* __restrict__ x_low,
+                                  int* __restrict__ x_high, A* __restrict__ x_wl,
+                                  A* __restrict__ x_wh, A* __restrict__ divisor,
+                                  unsigned long long* __restrict__ status, long long n) {
+  mx_roi::geo::Params g;
+  g.mode = mode;
+  g.P = P;
+  g.Q = Q;
+  g.H = H;
+  g.W = W;
+  g.sample = sample;
+  g.aligned = aligned;
+  g.scale = spatial_scale;
+  g.Gy = Gy;
+  g.Gx = Gx;
+  mx_roi::geo::Tables<A> t = {};
+  t.batch = batch;
+  t.y_count = y_count;
+  t.y_low = y_low;
+  t.y_high = y_high;
+  t.y_wl = y_wl;
+  t.y_wh = y_wh;
+  t.x_count = x_count;
+  t.x_low = x_low;
+  t.x_high = x_high;
+  t.x_wl = x_wl;
+  t.x_wh = x_wh;
+  t.divisor = divisor;
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step) {
+    mx_roi::geo::geometry_roi<T, A>(g, rois, r, t);
+    bool over = false;
+    for (int p = 0; p < P; ++p) over = over || y_count[r * P + p] > Gy;
+    for (int q = 0; q < Q; ++q) over = over || x_count[r * Q + q] > Gx;
+    if (over) status[1] = 1ULL;
+    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
+      batch[r] = -1;
+  }
+}
 
 #ifdef MX_ROI_HOST_SHIM
 // ---- host entry points of the geometry (mx_roi.cuda.compiled_geometry) -----------------

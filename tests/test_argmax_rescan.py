@@ -106,7 +106,12 @@ def test_rescan_backward_is_the_kept_argmax_backward(name, params, kind, dtype, 
         out, arg, got = train(backend, op, data, rois, grad, req, init, calls)
         what = f"{kind} {np.dtype(dtype).name} req={req}"
         assert arg is None, what  # nothing kept ...
-        assert calls[-1] == RESCAN[name] and len(calls) == 2, (what, calls)
+        # the forward, then the rescan backward (emulated-cuda: each after the device
+        # geometry kernel, and again on host tables where a box needs wider ones)
+        ops = [c for c in calls if not c.endswith("_geometry")]
+        k = ops.index(RESCAN[name])
+        assert set(ops[k:]) == {RESCAN[name]} and len(set(ops[:k])) == 1 and \
+            "forward" in ops[0], (what, calls)
         assert np.array_equal(bits(out), bits(out_kept)), what
         assert np.array_equal(bits(got), bits(want)), what  # ... the same gradient
         assert np.count_nonzero(want != init) > 10, what  # (winners exist)

@@ -621,16 +621,20 @@ def test_inference_forward_stores_no_argmax(backend, name, params, monkeypatch):
     real = Launch.bind
 
     def spy(self, sig, n, tables, args):
-        seen.append({k: args[k] for k in ("argmax", "store_argmax") if k in args})
+        if "argmax" in args:  # the max kernels (not emulated-cuda's device geometry kernel)
+            seen.append({k: args[k] for k in ("argmax", "store_argmax")})
         return real(self, sig, n, tables, args)
 
     monkeypatch.setattr(Launch, "bind", spy)
     shape = op.out_shape(data.shape, rois.shape)
     out_inf, out_train = nd(np.full(shape, 9.0, np.float32)), nd(np.full(shape, 9.0, np.float32))
     assert backend.forward(op, "write", nd(data), nd(rois), out_inf, keep=False) is None
+    inference, seen[:] = list(seen), []
     saved = backend.forward(op, "write", nd(data), nd(rois), out_train, keep=True)
-    assert seen[0]["store_argmax"] == 0 and seen[0]["argmax"].size == 1
-    assert seen[1]["store_argmax"] == 1 and seen[1]["argmax"].shape == shape
+    # (emulated-cuda: a box wider than the device tables' widths reruns a call once)
+    assert inference and all(s["store_argmax"] == 0 and s["argmax"].size == 1
+                             for s in inference)
+    assert seen and all(s["store_argmax"] == 1 and s["argmax"].shape == shape for s in seen)
     identical(out_inf.asnumpy(), out_train.asnumpy(), "inference vs training output")
     monkeypatch.undo()
     dgrad = nd(np.full(data.shape, 7.0, np.float32))

@@ -9,7 +9,15 @@ Flow of one call (``forward`` or ``backward``), identical for all three:
    kernels write straight into MXNet's output / input-gradient memory (req write/inplace:
    ``Launch.out_target`` / ``grad_target``); the emulation copies through NumPy
    (``asnumpy``, ``dst[:] = value``);
-2. ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
+2. a GPU or ``emulated-cuda`` forward of an op with a compiled geometry
+   (``op.geometry_spec()``) reads no roi on the host before its launches: one kernel, one
+   thread per roi, checks the rois and fills the tables on the device
+   (:mod:`mx_roi.cuda.device_geometry`); a bad roi is recorded in a status word and its
+   row marked as padding (no data read with it); the status is read at the stream sync
+   the call ends with, and the call then raises the host check's message (a box needing
+   wider tables than the shapes allot reruns on host tables, below).  Every other call
+   (the backward, ``native``, req null/add, no rois, an empty map):
+   ``op.check_inputs(shape, dtype, rois, np)`` exactly like the NumPy backend, on the
    rois on the host (a GPU call copies its (R, 5) rois back once); on the host builds,
    for an op with a compiled geometry (``op.geometry_spec()``), the first bad roi is
    found in compiled code (``check_inputs(..., compiled=...)``: the same roi, the same
@@ -42,8 +50,10 @@ calls.  The argmax is (R, C, P, Q), bin-relative (the winner's
 index among its bin's candidates), in the smallest unsigned type that fits every bin of
 the call (:func:`mx_roi.cuda.tables.argmax_dtype`: ``uint8`` for bins of at most 254
 candidates -- a quarter of an int32 argmax --, else ``uint16`` or ``uint32``; the type's
-maximum means "no winner"), the kernels' template parameter ``I``, deduced from the
-array's dtype (:meth:`Launch.expression`).  A call's temporaries (geometry tables, the
+maximum means "no winner"; on device-built tables the type fits the largest bin of a
+box inside the map, :func:`mx_roi.cuda.device_geometry.bin_cells`, and the sample grids'
+padded widths, as nothing of the rois is read on the host), the kernels' template
+parameter ``I``, deduced from the array's dtype (:meth:`Launch.expression`).  A call's temporaries (geometry tables, the
 float16 or fixed-point accumulator) are dropped when it returns, and after the stream
 sync CuPy's default memory pool frees its unused blocks whenever they exceed
 :data:`POOL_KEEP_BYTES` (32 MiB), so MXNet's allocator can reuse them; smaller caches are
@@ -74,10 +84,13 @@ launches on its current stream of ``cupy.cuda.Device(ctx.device_id)``.  Before r
 the backend calls ``cupy.cuda.get_current_stream().synchronize()`` so that everything it
 wrote is complete when MXNet's engine hands the outputs to the next operator (MXNet's
 stream knows nothing of CuPy's).  Cost: one host wait per forward/backward -- the op's
-kernels are not overlapped with the next MXNet op -- plus the copy of the rois to the
-host (validation and geometry run there) and, in deterministic mode, the read of the
-bound; each a few microseconds, small against the kernels.  ``mx.nd.waitall()`` is never
-called inside an op.
+kernels are not overlapped with the next MXNet op.  A forward on device-built tables
+copies nothing to or from the host before its launches and makes that wait the copy of
+its 16-byte status word (``cupy.asnumpy(status, stream=...)``: one copy, one sync);
+the backward still copies its rois to the host first (validation and geometry there:
+one more wait; after a device-path forward, its kept rois come back in the same copy)
+and, in deterministic mode, reads the bound; each a few microseconds.
+``mx.nd.waitall()`` is never called inside an op.
 """
 from __future__ import annotations
 
@@ -88,8 +101,8 @@ import numpy as np
 from .. import ndio, scratch
 from ..geometry import compute_dtype
 from ..ndio import Kind
-from ..saved import keep_for_backward, unpack_saved
-from . import loader
+from ..saved import Saved, keep_for_backward, unpack_saved
+from . import device_geometry, loader
 from . import source as S
 from .tables import argmax_dtype, host_tables, to_device
 
@@ -298,14 +311,19 @@ class Launch:
         xp = np  # the host tables (a GPU call's too): no device reads, emulation's bits
         if geo.divisor.size == 0:
             return 1.0
+
+        def host(a):  # tables built on the device (device_geometry): read once, here
+            return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
+
         sums, peaks = [], []
         for axis in (geo.y, geo.x):
-            w = xp.abs(axis.w_low.astype(np.float64)) + xp.abs(axis.w_high.astype(np.float64))
-            live = xp.arange(w.shape[2])[None, None, :] < axis.count[:, :, None]
+            w = xp.abs(host(axis.w_low).astype(np.float64)) + \
+                xp.abs(host(axis.w_high).astype(np.float64))
+            live = xp.arange(w.shape[2])[None, None, :] < host(axis.count)[:, :, None]
             w = xp.where(live, w, 0.0)                                   # (R, P, G)
             sums.append(w.sum(axis=2))
             peaks.append(w.max(axis=2) if w.shape[2] else xp.zeros(w.shape[:2]))
-        avg = sums[0][:, :, None] * sums[1][:, None, :] / geo.divisor.astype(np.float64)
+        avg = sums[0][:, :, None] * sums[1][:, None, :] / host(geo.divisor).astype(np.float64)
         peak = peaks[0][:, :, None] * peaks[1][:, None, :]
         return max(1.0, float(xp.max(xp.maximum(avg, peak))))
 
@@ -460,11 +478,21 @@ class CudaBackend:
         import cupy
         return cupy.cuda.Device(nd.context.device_id)
 
-    def _sync(self):
-        if self.kind is Kind.CUDA:
-            import cupy
-            cupy.cuda.get_current_stream().synchronize()
-            _trim_pool(cupy)
+    def _sync(self, status=None):
+        """Wait for the call's work on the stream (GPU); returns the host copy of the
+        device geometry's ``status`` when given -- read as the wait itself: one copy
+        on the stream, then one synchronisation."""
+        if self.kind is not Kind.CUDA:
+            return status
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if status is not None:
+            host = cupy.asnumpy(status, stream=stream)  # a copy on the stream, its sync
+        else:
+            stream.synchronize()
+            host = None
+        _trim_pool(cupy)
+        return host
 
     def _launch(self, op, dtype, nd):
         native = self.kind is Kind.NATIVE
@@ -476,12 +504,73 @@ class CudaBackend:
         return Launch(module, self._xp(), dtype, deterministic)
 
     # ---- the backend interface ----------------------------------------------------
+    #: whether the GPU and emulated-cuda forwards build the geometry on the device
+    #: (:mod:`mx_roi.cuda.device_geometry`); False: the rois go to the host (the path of
+    #: calls the device path does not take), kept switchable for tests comparing the two
+    device_geometry = True
+
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False, extra=()):
         with self._device(data_nd):
+            dev = None
             try:
-                return self._forward(op, req, data_nd, rois_nd, out_nd, keep, extra)
+                if not extra:  # (an op with extra inputs has no compiled geometry)
+                    dev = self._device_path(op, req, data_nd, rois_nd)
+                if dev is None:
+                    return self._forward(op, req, data_nd, rois_nd, out_nd, keep, extra)
+                result = self._forward_device(op, req, data_nd, out_nd, keep, dev)
             finally:  # after _forward's temporaries are dropped: the pool can free them
-                self._sync()
+                status = self._sync(dev.status if dev is not None else None)
+            dev.raise_if_bad(op, status, self._xp())
+            if dev.overflowed(status):  # a box needing wider tables: the host-built ones
+                try:
+                    return self._forward(op, req, data_nd, rois_nd, out_nd, keep)
+                finally:
+                    self._sync()
+            return result
+
+    def _device_path(self, op, req, data_nd, rois_nd):
+        """The device geometry's rois and spec, ``(spec, rois)``, when this forward builds
+        its tables on the device; else None (host path: the native build, an op without
+        a compiled geometry, req null or add, no rois, an empty map, a sample grid too
+        wide for the shape-derived widths)."""
+        if not self.device_geometry or self.kind is Kind.NATIVE or \
+                req not in ("write", "inplace"):
+            return None
+        shape, rshape = tuple(data_nd.shape), tuple(rois_nd.shape)
+        if len(shape) != 4 or len(rshape) != 2 or rshape[0] == 0 or 0 in shape:
+            return None
+        spec = self._spec(op)
+        if not device_geometry.supported(spec, shape[2], shape[3]):
+            return None
+        return _DevicePending(spec, self._read(rois_nd))
+
+    def _spec(self, op):
+        spec = op.__dict__.get("_compiled_spec", _UNSET)
+        if spec is _UNSET:
+            spec = op.__dict__["_compiled_spec"] = op.geometry_spec()
+        return spec
+
+    def _forward_device(self, op, req, data_nd, out_nd, keep, pending):
+        """The forward on device-built tables (no host read of the rois); ``pending``
+        becomes the call's :class:`~mx_roi.cuda.device_geometry.DeviceGeometry` (its
+        status read at the sync)."""
+        data, rois = self._read(data_nd), pending.rois
+        op.check_dtypes(data.dtype, rois.dtype)
+        _check_plane(op, data.shape)
+        launch = self._launch(op, data.dtype, data_nd)
+        dev = device_geometry.build(launch, pending.spec, rois, data.shape[0], data.shape[2],
+                                    data.shape[3])
+        pending.dev = dev
+        geo = dev.geo
+        launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
+                                                                          rois.shape)))
+        launch.keep = bool(keep)
+        out, saved = op.forward_cuda(launch, geo, data)
+        if out is not launch.out_target:
+            self._write(out_nd, req, out)
+        if keep:  # the backward reuses the geometry (when its rois are the same)
+            return keep_for_backward(saved, rois, data.shape[2:], geo)
+        return None
 
     def _host_rois(self, rois_nd) -> np.ndarray:
         """The rois as a NumPy array: the checks and the geometry run on the host for every
@@ -492,6 +581,23 @@ class CudaBackend:
             import cupy
             return cupy.asnumpy(ndio.read_cupy(rois_nd))
         return self._read(rois_nd)
+
+    def _backward_rois(self, rois_nd, saved) -> np.ndarray:
+        """The backward's rois on the host (:meth:`_host_rois`).  A device-path forward
+        kept its rois on the device (``saved.rois``): both come back in the same one copy
+        (and wait), and ``saved.rois`` becomes the host copy :func:`unpack_saved` compares."""
+        if self.kind is not Kind.CUDA or not isinstance(saved, Saved):
+            return self._host_rois(rois_nd)
+        import cupy
+        if not isinstance(saved.rois, cupy.ndarray):
+            return self._host_rois(rois_nd)
+        rois = ndio.read_cupy(rois_nd)
+        if saved.rois.shape != rois.shape or saved.rois.dtype != rois.dtype:
+            saved.rois = np.empty((0, 5), rois.dtype)  # not the same rois: nothing reused
+            return cupy.asnumpy(rois)
+        both = cupy.asnumpy(cupy.concatenate([saved.rois, rois]))
+        saved.rois = both[:rois.shape[0]]
+        return both[rois.shape[0]:]
 
     def _compiled(self, op):
         """``(spec, CompiledGeometry)`` when ``op`` has a compiled geometry
@@ -568,18 +674,70 @@ class CudaBackend:
         if req == "null" and rois_req == "null" and all(r == "null" for r, _ in extra_grad):
             return
         with self._device(data_nd):
+            dev = None
             try:
-                self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
-                               rois_req, rois_grad_nd, extra, extra_grad)
+                if rois_req == "null" and not extra and req in ("write", "inplace", "add"):
+                    dev = self._backward_device_path(op, req, rois_nd, in_grad_nd, saved)
+                if dev is None:
+                    self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
+                                   rois_req, rois_grad_nd, extra, extra_grad)
+                    return
+                self._backward_device(op, req, grad_nd, data_nd, in_grad_nd, dev)
             finally:  # after _backward's temporaries are dropped: the pool can free them
-                self._sync()
+                status = self._sync(dev.status if dev is not None else None)
+            dev.raise_if_bad(op, status, self._xp())
+            if dev.overflowed(status):  # (req write/inplace): again on host-built tables
+                try:
+                    self._backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
+                                   "null", None)
+                finally:
+                    self._sync()
+
+    def _backward_device_path(self, op, req, rois_nd, in_grad_nd, saved):
+        """Like :meth:`_device_path`, for a backward that needs nothing of its forward but
+        the rois (an average op, or a max op whose forward kept no argmax: the rescan
+        kernels), not deterministic (its bound reads the tables on the host), and for req
+        add only where no roi can need wider tables (a rerun would add twice)."""
+        value = saved.value if isinstance(saved, Saved) else saved
+        if value is not None or getattr(op.param, "deterministic", False):
+            return None
+        pending = self._device_path(op, "write", in_grad_nd, rois_nd)
+        if pending is None or req not in ("write", "inplace", "add"):
+            return None
+        if req == "add":
+            shape = tuple(in_grad_nd.shape)
+            spec = pending.spec
+            if device_geometry.may_overflow(spec) or (
+                    spec.mode == "pool_bins" and
+                    device_geometry.bin_cells(spec, shape[2], shape[3]) < shape[2] * shape[3]):
+                return None
+        return pending
+
+    def _backward_device(self, op, req, grad_nd, data_nd, in_grad_nd, pending):
+        """The backward on device-built tables (no host read of the rois; the status read
+        at the sync, as the forward's)."""
+        shape = tuple(in_grad_nd.shape)
+        _check_plane(op, shape)
+        rois = pending.rois
+        op.check_dtypes(in_grad_nd.dtype, rois.dtype)
+        grad = self._read(grad_nd)
+        launch = self._launch(op, grad.dtype, in_grad_nd)
+        dev = device_geometry.build(launch, pending.spec, rois, shape[0], shape[2], shape[3])
+        pending.dev = dev
+        launch.geo = dev.geo
+        if op.backward_needs_data:  # no argmax: the winners are rescanned
+            launch.data = self._read(data_nd)
+        target = self._target(in_grad_nd, req, grad=True, size=math.prod(shape))
+        launch.grad_target, launch.grad_req = target, req
+        value = op.backward_cuda(launch, dev.geo, grad, shape, None)
+        self._store_grad(in_grad_nd, req, value, target)
 
     def _backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved, rois_req,
                   rois_grad_nd, extra=(), extra_grad=()):
         xp = self._xp()
         shape = tuple(data_nd.shape)
         _check_plane(op, shape)
-        rois = self._host_rois(rois_nd)
+        rois = self._backward_rois(rois_nd, saved)
         # validated again here: the backward never indexes with rois it has not
         # checked (MXNet runs it even when the forward raised)
         self._check(op, shape, data_nd.dtype, rois)
@@ -658,6 +816,28 @@ def _check_plane(op, shape):
 
 
 _UNSET = object()
+
+
+class _DevicePending:
+    """A forward taking the device path: its spec and device rois, then (``dev``) its
+    :class:`~mx_roi.cuda.device_geometry.DeviceGeometry` once the kernel is queued."""
+
+    __slots__ = ("spec", "rois", "dev")
+
+    def __init__(self, spec, rois):
+        self.spec, self.rois, self.dev = spec, rois, None
+
+    @property
+    def status(self):
+        return self.dev.status if self.dev is not None else None
+
+    def raise_if_bad(self, op, status, xp):
+        if self.dev is not None:
+            self.dev.raise_if_bad(op, status, xp)
+
+    def overflowed(self, status):
+        return self.dev is not None and self.dev.overflow_possible and \
+            self.dev.overflowed(status)
 
 
 class _NullContext:

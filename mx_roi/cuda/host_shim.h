@@ -20,7 +20,8 @@
 // * blockIdx/threadIdx/gridDim/blockDim are (thread-local) globals that the generated launch wrappers
 //   set before calling the kernel once per (block, thread): the grid-stride loops then
 //   run serially, each "thread" covering its own strided slice exactly as on a GPU;
-// * atomicAdd is a plain read-modify-write (execution is serial), including the
+// * atomicAdd (and atomicMax, unsigned long long) is a plain read-modify-write
+//   (execution is serial), including the
 //   unsigned long long overload of the deterministic fixed-point mode (wraps modulo
 //   2^64 like the hardware atomic);
 // * __half is the compiler's IEEE binary16 (_Float16) or, without it (or with
@@ -125,6 +126,11 @@ static inline double atomicAdd(double* p, double v) {
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   unsigned long long old = *p;
   *p = old + v;
+  return old;
+}
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  unsigned long long old = *p;
+  if (v > old) *p = v;
   return old;
 }
 

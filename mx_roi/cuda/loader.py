@@ -505,7 +505,8 @@ def host_source(filename: str, kind: Kind = Kind.EMULATED) -> Tuple[str, Dict[st
     """The C++ translation unit of the host build and ``{expr: wrapper index}``.
 
     Emulation wrappers take ``(grid, block, args)``; native ones ``(nthreads, args)`` and
-    split the kernel's ``C`` (output channels) over the threads."""
+    split the kernel's ``C`` (output channels) over the threads (a kernel without ``C``,
+    over rois, runs on one thread)."""
     native = _host_kind(kind) is Kind.NATIVE
     code = S.read_source(filename)
     lines = [code, "", "// ---- generated launch wrappers (mx_roi.cuda.loader) ----"]
@@ -513,8 +514,14 @@ def host_source(filename: str, kind: Kind = Kind.EMULATED) -> Tuple[str, Dict[st
     for k, expr in enumerate(S.name_expressions(filename)):
         sig = S.instantiate(filename, expr)
         call_args = ", ".join(f"*({p.decl}*)a[{i}]" for i, p in enumerate(sig.params))
-        if native:
-            names = [p.name for p in sig.params]
+        names = [p.name for p in sig.params]
+        if native and "C" not in names and "n" in names:
+            # a kernel over rois, not channels (the device geometry): one serial thread,
+            # its grid-stride loop covering all n items
+            lines.append(
+                f'extern "C" void mx_roi_launch_{k}(int nthreads, void** a) {{\n'
+                f"  mx_roi_launch_serial(1, 1, [&]() {{ {expr}({call_args}); }});\n}}")
+        elif native:
             if "C" not in names or "n" not in names:
                 raise ValueError(f"{filename}: {expr} needs the parameters 'C' (output "
                                  "channels) and 'n' (items) for the native launch to split")

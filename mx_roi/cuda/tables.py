@@ -1,8 +1,9 @@
 """Geometry tables (mx_roi.geometry) as kernel arguments, by the kernels' parameter names.
 
-The kernels read the tables exactly as :mod:`mx_roi.geometry` builds them (no geometry
-is re-derived on the device; the host builds fill the same tables from the compiled
-twin, :mod:`mx_roi.cuda.compiled_geometry`).  These helpers only name them: ``Launch.forward``/
+The kernels read the tables exactly as :mod:`mx_roi.geometry` builds them (the host
+builds fill the same tables from the compiled twin, :mod:`mx_roi.cuda.compiled_geometry`;
+a GPU or emulated-cuda forward fills them on the device, :mod:`mx_roi.cuda.device_geometry`,
+with wider padding where the widths come from the shapes).  These helpers only name them: ``Launch.forward``/
 ``backward`` (:mod:`mx_roi.cuda.backend`) binds each to the kernel parameter of that name
 (tables a kernel does not take are left out) and fixes layout and dtype.
 """
@@ -171,7 +172,12 @@ def int_bins_tables(bins) -> dict:
 def int_bins_max_cells(bins) -> int:
     """The most cells of any bin of IntBins ``bins`` (an empty bin has none).  A bin is
     a y range times an x range, so per roi the longest y range times the longest x
-    range; from the host tables (a GPU call's too: :func:`host_tables`)."""
+    range; from the host tables (a GPU call's too: :func:`host_tables`); tables built on
+    the device (:mod:`mx_roi.cuda.device_geometry`) carry a bound instead (``max_cells``:
+    the map's cells), as nothing of them is read on the host."""
+    bound = getattr(bins, "max_cells", None)
+    if bound is not None:
+        return int(bound)
     bins = host_tables(bins)
     if bins.hstart.size == 0 or bins.wstart.size == 0:
         return 0
