@@ -120,15 +120,13 @@ void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale
                                int W, int P, int Q, T* out, long long n) {
   const long long per_roi = (long long)C * P * Q;
   const long long R = per_roi > 0 ? n / per_roi : 0;
-  static thread_local std::vector<int> batch;
-  batch.resize((size_t)(R > 0 ? R : 0));
-  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
-  const mx_roi::LaneWalk<T, A> walk(data, batch.data(), C, H, W, P, Q, n);
+  const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   static thread_local PreciseRoi<A> pr;
   pr.roi = -1;
-  walk.each_pass(batch.data(), C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
                                                  const A* img, T* o) {
     A sum[16] = {};
     if (img) pr.load(r, rois, spatial_scale, P, Q, H, W);
@@ -168,10 +166,8 @@ struct PreciseBackwardLanes<T, A, A> {
     const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     if (R <= 0 || nc <= 0) return true;
-    static thread_local std::vector<int> batch;
-    batch.resize((size_t)R);
-    for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
-    const mx_roi::GradBlock<A> block(batch.data(), R, H, W);
+    const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
+    const mx_roi::GradBlock<A> block(batch, R, H, W);
     static thread_local PreciseRoi<A> pr;
     pr.roi = -1;
     A g[16], gy[16];
