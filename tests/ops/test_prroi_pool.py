@@ -13,7 +13,8 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.base import MXNetError
 
-from tests.ops.base import RoIOpTester, assert_close, make_data, random_rois, run_custom
+from tests.ops.base import (RoIOpTester, assert_native_equals_emulation,
+                            assert_onnx_export_refused, make_data, random_rois, run_custom)
 
 
 # ---- the oracle (Jiang et al., ECCV 2018, eq. for PrPool) ---------------------------------
@@ -374,12 +375,7 @@ def test_rois_wrong_shape(shape):
 
 def test_onnx_export_refused(tmp_path):
     """ONNX has no precise RoI pooling: the exporter refuses the node, naming it."""
-    import mx_roi
-    from mx_roi.onnx import ExportError
-    sym = mx_roi.sym.PrRoIPool(mx.sym.var("data"), mx.sym.var("rois"), (2, 2), 0.5)
-    with pytest.raises(ExportError, match=r"PrRoIPool.*no ONNX translation"):
-        mx.onnx.export_model(sym, {}, [(1, 3, 8, 9), (2, 5)], [np.float32, np.float32],
-                             str(tmp_path / "m.onnx"))
+    assert_onnx_export_refused(tmp_path, "PrRoIPool", 5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -392,13 +388,8 @@ def test_native_walk_same_bits_as_the_generic_kernels(dtype, monkeypatch):
     rois = np.concatenate([random_rois(rng, 12, 2, 9, 11, 0.5, dtype),
                            np.array([[-1, 1, 1, 5, 5], [1, 6, 6, 2, 9]], dtype)])
     grad = make_data(rng, (rois.shape[0], 21, 3, 2), dtype)
-    got = {}
-    for kind in ("native", "emulated-cuda"):
-        monkeypatch.setenv("MX_ROI_BACKEND", kind)
-        got[kind] = run_custom("PrRoIPool", x, rois, dict(pooled_size=(3, 2), spatial_scale=0.5),
-                               grad=grad)
-    for a, b, what in zip(got["native"], got["emulated-cuda"], ("output", "data", "rois")):
-        assert_close(a, b, dtype, f"native vs emulation: {what}", exact=True)
+    assert_native_equals_emulation(monkeypatch, "PrRoIPool", x, rois,
+                                   dict(pooled_size=(3, 2), spatial_scale=0.5), grad, dtype)
 
 
 _TRAINING_STEPS = r"""

@@ -12,7 +12,8 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.base import MXNetError
 
-from tests.ops.base import RoIOpTester, assert_close, make_data, run_custom
+from tests.ops.base import (RoIOpTester, assert_close, assert_native_equals_emulation,
+                            assert_onnx_export_refused, make_data, run_custom)
 
 
 # ---- the oracle: MXNet's rroi_align.cc (Detectron2's aligned, mmcv's clockwise) in float64
@@ -405,12 +406,7 @@ def test_bad_parameters():
 
 def test_onnx_export_refused(tmp_path):
     """ONNX has no rotated RoIAlign: the exporter refuses the node, naming it."""
-    import mx_roi
-    from mx_roi.onnx import ExportError
-    sym = mx_roi.sym.RROIAlign(mx.sym.var("data"), mx.sym.var("rois"), (2, 2), 0.5)
-    with pytest.raises(ExportError, match=r"RROIAlign.*no ONNX translation"):
-        mx.onnx.export_model(sym, {}, [(1, 3, 8, 9), (2, 6)], [np.float32, np.float32],
-                             str(tmp_path / "m.onnx"))
+    assert_onnx_export_refused(tmp_path, "RROIAlign", 6)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -423,11 +419,7 @@ def test_native_walk_same_bits_as_the_generic_kernels(dtype, monkeypatch):
     rois = rotated_adversarial(rng, 2, 9, 11, 0.5, n_random=8, dtype=dtype)
     rois[3, 0] = -1
     grad = make_data(rng, (rois.shape[0], 21, 3, 2), dtype)
-    got = {}
-    for kind in ("native", "emulated-cuda"):
-        monkeypatch.setenv("MX_ROI_BACKEND", kind)
-        got[kind] = run_custom("RROIAlign", x, rois,
-                               dict(pooled_size=(3, 2), spatial_scale=0.5, sampling_ratio=-1),
-                               grad=grad, rois_req="null")
-    for a, b, what in zip(got["native"][:2], got["emulated-cuda"][:2], ("output", "data")):
-        assert_close(a, b, dtype, f"native vs emulation: {what}", exact=True)
+    assert_native_equals_emulation(
+        monkeypatch, "RROIAlign", x, rois,
+        dict(pooled_size=(3, 2), spatial_scale=0.5, sampling_ratio=-1), grad, dtype,
+        what=("output", "data"), rois_req="null")
