@@ -216,11 +216,9 @@ def compiled_bins(op, rois, height, width, kind="emulated-cuda") -> geometry.Pre
     """The :class:`~mx_roi.geometry.PreciseBins` of ``op`` (a :class:`PrRoIPool`) filled by
     the compiled geometry (``prroi_pool_geometry`` of a host build ``kind``), for the test
     that proves it equal to :func:`mx_roi.geometry.precise_bins`."""
-    from mx_roi.cuda import loader
     from mx_roi.cuda.backend import Launch
-    from mx_roi.ndio import Kind
     rois = np.ascontiguousarray(rois)
-    launch = Launch(loader.get_module(op.cuda_source, Kind(kind)), np, rois.dtype)
+    launch = Launch.on_host(op.cuda_source, kind, rois.dtype)
     R = rois.shape[0]
     P, Q = op.param.pooled_size
     want = geometry.precise_bins(rois, (P, Q), op.param.spatial_scale, height, width)

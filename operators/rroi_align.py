@@ -250,11 +250,9 @@ def compiled_grid(op, rois, height, width, kind="emulated-cuda") -> geometry.Rot
     """The :class:`~mx_roi.geometry.RotatedGrid` of ``op`` (an :class:`RROIAlign`) filled by
     the compiled geometry (``rroi_align_geometry`` of a host build ``kind``), for the test
     that proves it equal to :func:`mx_roi.geometry.rotated_grid`."""
-    from mx_roi.cuda import loader
     from mx_roi.cuda.backend import Launch
-    from mx_roi.ndio import Kind
     rois = np.ascontiguousarray(rois)
-    launch = Launch(loader.get_module(op.cuda_source, Kind(kind)), np, rois.dtype)
+    launch = Launch.on_host(op.cuda_source, kind, rois.dtype)
     R = rois.shape[0]
     P, Q = op.param.pooled_size
     boxes = geometry.rotated_boxes(rois, op.param.spatial_scale, op.param.sampling_ratio,
