@@ -288,6 +288,15 @@ __host__ __device__ __forceinline__ PreciseNodeWeights<A> precise_node(
   return n;
 }
 
+#ifdef MX_ROI_HOST_NATIVE
+// The native build's table of an axis bin's node weights: t[k] = those of node a.first + k.
+template <typename A>
+void tabulate_nodes(std::vector<PreciseNodeWeights<A>>& t, const mx_roi::PreciseAxis<A>& a) {
+  t.resize((size_t)a.count);
+  for (int k = 0; k < a.count; ++k) t[k] = precise_node(a, a.first + k);
+}
+#endif
+
 template <typename T, typename A>
 __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          const T* __restrict__ data,
@@ -309,14 +318,12 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
     for (int p = 0; p < P; ++p) {
       const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
 #ifdef MX_ROI_HOST_NATIVE
-      ny.resize((size_t)ay.count);
-      for (int i = 0; i < ay.count; ++i) ny[i] = precise_node(ay, ay.first + i);
+      tabulate_nodes(ny, ay);
 #endif
       for (int q = 0; q < Q; ++q) {
         const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
 #ifdef MX_ROI_HOST_NATIVE
-        nx.resize((size_t)ax.count);
-        for (int j = 0; j < ax.count; ++j) nx[j] = precise_node(ax, ax.first + j);
+        tabulate_nodes(nx, ax);
 #endif
         for (int c = 0; c < channels; ++c) {
           const A g = (A)Tr::load(grad[((r * channels + c) * P + p) * Q + q]);
