@@ -40,6 +40,18 @@ def _bin_terms(roi, P, Q, scale):
             yield p, q, (ya, ya + bh, xa, xa + bw), bh * bw
 
 
+def _live_bins(rois, P, Q, scale):
+    """The bins of area > 0 of every roi with a batch index >= 0: (r, b, p, q, window,
+    area) per bin, :func:`_bin_terms`' window and area."""
+    for r, roi in enumerate(rois.astype(np.float64)):
+        b = int(roi[0])
+        if b < 0:
+            continue
+        for p, q, win, area in _bin_terms(roi, P, Q, scale):
+            if area > 0:
+                yield r, b, p, q, win, area
+
+
 def _cells(y1, y2, x1, x2):
     """Unit cells (i, j) meeting the window and the window's part in each, cell-relative."""
     for i in range(math.floor(y1), math.ceil(y2)):
@@ -56,19 +68,13 @@ def reference_forward(data, rois, pooled_size, spatial_scale):
     data = data.astype(np.float64)
     P, Q = pooled_size
     out = np.zeros((rois.shape[0], data.shape[1], P, Q))
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for p, q, win, area in _bin_terms(roi, P, Q, spatial_scale):
-            if area <= 0:
-                continue
-            acc = np.zeros(data.shape[1])
-            for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
-                acc += (_node(data[b], i, j) * ly0 * lx0 + _node(data[b], i, j + 1) * ly0 * lx1
-                        + _node(data[b], i + 1, j) * ly1 * lx0
-                        + _node(data[b], i + 1, j + 1) * ly1 * lx1)
-            out[r, :, p, q] = acc / area
+    for r, b, p, q, win, area in _live_bins(rois, P, Q, spatial_scale):
+        acc = np.zeros(data.shape[1])
+        for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
+            acc += (_node(data[b], i, j) * ly0 * lx0 + _node(data[b], i, j + 1) * ly0 * lx1
+                    + _node(data[b], i + 1, j) * ly1 * lx0
+                    + _node(data[b], i + 1, j + 1) * ly1 * lx1)
+        out[r, :, p, q] = acc / area
     return out
 
 
@@ -76,19 +82,13 @@ def reference_backward(data, rois, grad, pooled_size, spatial_scale):
     P, Q = pooled_size
     H, W = data.shape[2:]
     out = np.zeros(data.shape)
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for p, q, win, area in _bin_terms(roi, P, Q, spatial_scale):
-            if area <= 0:
-                continue
-            g = grad[r, :, p, q].astype(np.float64) / area
-            for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
-                for di, dj, w in ((0, 0, ly0 * lx0), (0, 1, ly0 * lx1), (1, 0, ly1 * lx0),
-                                  (1, 1, ly1 * lx1)):
-                    if 0 <= i + di < H and 0 <= j + dj < W:
-                        out[b, :, i + di, j + dj] += g * w
+    for r, b, p, q, win, area in _live_bins(rois, P, Q, spatial_scale):
+        g = grad[r, :, p, q].astype(np.float64) / area
+        for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
+            for di, dj, w in ((0, 0, ly0 * lx0), (0, 1, ly0 * lx1), (1, 0, ly1 * lx0),
+                              (1, 1, ly1 * lx1)):
+                if 0 <= i + di < H and 0 <= j + dj < W:
+                    out[b, :, i + di, j + dj] += g * w
     return out
 
 

@@ -66,20 +66,27 @@ def _rotated_samples(roi, pooled, scale, ratio, aligned, clockwise):
     return bins
 
 
+def _live_bins(rois, pooled, scale, ratio, aligned, clockwise):
+    """The bins of every roi with a batch index >= 0: (r, b, p, q, sample points, divisor)
+    per bin, :func:`_rotated_samples`' points and divisor."""
+    for r, roi in enumerate(rois.astype(np.float64)):
+        b = int(roi[0])
+        if b < 0:
+            continue
+        for (p, q), (pts, count) in _rotated_samples(roi, pooled, scale, ratio, aligned,
+                                                     clockwise).items():
+            yield r, b, p, q, pts, count
+
+
 def reference_forward(data, rois, pooled_size, spatial_scale, sampling_ratio=-1,
                       aligned=False, clockwise=False):
     data = data.astype(np.float64)
     P, Q = pooled_size
     out = np.zeros((rois.shape[0], data.shape[1], P, Q))
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for (p, q), (pts, count) in _rotated_samples(roi, pooled_size, spatial_scale,
-                                                     sampling_ratio, aligned,
-                                                     clockwise).items():
-            out[r, :, p, q] = sum((_bilinear(data[b], y, x)[0] for y, x in pts),
-                                  np.zeros(data.shape[1])) / count
+    for r, b, p, q, pts, count in _live_bins(rois, pooled_size, spatial_scale, sampling_ratio,
+                                             aligned, clockwise):
+        out[r, :, p, q] = sum((_bilinear(data[b], y, x)[0] for y, x in pts),
+                              np.zeros(data.shape[1])) / count
     return out
 
 
@@ -87,16 +94,11 @@ def reference_backward(data, rois, grad, pooled_size, spatial_scale, sampling_ra
                        aligned=False, clockwise=False):
     out = np.zeros(data.shape)
     grad = grad.astype(np.float64)
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for (p, q), (pts, count) in _rotated_samples(roi, pooled_size, spatial_scale,
-                                                     sampling_ratio, aligned,
-                                                     clockwise).items():
-            for y, x in pts:
-                for a, c, w in _bilinear(data[b], y, x)[1]:
-                    out[b, :, a, c] += grad[r, :, p, q] * w / count
+    for r, b, p, q, pts, count in _live_bins(rois, pooled_size, spatial_scale, sampling_ratio,
+                                             aligned, clockwise):
+        for y, x in pts:
+            for a, c, w in _bilinear(data[b], y, x)[1]:
+                out[b, :, a, c] += grad[r, :, p, q] * w / count
     return out
 
 
