@@ -14,30 +14,16 @@ from mxnet.base import MXNetError
 
 from tests.ops.base import (RoIOpTester, assert_close, assert_native_equals_emulation,
                             assert_onnx_export_refused, make_data, run_custom)
+from tests.reference import _bilinear as roi_align_taps
 
 
 # ---- the oracle: MXNet's rroi_align.cc (Detectron2's aligned, mmcv's clockwise) in float64
 def _bilinear(plane, y, x):
-    """(value, [(row, col, weight)]) of ROIAlign's bilinear rule at (y, x)."""
+    """(value, [(row, col, weight)]) of ROIAlign's bilinear rule at (y, x), in float64
+    (the taps of tests.reference's ROIAlign oracle)."""
     H, W = plane.shape[-2:]
-    if y < -1.0 or y > H or x < -1.0 or x > W:
-        return 0.0, []
-    y, x = max(y, 0.0), max(x, 0.0)
-    yl, xl = int(y), int(x)
-    if yl >= H - 1:
-        yl = yh = H - 1
-        y = float(yl)
-    else:
-        yh = yl + 1
-    if xl >= W - 1:
-        xl = xh = W - 1
-        x = float(xl)
-    else:
-        xh = xl + 1
-    ly, lx = y - yl, x - xl
-    taps = [(yl, xl, (1 - ly) * (1 - lx)), (yl, xh, (1 - ly) * lx), (yh, xl, ly * (1 - lx)),
-            (yh, xh, ly * lx)]
-    return sum(w * plane[..., a, b] for a, b, w in taps), taps
+    taps = [(a, b, w) for w, a, b in roi_align_taps(y, x, H, W, float)]
+    return sum((w * plane[..., a, b] for a, b, w in taps), 0.0), taps
 
 
 def _rotated_samples(roi, pooled, scale, ratio, aligned, clockwise):
