@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -48,6 +48,27 @@ def c_round(v, xp=np):
 def batch_index(rois, xp=np):
     """``int(rois[:, 0])`` as C truncates it; negative means a padding roi.  (R,) int32."""
     return xp.trunc(rois[:, 0]).astype(np.int32)
+
+
+@dataclass
+class LazyTables:
+    """An op's geometry for a call whose kernels derive it from the rois: the rois (on a
+    GPU :func:`mx_roi.cuda.tables.to_device` moves them) and, built by
+    ``build(rois, height, width)`` on first :meth:`tables` (the NumPy backend), the
+    op's NumPy tables.  ``build`` may be ``None`` where only the rois are read."""
+
+    rois: Any
+    build: Optional[Callable[..., Any]] = None
+    hw: Tuple[int, int] = (0, 0)
+    built: Any = None
+
+    def tables(self):
+        if self.built is None:
+            self.built = self.build(self.rois, *self.hw)
+        return self.built
+
+
+__all__ += ["LazyTables"]
 
 
 def _scale(spatial_scale, dtype):

@@ -120,15 +120,13 @@ void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale
                                int W, int P, int Q, T* out, long long n) {
   const long long per_roi = (long long)C * P * Q;
   const long long R = per_roi > 0 ? n / per_roi : 0;
-  static thread_local std::vector<int> batch;
-  batch.resize((size_t)(R > 0 ? R : 0));
-  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
-  const mx_roi::LaneWalk<T, A> walk(data, batch.data(), C, H, W, P, Q, n);
+  const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   static thread_local PreciseRoi<A> pr;
   pr.roi = -1;
-  walk.each_pass(batch.data(), C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
                                                  const A* img, T* o) {
     A sum[16] = {};
     if (img) pr.load(r, rois, spatial_scale, P, Q, H, W);
@@ -168,10 +166,8 @@ struct PreciseBackwardLanes<T, A, A> {
     const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     if (R <= 0 || nc <= 0) return true;
-    static thread_local std::vector<int> batch;
-    batch.resize((size_t)R);
-    for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 5]);
-    const mx_roi::GradBlock<A> block(batch.data(), R, H, W);
+    const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
+    const mx_roi::GradBlock<A> block(batch, R, H, W);
     static thread_local PreciseRoi<A> pr;
     pr.roi = -1;
     A g[16], gy[16];
@@ -292,6 +288,15 @@ __host__ __device__ __forceinline__ PreciseNodeWeights<A> precise_node(
   return n;
 }
 
+#ifdef MX_ROI_HOST_NATIVE
+// The native build's table of an axis bin's node weights: t[k] = those of node a.first + k.
+template <typename A>
+void tabulate_nodes(std::vector<PreciseNodeWeights<A>>& t, const mx_roi::PreciseAxis<A>& a) {
+  t.resize((size_t)a.count);
+  for (int k = 0; k < a.count; ++k) t[k] = precise_node(a, a.first + k);
+}
+#endif
+
 template <typename T, typename A>
 __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          const T* __restrict__ data,
@@ -313,14 +318,12 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
     for (int p = 0; p < P; ++p) {
       const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
 #ifdef MX_ROI_HOST_NATIVE
-      ny.resize((size_t)ay.count);
-      for (int i = 0; i < ay.count; ++i) ny[i] = precise_node(ay, ay.first + i);
+      tabulate_nodes(ny, ay);
 #endif
       for (int q = 0; q < Q; ++q) {
         const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
 #ifdef MX_ROI_HOST_NATIVE
-        nx.resize((size_t)ax.count);
-        for (int j = 0; j < ax.count; ++j) nx[j] = precise_node(ax, ax.first + j);
+        tabulate_nodes(nx, ax);
 #endif
         for (int c = 0; c < channels; ++c) {
           const A g = (A)Tr::load(grad[((r * channels + c) * P + p) * Q + q]);

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -22,25 +22,6 @@ class PrRoIPoolParam(ParamBase):
     spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
                                        invalid=INVALID_POSITIVE)
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
-
-
-@dataclass
-class _Bins:
-    """What :meth:`PrRoIPool.geometry` returns: the rois (the kernels derive the bins from
-    them; on a GPU :func:`mx_roi.cuda.tables.to_device` moves them) and, built on first
-    use, the NumPy :class:`~mx_roi.geometry.PreciseBins` (NumPy backend)."""
-
-    rois: Any
-    op: Any = None
-    hw: Tuple[int, int] = (0, 0)
-    bins: Any = None
-
-    def tables(self) -> geometry.PreciseBins:
-        if self.bins is None:
-            p = self.op.param
-            self.bins = geometry.precise_bins(self.rois, p.pooled_size, p.spatial_scale,
-                                              *self.hw)
-        return self.bins
 
 
 def _dense(axis, length, values="weight"):
@@ -88,7 +69,11 @@ class PrRoIPool(RoIOp):
                       dict(pooled_size=(3, 2), spatial_scale=1.0))
 
     def geometry(self, rois, height, width, xp):
-        return _Bins(rois, self, (height, width))
+        return geometry.LazyTables(rois, self.bins, (height, width))
+
+    def bins(self, rois, height, width) -> geometry.PreciseBins:
+        p = self.param
+        return geometry.precise_bins(rois, p.pooled_size, p.spatial_scale, height, width)
 
     def roofline_work(self, data_shape, rois, itemsize=4) -> dict:
         """Bytes and multiply-adds (mx_roi.bench's bound): the cells the bins cover, one
@@ -231,11 +216,9 @@ def compiled_bins(op, rois, height, width, kind="emulated-cuda") -> geometry.Pre
     """The :class:`~mx_roi.geometry.PreciseBins` of ``op`` (a :class:`PrRoIPool`) filled by
     the compiled geometry (``prroi_pool_geometry`` of a host build ``kind``), for the test
     that proves it equal to :func:`mx_roi.geometry.precise_bins`."""
-    from mx_roi.cuda import loader
     from mx_roi.cuda.backend import Launch
-    from mx_roi.ndio import Kind
     rois = np.ascontiguousarray(rois)
-    launch = Launch(loader.get_module(op.cuda_source, Kind(kind)), np, rois.dtype)
+    launch = Launch.on_host(op.cuda_source, kind, rois.dtype)
     R = rois.shape[0]
     P, Q = op.param.pooled_size
     want = geometry.precise_bins(rois, (P, Q), op.param.spatial_scale, height, width)
@@ -249,7 +232,7 @@ def compiled_bins(op, rois, height, width, kind="emulated-cuda") -> geometry.Pre
         t.update({f"{a}_{k}": np.zeros((R, n, K), acc)
                   for k in ("weight", "edge_lo", "edge_hi")})
     launch.forward("prroi_pool_geometry", R, C=R, H=height, W=width, Ky=Ky, Kx=Kx,
-                   **op._args(_Bins(rois)), **t)
+                   **op._args(geometry.LazyTables(rois)), **t)
     axes = [geometry.IntegralAxis(t[f"{a}_start"], t[f"{a}_count"], t[f"{a}_weight"],
                                   t[f"{a}_edge_lo"], t[f"{a}_edge_hi"]) for a in "yx"]
     return geometry.PreciseBins(t["batch"], t["area"], t["bin_size"], *axes)

@@ -390,6 +390,17 @@ inline int images_read(const int* batch, long long R) {
   return images;
 }
 
+// The batch index of each of the R rois, column 0 of their rows of `cols` values, loaded
+// and truncated as the generic kernels read it ((int)(A)).  Thread-local storage, reused:
+// valid until the calling thread's next call.
+template <typename T, typename A>
+const int* rois_batch_column(const T* rois, long long R, int cols) {
+  static thread_local std::vector<int> batch;
+  batch.resize((size_t)(R > 0 ? R : 0));
+  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)Traits<T>::load(rois[r * cols]);
+  return batch.data();
+}
+
 // cells[j * ncp + c] = planes[c][j] for c < C, j < HW, 64 cells at a time (their lanes
 // stay in L1); the other lanes untouched.  float: 8 x 8 AVX transposes, else 4 x 4 SSE
 // ones (lanes up to the next multiple of 8 or 4: copies of the last channel), the planes'

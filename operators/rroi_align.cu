@@ -200,15 +200,13 @@ void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale
                                T* out, long long n) {
   const long long per_roi = (long long)C * P * Q;
   const long long R = per_roi > 0 ? n / per_roi : 0;
-  static thread_local std::vector<int> batch;
-  batch.resize((size_t)(R > 0 ? R : 0));
-  for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 6]);
-  const mx_roi::LaneWalk<T, A> walk(data, batch.data(), C, H, W, P, Q, n);
+  const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 6);
+  const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   static thread_local RotatedRoiSamples<A> rs;
   rs.start(rois, R, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
-  walk.each_pass(batch.data(), C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
                                                  const A* img, T* o) {
     if (!img) {  // padding roi: 0
       for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
@@ -246,10 +244,8 @@ struct RotatedBackwardLanes<T, A, A> {
     const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     if (R <= 0 || nc <= 0) return true;
-    static thread_local std::vector<int> batch;
-    batch.resize((size_t)R);
-    for (long long r = 0; r < R; ++r) batch[r] = (int)(A)mx_roi::Traits<T>::load(rois[r * 6]);
-    const mx_roi::GradBlock<A> block(batch.data(), R, H, W);
+    const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 6);
+    const mx_roi::GradBlock<A> block(batch, R, H, W);
     static thread_local RotatedRoiSamples<A> rs;
     rs.start(rois, R, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
     A g[16];

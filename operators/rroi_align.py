@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -128,7 +128,7 @@ class RROIAlign(RoIOp):
                              "spatial_scale, or set sampling_ratio")
 
     def geometry(self, rois, height, width, xp):
-        return _LazyGrid(rois, self, (height, width))
+        return geometry.LazyTables(rois, self.grid, (height, width))
 
     def grid(self, rois, height, width) -> geometry.RotatedGrid:
         p = self.param
@@ -246,32 +246,13 @@ class RROIAlign(RoIOp):
         return launch.grad_value(buf)
 
 
-@dataclass
-class _LazyGrid:
-    """What :meth:`RROIAlign.geometry` returns: the rois (the compiled kernels derive the
-    samples from them; on a GPU :func:`mx_roi.cuda.tables.to_device` moves them) and,
-    built on first use, the NumPy :class:`~mx_roi.geometry.RotatedGrid` (NumPy backend)."""
-
-    rois: Any
-    op: Any = None
-    hw: Tuple[int, int] = (0, 0)
-    grid: Any = None
-
-    def tables(self) -> geometry.RotatedGrid:
-        if self.grid is None:
-            self.grid = self.op.grid(self.rois, *self.hw)
-        return self.grid
-
-
 def compiled_grid(op, rois, height, width, kind="emulated-cuda") -> geometry.RotatedGrid:
     """The :class:`~mx_roi.geometry.RotatedGrid` of ``op`` (an :class:`RROIAlign`) filled by
     the compiled geometry (``rroi_align_geometry`` of a host build ``kind``), for the test
     that proves it equal to :func:`mx_roi.geometry.rotated_grid`."""
-    from mx_roi.cuda import loader
     from mx_roi.cuda.backend import Launch
-    from mx_roi.ndio import Kind
     rois = np.ascontiguousarray(rois)
-    launch = Launch(loader.get_module(op.cuda_source, Kind(kind)), np, rois.dtype)
+    launch = Launch.on_host(op.cuda_source, kind, rois.dtype)
     R = rois.shape[0]
     P, Q = op.param.pooled_size
     boxes = geometry.rotated_boxes(rois, op.param.spatial_scale, op.param.sampling_ratio,
@@ -282,7 +263,7 @@ def compiled_grid(op, rois, height, width, kind="emulated-cuda") -> geometry.Rot
          for name in ("y", "x", "y_low", "y_high", "x_low", "x_high", "w1", "w2", "w3", "w4")}
     head = dict(batch=np.zeros(R, np.int32), count=np.zeros(R, np.int32),
                 divisor=np.zeros(R, acc))
-    args = {k: v for k, v in op._kernel_args(_LazyGrid(rois, op, (height, width))).items()}
+    args = {k: v for k, v in op._kernel_args(geometry.LazyTables(rois)).items()}
     launch.forward("rroi_align_geometry", R * P * Q, C=1, H=height, W=width, G=G, **args,
                    **head, **t)
     return geometry.RotatedGrid(head["batch"], head["count"], head["divisor"], t["y"], t["x"],

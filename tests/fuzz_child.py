@@ -301,6 +301,22 @@ def _unread_step(op_type, entry, x, rois, params, blocks):
     return y.asnumpy(), grad
 
 
+def _closing_checks(counts, log) -> dict:
+    """``counts`` with the checks that close a run of steps: no stale error left for a
+    later synchronisation (``stale_at_waitall``), no error record still pending
+    (``pending_records``), and the first 20 ``log`` lines."""
+    try:
+        mx.nd.waitall()
+        counts["stale_at_waitall"] = 0
+    except mx.base.MXNetError as exc:
+        counts["stale_at_waitall"] = 1
+        log.append(("waitall", str(exc).splitlines()[0][:120]))
+    from mx_roi import errors
+    counts["pending_records"] = errors.pending()
+    counts["log"] = log[:20]
+    return counts
+
+
 def handover(rounds: int, entries, op_types, busy: int = 1000) -> dict:
     """The hand-over of MXNet 1.9.1's custom-op error slot, made to happen every time:
     queue a (busy, busy) matrix product (MXNet's CPU worker is busy with it), issue a
@@ -348,16 +364,7 @@ def handover(rounds: int, entries, op_types, busy: int = 1000) -> dict:
                     counts["good_raised"] += 1
                     log.append((op_type, entry, i, "valid step raised",
                                 str(exc).splitlines()[0][:120]))
-    try:
-        mx.nd.waitall()
-        counts["stale_at_waitall"] = 0
-    except mx.base.MXNetError as exc:
-        counts["stale_at_waitall"] = 1
-        log.append(("waitall", str(exc).splitlines()[0][:120]))
-    from mx_roi import errors
-    counts["pending_records"] = errors.pending()
-    counts["log"] = log[:20]
-    return counts
+    return _closing_checks(counts, log)
 
 
 def unread(steps: int, entries, op_types) -> dict:
@@ -406,16 +413,7 @@ def unread(steps: int, entries, op_types) -> dict:
                     if want not in str(exc).splitlines()[0]:
                         counts["wrong_message"] += 1
                         log.append((op_type, entry, i, str(exc).splitlines()[0][:120]))
-    try:  # no stale error left for a later synchronisation
-        mx.nd.waitall()
-        counts["stale_at_waitall"] = 0
-    except mx.base.MXNetError as exc:
-        counts["stale_at_waitall"] = 1
-        log.append(("waitall", str(exc).splitlines()[0][:120]))
-    from mx_roi import errors
-    counts["pending_records"] = errors.pending()
-    counts["log"] = log[:20]
-    return counts
+    return _closing_checks(counts, log)
 
 
 if __name__ == "__main__":

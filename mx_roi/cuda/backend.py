@@ -143,6 +143,13 @@ class Launch:
         self.data = None
         self.launches = []  # (expression, n) of every launch, for tests
 
+    @classmethod
+    def on_host(cls, cuda_source, kind, dtype):
+        """A launch of ``cuda_source``'s kernels in the host build ``kind`` (a
+        :class:`~mx_roi.ndio.Kind` or its value) over NumPy arrays of ``dtype``: how the
+        compiled-geometry tests call a kernel directly."""
+        return cls(loader.get_module(cuda_source, Kind(kind)), np, dtype)
+
     def empty(self, shape, dtype=None):
         if self.xp is np:  # large host scratch arrays reuse their memory
             return scratch.empty(shape, dtype or self.dtype)

@@ -134,30 +134,17 @@ def _draw_align(ax, op, c):
                                        edgecolor="tab:blue", lw=1.2, zorder=4,
                                        gid=f"bin_{p}_{q}", label="bins" if first else None))
                 first = False
-    s = np.asarray(c["samples"], dtype=np.float64)
     inside = ~c["outside"]
     if ps:
         colours = [_group_colour(c["group_cell"][p, q], c["group_grid"])
                    for p, q in c["sample_bin"][inside]]
     else:
         colours = "tab:blue"
-    ax.scatter(s[inside, 1] + PIXEL_CENTRE, s[inside, 0] + PIXEL_CENTRE, s=14, c=colours,
-               edgecolors="black", linewidths=0.4, zorder=7, gid="samples",
-               label="bilinear sample points")
-    if (~inside).any():
-        ax.scatter(s[~inside, 1] + PIXEL_CENTRE, s[~inside, 0] + PIXEL_CENTRE, s=22,
-                   marker="x", c="firebrick", zorder=7, gid="samples_outside",
-                   label="off the map: weight 0")
+    s = _scatter_samples(ax, c, colours)
     if c.get("tap_sample") is not None:
         p, q, iy, ix = (int(v) for v in c["tap_sample"])
-        k = int(np.flatnonzero((c["sample_index"] == c["tap_sample"]).all(axis=1))[0])
-        sy, sx = s[k] + PIXEL_CENTRE
         taps = c["taps"] + PIXEL_CENTRE
-        for (ty, tx), wgt in zip(taps, c["tap_weights"]):
-            ax.plot([sx, tx], [sy, ty], color="crimson", lw=0.8, zorder=8)
-        ax.scatter(taps[:, 1], taps[:, 0], s=40, marker="s", facecolors="none",
-                   edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps",
-                   label=f"4 taps of sample {(p, q, iy, ix)}")
+        sy, sx = _tap_lines(ax, c, s, taps, f"4 taps of sample {(p, q, iy, ix)}")
         seen = {}
         for (ty, tx), wgt in zip(taps, c["tap_weights"]):
             key = (float(ty), float(tx))
@@ -197,8 +184,8 @@ def _draw_polygons(ax, op, c):
             ax.text(tx, ty, f"{wgt:.2f}", fontsize=6, ha="center", va="center", zorder=10)
 
 
-def _draw_samples(ax, c, colours):
-    """Sample points (off-map ones as crosses) and the four taps of ``tap_sample``."""
+def _scatter_samples(ax, c, colours):
+    """Sample points (off-map ones as crosses); returns them, (y, x) per row."""
     s = np.asarray(c["samples"], dtype=np.float64)
     inside = ~np.asarray(c["outside"], dtype=bool)
     ax.scatter(s[inside, 1] + PIXEL_CENTRE, s[inside, 0] + PIXEL_CENTRE, s=14, c=colours,
@@ -208,15 +195,27 @@ def _draw_samples(ax, c, colours):
         ax.scatter(s[~inside, 1] + PIXEL_CENTRE, s[~inside, 0] + PIXEL_CENTRE, s=22,
                    marker="x", c="firebrick", zorder=7, gid="samples_outside",
                    label="off the map: weight 0")
+    return s
+
+
+def _tap_lines(ax, c, s, taps, label):
+    """Lines from sample ``tap_sample`` (of the points ``s``) to its four ``taps`` (drawn
+    coordinates, (y, x) per row) and the taps as squares; returns the sample's (y, x)."""
+    k = int(np.flatnonzero((c["sample_index"] == c["tap_sample"]).all(axis=1))[0])
+    sy, sx = s[k] + PIXEL_CENTRE
+    for ty, tx in taps:
+        ax.plot([sx, tx], [sy, ty], color="crimson", lw=0.8, zorder=8)
+    ax.scatter(taps[:, 1], taps[:, 0], s=40, marker="s", facecolors="none",
+               edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps", label=label)
+    return sy, sx
+
+
+def _draw_samples(ax, c, colours):
+    """Sample points (off-map ones as crosses) and the four taps of ``tap_sample``."""
+    s = _scatter_samples(ax, c, colours)
     if c.get("tap_sample") is not None and "taps" in c:
-        k = int(np.flatnonzero((c["sample_index"] == c["tap_sample"]).all(axis=1))[0])
-        sy, sx = s[k] + PIXEL_CENTRE
-        taps = np.asarray(c["taps"], dtype=np.float64) + PIXEL_CENTRE
-        for ty, tx in taps:
-            ax.plot([sx, tx], [sy, ty], color="crimson", lw=0.8, zorder=8)
-        ax.scatter(taps[:, 1], taps[:, 0], s=40, marker="s", facecolors="none",
-                   edgecolors="crimson", linewidths=1.2, zorder=9, gid="taps",
-                   label=f"4 taps of sample {tuple(int(v) for v in c['tap_sample'])}")
+        sy, sx = _tap_lines(ax, c, s, np.asarray(c["taps"], dtype=np.float64) + PIXEL_CENTRE,
+                            f"4 taps of sample {tuple(int(v) for v in c['tap_sample'])}")
         ax.scatter([sx], [sy], s=30, c="crimson", zorder=9, gid="tap_sample")
 def _draw_deformable(ax, op, c):
     """The box's regular bins (dashed) and each bin's samples after its offset, in the

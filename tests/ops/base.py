@@ -152,6 +152,29 @@ def run_custom(op_type, data, rois, params, grad=None, data_req="write", rois_re
     return out, dg, rg
 
 
+def assert_native_equals_emulation(monkeypatch, op_type, data, rois, params, grad, dtype,
+                                   what=("output", "data", "rois"), **kw):
+    """The native build's walks give the generic kernels' bits (run by the emulation):
+    :func:`run_custom` under each backend, its first ``len(what)`` results equal to the bit.
+    """
+    got = {}
+    for kind in ("native", "emulated-cuda"):
+        monkeypatch.setenv("MX_ROI_BACKEND", kind)
+        got[kind] = run_custom(op_type, data, rois, params, grad=grad, **kw)
+    for a, b, name in zip(got["native"][:len(what)], got["emulated-cuda"][:len(what)], what):
+        assert_close(a, b, dtype, f"native vs emulation: {name}", exact=True)
+
+
+def assert_onnx_export_refused(tmp_path, op_type, rois_columns):
+    """The ONNX exporter refuses an ``op_type`` node (pooled (2, 2), scale 0.5), naming it."""
+    import mx_roi
+    from mx_roi.onnx import ExportError
+    sym = getattr(mx_roi.sym, op_type)(mx.sym.var("data"), mx.sym.var("rois"), (2, 2), 0.5)
+    with pytest.raises(ExportError, match=rf"{op_type}.*no ONNX translation"):
+        mx.onnx.export_model(sym, {}, [(1, 3, 8, 9), (2, rois_columns)],
+                             [np.float32, np.float32], str(tmp_path / "m.onnx"))
+
+
 def run_builtin(fn, data, rois, params, grad):
     x = mx.nd.array(data, dtype=data.dtype, ctx=CTX)
     r = mx.nd.array(rois, dtype=rois.dtype, ctx=CTX)

@@ -13,7 +13,8 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.base import MXNetError
 
-from tests.ops.base import RoIOpTester, assert_close, make_data, random_rois, run_custom
+from tests.ops.base import (RoIOpTester, assert_native_equals_emulation,
+                            assert_onnx_export_refused, make_data, random_rois, run_custom)
 
 
 # ---- the oracle (Jiang et al., ECCV 2018, eq. for PrPool) ---------------------------------
@@ -39,6 +40,18 @@ def _bin_terms(roi, P, Q, scale):
             yield p, q, (ya, ya + bh, xa, xa + bw), bh * bw
 
 
+def _live_bins(rois, P, Q, scale):
+    """The bins of area > 0 of every roi with a batch index >= 0: (r, b, p, q, window,
+    area) per bin, :func:`_bin_terms`' window and area."""
+    for r, roi in enumerate(rois.astype(np.float64)):
+        b = int(roi[0])
+        if b < 0:
+            continue
+        for p, q, win, area in _bin_terms(roi, P, Q, scale):
+            if area > 0:
+                yield r, b, p, q, win, area
+
+
 def _cells(y1, y2, x1, x2):
     """Unit cells (i, j) meeting the window and the window's part in each, cell-relative."""
     for i in range(math.floor(y1), math.ceil(y2)):
@@ -55,19 +68,13 @@ def reference_forward(data, rois, pooled_size, spatial_scale):
     data = data.astype(np.float64)
     P, Q = pooled_size
     out = np.zeros((rois.shape[0], data.shape[1], P, Q))
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for p, q, win, area in _bin_terms(roi, P, Q, spatial_scale):
-            if area <= 0:
-                continue
-            acc = np.zeros(data.shape[1])
-            for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
-                acc += (_node(data[b], i, j) * ly0 * lx0 + _node(data[b], i, j + 1) * ly0 * lx1
-                        + _node(data[b], i + 1, j) * ly1 * lx0
-                        + _node(data[b], i + 1, j + 1) * ly1 * lx1)
-            out[r, :, p, q] = acc / area
+    for r, b, p, q, win, area in _live_bins(rois, P, Q, spatial_scale):
+        acc = np.zeros(data.shape[1])
+        for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
+            acc += (_node(data[b], i, j) * ly0 * lx0 + _node(data[b], i, j + 1) * ly0 * lx1
+                    + _node(data[b], i + 1, j) * ly1 * lx0
+                    + _node(data[b], i + 1, j + 1) * ly1 * lx1)
+        out[r, :, p, q] = acc / area
     return out
 
 
@@ -75,19 +82,13 @@ def reference_backward(data, rois, grad, pooled_size, spatial_scale):
     P, Q = pooled_size
     H, W = data.shape[2:]
     out = np.zeros(data.shape)
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for p, q, win, area in _bin_terms(roi, P, Q, spatial_scale):
-            if area <= 0:
-                continue
-            g = grad[r, :, p, q].astype(np.float64) / area
-            for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
-                for di, dj, w in ((0, 0, ly0 * lx0), (0, 1, ly0 * lx1), (1, 0, ly1 * lx0),
-                                  (1, 1, ly1 * lx1)):
-                    if 0 <= i + di < H and 0 <= j + dj < W:
-                        out[b, :, i + di, j + dj] += g * w
+    for r, b, p, q, win, area in _live_bins(rois, P, Q, spatial_scale):
+        g = grad[r, :, p, q].astype(np.float64) / area
+        for i, j, (ly0, ly1), (lx0, lx1) in _cells(*win):
+            for di, dj, w in ((0, 0, ly0 * lx0), (0, 1, ly0 * lx1), (1, 0, ly1 * lx0),
+                              (1, 1, ly1 * lx1)):
+                if 0 <= i + di < H and 0 <= j + dj < W:
+                    out[b, :, i + di, j + dj] += g * w
     return out
 
 
@@ -374,12 +375,7 @@ def test_rois_wrong_shape(shape):
 
 def test_onnx_export_refused(tmp_path):
     """ONNX has no precise RoI pooling: the exporter refuses the node, naming it."""
-    import mx_roi
-    from mx_roi.onnx import ExportError
-    sym = mx_roi.sym.PrRoIPool(mx.sym.var("data"), mx.sym.var("rois"), (2, 2), 0.5)
-    with pytest.raises(ExportError, match=r"PrRoIPool.*no ONNX translation"):
-        mx.onnx.export_model(sym, {}, [(1, 3, 8, 9), (2, 5)], [np.float32, np.float32],
-                             str(tmp_path / "m.onnx"))
+    assert_onnx_export_refused(tmp_path, "PrRoIPool", 5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -392,13 +388,8 @@ def test_native_walk_same_bits_as_the_generic_kernels(dtype, monkeypatch):
     rois = np.concatenate([random_rois(rng, 12, 2, 9, 11, 0.5, dtype),
                            np.array([[-1, 1, 1, 5, 5], [1, 6, 6, 2, 9]], dtype)])
     grad = make_data(rng, (rois.shape[0], 21, 3, 2), dtype)
-    got = {}
-    for kind in ("native", "emulated-cuda"):
-        monkeypatch.setenv("MX_ROI_BACKEND", kind)
-        got[kind] = run_custom("PrRoIPool", x, rois, dict(pooled_size=(3, 2), spatial_scale=0.5),
-                               grad=grad)
-    for a, b, what in zip(got["native"], got["emulated-cuda"], ("output", "data", "rois")):
-        assert_close(a, b, dtype, f"native vs emulation: {what}", exact=True)
+    assert_native_equals_emulation(monkeypatch, "PrRoIPool", x, rois,
+                                   dict(pooled_size=(3, 2), spatial_scale=0.5), grad, dtype)
 
 
 _TRAINING_STEPS = r"""

@@ -12,31 +12,18 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.base import MXNetError
 
-from tests.ops.base import RoIOpTester, assert_close, make_data, run_custom
+from tests.ops.base import (RoIOpTester, assert_close, assert_native_equals_emulation,
+                            assert_onnx_export_refused, make_data, run_custom)
+from tests.reference import _bilinear as roi_align_taps
 
 
 # ---- the oracle: MXNet's rroi_align.cc (Detectron2's aligned, mmcv's clockwise) in float64
 def _bilinear(plane, y, x):
-    """(value, [(row, col, weight)]) of ROIAlign's bilinear rule at (y, x)."""
+    """(value, [(row, col, weight)]) of ROIAlign's bilinear rule at (y, x), in float64
+    (the taps of tests.reference's ROIAlign oracle)."""
     H, W = plane.shape[-2:]
-    if y < -1.0 or y > H or x < -1.0 or x > W:
-        return 0.0, []
-    y, x = max(y, 0.0), max(x, 0.0)
-    yl, xl = int(y), int(x)
-    if yl >= H - 1:
-        yl = yh = H - 1
-        y = float(yl)
-    else:
-        yh = yl + 1
-    if xl >= W - 1:
-        xl = xh = W - 1
-        x = float(xl)
-    else:
-        xh = xl + 1
-    ly, lx = y - yl, x - xl
-    taps = [(yl, xl, (1 - ly) * (1 - lx)), (yl, xh, (1 - ly) * lx), (yh, xl, ly * (1 - lx)),
-            (yh, xh, ly * lx)]
-    return sum(w * plane[..., a, b] for a, b, w in taps), taps
+    taps = [(a, b, w) for w, a, b in roi_align_taps(y, x, H, W, float)]
+    return sum((w * plane[..., a, b] for a, b, w in taps), 0.0), taps
 
 
 def _rotated_samples(roi, pooled, scale, ratio, aligned, clockwise):
@@ -65,20 +52,27 @@ def _rotated_samples(roi, pooled, scale, ratio, aligned, clockwise):
     return bins
 
 
+def _live_bins(rois, pooled, scale, ratio, aligned, clockwise):
+    """The bins of every roi with a batch index >= 0: (r, b, p, q, sample points, divisor)
+    per bin, :func:`_rotated_samples`' points and divisor."""
+    for r, roi in enumerate(rois.astype(np.float64)):
+        b = int(roi[0])
+        if b < 0:
+            continue
+        for (p, q), (pts, count) in _rotated_samples(roi, pooled, scale, ratio, aligned,
+                                                     clockwise).items():
+            yield r, b, p, q, pts, count
+
+
 def reference_forward(data, rois, pooled_size, spatial_scale, sampling_ratio=-1,
                       aligned=False, clockwise=False):
     data = data.astype(np.float64)
     P, Q = pooled_size
     out = np.zeros((rois.shape[0], data.shape[1], P, Q))
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for (p, q), (pts, count) in _rotated_samples(roi, pooled_size, spatial_scale,
-                                                     sampling_ratio, aligned,
-                                                     clockwise).items():
-            out[r, :, p, q] = sum((_bilinear(data[b], y, x)[0] for y, x in pts),
-                                  np.zeros(data.shape[1])) / count
+    for r, b, p, q, pts, count in _live_bins(rois, pooled_size, spatial_scale, sampling_ratio,
+                                             aligned, clockwise):
+        out[r, :, p, q] = sum((_bilinear(data[b], y, x)[0] for y, x in pts),
+                              np.zeros(data.shape[1])) / count
     return out
 
 
@@ -86,16 +80,11 @@ def reference_backward(data, rois, grad, pooled_size, spatial_scale, sampling_ra
                        aligned=False, clockwise=False):
     out = np.zeros(data.shape)
     grad = grad.astype(np.float64)
-    for r, roi in enumerate(rois.astype(np.float64)):
-        b = int(roi[0])
-        if b < 0:
-            continue
-        for (p, q), (pts, count) in _rotated_samples(roi, pooled_size, spatial_scale,
-                                                     sampling_ratio, aligned,
-                                                     clockwise).items():
-            for y, x in pts:
-                for a, c, w in _bilinear(data[b], y, x)[1]:
-                    out[b, :, a, c] += grad[r, :, p, q] * w / count
+    for r, b, p, q, pts, count in _live_bins(rois, pooled_size, spatial_scale, sampling_ratio,
+                                             aligned, clockwise):
+        for y, x in pts:
+            for a, c, w in _bilinear(data[b], y, x)[1]:
+                out[b, :, a, c] += grad[r, :, p, q] * w / count
     return out
 
 
@@ -405,12 +394,7 @@ def test_bad_parameters():
 
 def test_onnx_export_refused(tmp_path):
     """ONNX has no rotated RoIAlign: the exporter refuses the node, naming it."""
-    import mx_roi
-    from mx_roi.onnx import ExportError
-    sym = mx_roi.sym.RROIAlign(mx.sym.var("data"), mx.sym.var("rois"), (2, 2), 0.5)
-    with pytest.raises(ExportError, match=r"RROIAlign.*no ONNX translation"):
-        mx.onnx.export_model(sym, {}, [(1, 3, 8, 9), (2, 6)], [np.float32, np.float32],
-                             str(tmp_path / "m.onnx"))
+    assert_onnx_export_refused(tmp_path, "RROIAlign", 6)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -423,11 +407,7 @@ def test_native_walk_same_bits_as_the_generic_kernels(dtype, monkeypatch):
     rois = rotated_adversarial(rng, 2, 9, 11, 0.5, n_random=8, dtype=dtype)
     rois[3, 0] = -1
     grad = make_data(rng, (rois.shape[0], 21, 3, 2), dtype)
-    got = {}
-    for kind in ("native", "emulated-cuda"):
-        monkeypatch.setenv("MX_ROI_BACKEND", kind)
-        got[kind] = run_custom("RROIAlign", x, rois,
-                               dict(pooled_size=(3, 2), spatial_scale=0.5, sampling_ratio=-1),
-                               grad=grad, rois_req="null")
-    for a, b, what in zip(got["native"][:2], got["emulated-cuda"][:2], ("output", "data")):
-        assert_close(a, b, dtype, f"native vs emulation: {what}", exact=True)
+    assert_native_equals_emulation(
+        monkeypatch, "RROIAlign", x, rois,
+        dict(pooled_size=(3, 2), spatial_scale=0.5, sampling_ratio=-1), grad, dtype,
+        what=("output", "data"), rois_req="null")
