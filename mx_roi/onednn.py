@@ -116,6 +116,16 @@ def _is_array(x: Any) -> bool:
 PLAIN_PRODUCERS = frozenset({"Custom", "_contrib_Proposal", "_contrib_MultiProposal"})
 
 
+#: the "operator" of a graph variable.  A variable feeds the ``Custom`` node unguarded: an
+#: executor's argument arrays are written by copies (plain layout), and a hybridized
+#: block's inputs are made plain in place before its cached graph runs
+#: (:func:`mx_roi.mxpatch.plain_block_inputs`).  Guard nodes there would put backward
+#: operators between the ``Custom`` node's backward and the variable's gradient, and
+#: those run on the unwritten gradient buffer when MXNet skips the ``Custom`` backward
+#: after a rejected forward (``docs/ONEDNN_HAZARD.md``, "A rejected step in a graph").
+LEAF = "null"
+
+
 def _producer(s) -> str:
     """Operator of the node producing single-output symbol ``s`` (``'null'``: a variable,
     ``''``: unknown)."""
@@ -132,7 +142,7 @@ def guard_inputs(F, *arrays, name=None):
 
     Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
     no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless it is
-    the output of an operator in :data:`PLAIN_PRODUCERS`.  Non-array
+    a variable (:data:`LEAF`) or the output of an operator in :data:`PLAIN_PRODUCERS`.  Non-array
     items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
     are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
     off."""
@@ -143,8 +153,8 @@ def guard_inputs(F, *arrays, name=None):
     def guarded(i, a):
         if F is not mx.sym:
             return plain_nd(a)
-        if _producer(a) in PLAIN_PRODUCERS:
-            return a
+        if _producer(a) in PLAIN_PRODUCERS or _producer(a) == LEAF:
+            return a  # a variable: see LEAF
         if name is None:
             return barrier(F, F.identity(a))
         return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")
