@@ -7,7 +7,10 @@
   traceback (``MX_ROI_TRACEBACK=1`` prints it).
 * The oneDNN guard (:mod:`mx_roi.onednn`, hazard report in ``docs/ONEDNN_HAZARD.md``):
   ``mxnet.ndarray.Custom`` / ``mxnet.symbol.Custom`` are wrapped so that a plain
-  ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too.
+  ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too; and
+  ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
+  feeds one of our nodes straight from a variable makes its inputs plain first
+  (:func:`plain_block_inputs`; graph variables get no guard node).
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
@@ -225,11 +228,10 @@ def plain_block_inputs(block, args, op_types):
     graph = getattr(block, "_cached_graph", ())
     if not graph or not onednn_enabled():
         return
-    key = id(graph)
     seen = block.__dict__.get("_mx_roi_reads_leaf")
-    if seen is None or seen[0] != key:
-        seen = block.__dict__["_mx_roi_reads_leaf"] = (key, _reads_a_variable(graph[1],
-                                                                               op_types))
+    if seen is None or seen[0] is not graph:
+        seen = block.__dict__["_mx_roi_reads_leaf"] = (graph, _reads_a_variable(graph[1],
+                                                                                op_types))
     if seen[1]:
         from .onednn import plain_nd
         stack = list(args)

@@ -3,7 +3,8 @@
 A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the backward)
 can be handed memory MXNet has already freed.  The guard: every array input and output
 of the node goes through ``clip(x, -B, B)`` (B = :data:`GUARD_BOUND`),
-which always computes into a fresh plain-layout buffer; imperative inputs are instead
+which always computes into a fresh plain-layout buffer (in graphs, an input that is a
+variable is made plain before the graph runs instead: :data:`LEAF`); imperative inputs are instead
 reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
 recorded slice view whose backward writes a fresh plain gradient
 (:func:`plain_grad_view`).  The measurements, the mechanism and the cost are in
