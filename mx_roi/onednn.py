@@ -3,8 +3,8 @@
 A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the backward)
 can be handed memory MXNet has already freed.  The guard: every array input and output
 of the node goes through ``clip(x, -B, B)`` (B = :data:`GUARD_BOUND`),
-which always computes into a fresh plain-layout buffer (in graphs, an input that is a
-variable is made plain before the graph runs instead: :data:`LEAF`); imperative inputs are instead
+which always computes into a fresh plain-layout buffer (a graph input that is a variable
+is made plain before the graph runs instead: :data:`LEAF`); imperative inputs are
 reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
 recorded slice view whose backward writes a fresh plain gradient
 (:func:`plain_grad_view`).  The measurements, the mechanism and the cost are in
@@ -143,8 +143,8 @@ def guard_inputs(F, *arrays, name=None):
 
     Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
     no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless it is
-    a variable (:data:`LEAF`) or the output of an operator in :data:`PLAIN_PRODUCERS`.  Non-array
-    items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
+    a variable (:data:`LEAF`) or the output of an operator in :data:`PLAIN_PRODUCERS`.
+    Non-array items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
     are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
     off."""
     if not onednn_enabled():
@@ -154,8 +154,9 @@ def guard_inputs(F, *arrays, name=None):
     def guarded(i, a):
         if F is not mx.sym:
             return plain_nd(a)
-        if _producer(a) in PLAIN_PRODUCERS or _producer(a) == LEAF:
-            return a  # a variable: see LEAF
+        producer = _producer(a)
+        if producer in PLAIN_PRODUCERS or producer == LEAF:
+            return a
         if name is None:
             return barrier(F, F.identity(a))
         return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")
