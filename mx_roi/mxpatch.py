@@ -7,7 +7,10 @@
   traceback (``MX_ROI_TRACEBACK=1`` prints it).
 * The oneDNN guard (:mod:`mx_roi.onednn`, hazard report in ``docs/ONEDNN_HAZARD.md``):
   ``mxnet.ndarray.Custom`` / ``mxnet.symbol.Custom`` are wrapped so that a plain
-  ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too.
+  ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too; and
+  ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
+  feeds one of our nodes straight from a variable makes its inputs plain first
+  (:func:`plain_block_inputs`; graph variables get no guard node).
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
@@ -19,6 +22,7 @@ the Gluon blocks, and users calling ``Custom`` by hand).
 from __future__ import annotations
 
 import functools
+import json
 import math
 import threading
 from typing import Any, Sequence
@@ -162,6 +166,7 @@ def install(op_types) -> None:
     (the registry)."""
     _install_error_translation()
     _install_custom_guard(op_types)
+    _install_block_input_guard(op_types)
     onnx.install()  # mx2onnx translations of our Custom nodes (onnx itself imported lazily)
 
 
@@ -204,3 +209,54 @@ def _install_custom_guard(op_types) -> None:
         custom.__name__, custom.__doc__ = original.__name__, original.__doc__
         custom._mx_roi_guard = True
         F.Custom = custom
+
+
+def _reads_a_variable(graph, op_types) -> bool:
+    """Whether the symbol ``graph`` has a ``Custom`` node of one of ``op_types`` with an
+    input straight from a variable (which :func:`mx_roi.onednn.guard_inputs` leaves
+    unguarded)."""
+    nodes = json.loads(graph.tojson())["nodes"]
+    return any(n["op"] == "Custom" and n.get("attrs", {}).get("op_type") in op_types and
+               any(nodes[i[0]]["op"] == "null" for i in n["inputs"]) for n in nodes)
+
+
+def plain_block_inputs(block, args, op_types):
+    """The input guard of a hybridized block whose graph feeds one of our ``Custom`` nodes
+    from a variable: each NDArray argument made plain in place
+    (:func:`mx_roi.onednn.plain_nd`; a graph variable gets no guard node, see
+    :data:`mx_roi.onednn.LEAF`).  Decided once per cached graph; other blocks pass."""
+    graph = getattr(block, "_cached_graph", ())
+    if not graph or not onednn_enabled():
+        return
+    seen = block.__dict__.get("_mx_roi_reads_leaf")
+    if seen is None or seen[0] is not graph:
+        seen = block.__dict__["_mx_roi_reads_leaf"] = (graph, _reads_a_variable(graph[1],
+                                                                                op_types))
+    if seen[1]:
+        from .onednn import plain_nd
+        stack = list(args)
+        while stack:
+            a = stack.pop()
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+            elif isinstance(a, mx.nd.NDArray):
+                plain_nd(a)
+
+
+def _install_block_input_guard(op_types) -> None:
+    """``HybridBlock._call_cached_op`` (every call of a hybridized block, ``SymbolBlock``
+    included): :func:`plain_block_inputs` before the cached graph runs."""
+    from mxnet.gluon import HybridBlock
+    original = HybridBlock._call_cached_op
+    if getattr(original, "_mx_roi_guard", False):
+        return
+
+    @functools.wraps(original)
+    def _call_cached_op(self, *args):
+        if self._cached_op is None:
+            self._build_cache(*args)
+        plain_block_inputs(self, args, op_types)
+        return original(self, *args)
+
+    _call_cached_op._mx_roi_guard = True
+    HybridBlock._call_cached_op = _call_cached_op

@@ -3,7 +3,8 @@
 A ``Custom`` node fed by a oneDNN operator (or whose output feeds one, for the backward)
 can be handed memory MXNet has already freed.  The guard: every array input and output
 of the node goes through ``clip(x, -B, B)`` (B = :data:`GUARD_BOUND`),
-which always computes into a fresh plain-layout buffer; imperative inputs are instead
+which always computes into a fresh plain-layout buffer (a graph input that is a variable
+is made plain before the graph runs instead: :data:`LEAF`); imperative inputs are
 reordered to the plain layout in place (:func:`plain_nd`) and an imperative output is a
 recorded slice view whose backward writes a fresh plain gradient
 (:func:`plain_grad_view`).  The measurements, the mechanism and the cost are in
@@ -116,6 +117,16 @@ def _is_array(x: Any) -> bool:
 PLAIN_PRODUCERS = frozenset({"Custom", "_contrib_Proposal", "_contrib_MultiProposal"})
 
 
+#: the "operator" of a graph variable.  A variable feeds the ``Custom`` node unguarded: an
+#: executor's argument arrays are written by copies (plain layout), and a hybridized
+#: block's inputs are made plain in place before its cached graph runs
+#: (:func:`mx_roi.mxpatch.plain_block_inputs`).  Guard nodes there would put backward
+#: operators between the ``Custom`` node's backward and the variable's gradient, and
+#: those run on the unwritten gradient buffer when MXNet skips the ``Custom`` backward
+#: after a rejected forward (``docs/ONEDNN_HAZARD.md``, "A rejected step in a graph").
+LEAF = "null"
+
+
 def _producer(s) -> str:
     """Operator of the node producing single-output symbol ``s`` (``'null'``: a variable,
     ``''``: unknown)."""
@@ -132,8 +143,8 @@ def guard_inputs(F, *arrays, name=None):
 
     Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
     no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless it is
-    the output of an operator in :data:`PLAIN_PRODUCERS`.  Non-array
-    items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
+    a variable (:data:`LEAF`) or the output of an operator in :data:`PLAIN_PRODUCERS`.
+    Non-array items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
     are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
     off."""
     if not onednn_enabled():
@@ -143,7 +154,8 @@ def guard_inputs(F, *arrays, name=None):
     def guarded(i, a):
         if F is not mx.sym:
             return plain_nd(a)
-        if _producer(a) in PLAIN_PRODUCERS:
+        producer = _producer(a)
+        if producer in PLAIN_PRODUCERS or producer == LEAF:
             return a
         if name is None:
             return barrier(F, F.identity(a))

@@ -380,8 +380,12 @@ def test_plain_custom_calls_of_our_ops_are_guarded():
     ours = mx.sym.Custom(d, r, op_type="ROIAlign", pooled_size=(2, 2), spatial_scale=1.0,
                          name="pool")
     ops = [n["op"] for n in __import__("json").loads(ours.tojson())["nodes"]]
-    if onednn.onednn_enabled():
-        assert ops.count("clip") == 3 and "Custom" in ops
+    if onednn.onednn_enabled():  # variables are not guarded (onednn.LEAF): the output is
+        assert ops.count("clip") == 1 and "Custom" in ops
+        fed = mx.sym.Custom(mx.sym.Convolution(d, num_filter=2, kernel=(1, 1)), r,
+                            op_type="ROIAlign", pooled_size=(2, 2), spatial_scale=1.0)
+        ops = [n["op"] for n in __import__("json").loads(fed.tojson())["nodes"]]
+        assert ops.count("clip") == 2 and ops.count("_copy") == 1  # data and output
     internals = ours.get_internals()
     assert internals["pool_output"].attr("op_type") == "ROIAlign"
 
@@ -474,7 +478,8 @@ def test_rois_from_a_custom_op_skip_the_input_guard():
     """rois made by a ``Custom`` node (e.g. proposal target) are plain arrays MXNet owns:
     no identity/clip for them, the data input and the output keep theirs; and the
     Conv -> ROIAlign -> Conv graph stays correct over many iterations with oneDNN on
-    (same outputs and gradients as with the rois guarded as a variable)."""
+    (same outputs and gradients as with the rois a variable, unguarded as well:
+    :data:`mx_roi.onednn.LEAF`)."""
     import json
     import mx_roi
 
@@ -495,7 +500,9 @@ def test_rois_from_a_custom_op_skip_the_input_guard():
     names = [n["name"] for n in json.loads(skipped.tojson())["nodes"]]
     assert "pool_guard_in0" in names and "pool_guard_out0" in names
     assert "pool_guard_in1" not in names and "pool_guard_copy1" not in names
-    assert "pool_guard_in1" in [n["name"] for n in json.loads(guarded.tojson())["nodes"]]
+    # a variable is not guarded either (onednn.LEAF); the data from the Convolution is
+    guarded_names = [n["name"] for n in json.loads(guarded.tojson())["nodes"]]
+    assert "pool_guard_in1" not in guarded_names and "pool_guard_in0" in guarded_names
 
     rng = np.random.RandomState(3)
     shapes = dict(x=(N, 3, H, W), r=(R, 5))
@@ -544,3 +551,52 @@ def test_imperative_output_guard_is_a_view_with_a_plain_gradient_kernel():
         with autograd.record():
             a, b = onednn.guard_output(mx.nd, [y, e])
         assert _data_pointer(a) == _data_pointer(y) and b.shape == (0, 3)
+
+
+# ------------------------------------------------- graph variables: plain, not guarded
+def test_hybridized_block_makes_its_variable_inputs_plain():
+    """A graph variable feeds our ``Custom`` node with no guard node
+    (:data:`mx_roi.onednn.LEAF`); instead a hybridized block whose graph does that makes
+    its NDArray inputs plain in place before the graph runs: a Convolution output left in
+    oneDNN's blocked layout, passed to a hybridized ROIAlign block (ours, and a user's
+    block calling ``F.Custom``), is plain afterwards and gives the same result as a plain
+    copy of it; a hybridized block without our op leaves its input as it was."""
+    import mx_roi
+    from mx_roi.backends import read_numpy
+
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(2, 8, 12, 12))
+    w = mx.nd.array(rng.randn(16, 8, 3, 3))
+    rois = mx.nd.array([[0, 1, 1, 9, 9], [1, 0.5, 2, 7.5, 11]])
+
+    def blocked():
+        y = mx.nd.Convolution(x, w, kernel=(3, 3), pad=(1, 1), num_filter=16, no_bias=True)
+        y.wait_to_read()
+        with pytest.raises(mx.base.MXNetError, match="MKLDNN"):
+            y.to_dlpack_for_read()  # blocked: no plain view
+        return y
+
+    class UserPool(mx.gluon.HybridBlock):
+        def hybrid_forward(self, F, data, r):
+            return F.Custom(data, r, op_type="ROIAlign", pooled_size=(3, 3),
+                            spatial_scale=1.0)
+
+    class Other(mx.gluon.HybridBlock):
+        def hybrid_forward(self, F, data):
+            return F.relu(data)
+
+    ours = mx_roi.gluon.ROIAlign(pooled_size=(3, 3), spatial_scale=1.0)
+    for block in (ours, UserPool()):
+        block.hybridize()
+        want = block(mx.nd.array(blocked().asnumpy()), rois).asnumpy()
+        for _ in range(2):  # the first call builds the graph, the second reuses it
+            data = blocked()
+            got = block(data, rois).asnumpy()
+            read_numpy(data)  # plain now
+            np.testing.assert_array_equal(got, want)
+    other = Other()
+    other.hybridize()
+    data = blocked()
+    other(data).wait_to_read()
+    with pytest.raises(mx.base.MXNetError, match="MKLDNN"):
+        data.to_dlpack_for_read()
