@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import geometry as G
-from ..mxpatch import GUARD_BOUND, bounded_dtype
+from ..onednn import GUARD_BOUND, bounded_dtype
 from .compiled_geometry import INT_BINS_MODES, MODES
 
 __all__ = ["grid_widths", "DeviceGeometry", "build", "supported", "STATUS_BATCH_KEY"]
