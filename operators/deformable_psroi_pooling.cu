@@ -245,7 +245,7 @@ struct DeformTap {
 
 template <typename T, typename A>
 struct DeformBins {
-  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order
+  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order (the first `used`)
   std::vector<int> start;          // bin b = p * Q + q: taps[start[b] .. start[b + 1])
   DeformBox<A> g;
   long long r = -1;
@@ -264,12 +264,18 @@ struct DeformBins {
   // bin (p, q) of (r_, k_) alone, as bin 0 (the roi-inner walk: each item its own bin)
  private:
   std::vector<DeformAxis<A>> ax;
+  int used = 0;
 
   void begin(const T* rois, long long r_, int k_, A scale, int S, int P, int Q) {
     r = r_;
     k = k_;
     g = deform_box<T, A>(rois, r, scale, P, Q, S);
-    taps.clear();
+    // room for every sample of every bin, written in place: a tap built on the stack and
+    // pushed back was stored piecewise and reloaded whole, a stalled store-to-load
+    // forward per tap (measured: most of the table's time)
+    const size_t most = (size_t)P * Q * S * S;
+    if (taps.size() < most) taps.resize(most);
+    used = 0;
     start.assign(1, 0);
     ax.resize(S);
   }
@@ -285,7 +291,7 @@ struct DeformBins {
       if (!ay.inside) continue;
       for (int j = 0; j < S; ++j) {
         if (!ax[j].inside) continue;
-        DeformTap<A> t;
+        DeformTap<A>& t = taps[used++];
         t.o[0] = ay.lo * W + ax[j].lo;
         t.o[1] = ay.hi * W + ax[j].lo;
         t.o[2] = ay.lo * W + ax[j].hi;
@@ -296,10 +302,9 @@ struct DeformBins {
         t.w[3] = ax[j].d * ay.d;
         t.dx = ax[j].d;
         t.dy = ay.d;
-        taps.push_back(t);
       }
     }
-    start.push_back((int)taps.size());
+    start.push_back(used);
   }
 };
 }  // namespace mx_roi
