@@ -579,35 +579,53 @@ __global__ void deformable_psroi_pooling_backward_trans(
   const int per_class = D / K;
 #ifdef MX_ROI_HOST_NATIVE
   {
-    // a (roi, class) at once, at its item (u, v) = (0, 0): output channel by channel, each
-    // plane read once for all its bins, every sample added to its part cell's sums -- per
-    // cell still in the order c, (p, q), (i, j)
-    mx_roi::DeformBins<T, A> bins;
+    // up to TILE (roi, class) pairs of one class at once (their items (u, v) = (0, 0)):
+    // output channel by channel, each plane read by every roi of the tile while it is in
+    // cache (roi by roi, a class-agnostic model's 256 channels' planes, 1.9 MB an image,
+    // were swept once per roi), every sample added to its roi's part cell's sums -- per
+    // (roi, cell) still in the order c, (p, q), (i, j): the same bits
+    const int TILE = 16;
+    std::vector<mx_roi::DeformBins<T, A>> tile(TILE);
     std::vector<A> sx, sy;
-    MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
-      if (it.p != 0 || it.q != 0) continue;
-      // class-major (c = k * R + r): consecutive items read the same class's planes
-      const long long R = C / K, r = it.c % R;
-      const int k = (int)(it.c / R);
-      bins.ensure(rois, trans, r, k, (A)spatial_scale, tstd, false, K, part, S, P, Q, H, W);
-      sx.assign((size_t)part * part, (A)0);
-      sy.assign((size_t)part * part, (A)0);
-      for (int c = k * per_class; bins.g.batch >= 0 && c < (k + 1) * per_class; ++c) {
-        for (int p = 0; p < P; ++p) {
-          const int u = mx_roi::deform_part<A>(p, P, part);
-          for (int q = 0; q < Q; ++q) {
-            const int cell = u * part + mx_roi::deform_part<A>(q, Q, part);
-            const int b = p * Q + q, count = bins.start[b + 1] - bins.start[b];
+    std::vector<int> cellv((size_t)P * Q), gsh((size_t)P * Q);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q) {
+        cellv[p * Q + q] =
+            mx_roi::deform_part<A>(p, P, part) * part + mx_roi::deform_part<A>(q, Q, part);
+        gsh[p * Q + q] = mx_roi::deform_group<A>(p, P, G) * G + mx_roi::deform_group<A>(q, Q, G);
+      }
+    const int cells = part * part;
+    const long long R = C / K;
+    // class-major (index = k * R + r): consecutive indices read the same class's planes
+    for (long long i0 = n > 0 ? mx_roi_c_begin : 0, i1 = n > 0 ? mx_roi_c_end : 0; i0 < i1;) {
+      const int k = (int)(i0 / R);
+      long long e = i0 + TILE;
+      if (e > i1) e = i1;
+      if (e > (long long)(k + 1) * R) e = (long long)(k + 1) * R;
+      const int nt = (int)(e - i0);
+      for (int t = 0; t < nt; ++t)
+        tile[t].ensure(rois, trans, (i0 + t) % R, k, (A)spatial_scale, tstd, false, K, part,
+                       S, P, Q, H, W);
+      sx.assign((size_t)nt * cells, (A)0);
+      sy.assign((size_t)nt * cells, (A)0);
+      for (int c = k * per_class; c < (k + 1) * per_class; ++c) {
+        for (int t = 0; t < nt; ++t) {
+          const mx_roi::DeformBins<T, A>& bins = tile[t];
+          if (bins.g.batch < 0) continue;
+          const long long r = (i0 + t) % R;
+          A* tx = sx.data() + (size_t)t * cells;
+          A* ty = sy.data() + (size_t)t * cells;
+          const T* planes = data + mx_roi::plane_offset(bins.g.batch, c * G * G, Cin, H, W);
+          const T* g = grad + (r * D + c) * (long long)P * Q;
+          for (int b = 0; b < P * Q; ++b) {
+            const int count = bins.start[b + 1] - bins.start[b];
             if (count == 0) continue;
-            const A diff =
-                (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
-                (A)count;
-            const int cin = (c * G + mx_roi::deform_group<A>(p, P, G)) * G +
-                            mx_roi::deform_group<A>(q, Q, G);
-            const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
-            A ax = sx[cell], ay = sy[cell];
-            for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
-              const mx_roi::DeformTap<A>& s = bins.taps[t];
+            const A diff = (A)mx_roi::Traits<T>::load(g[b]) / (A)count;
+            const T* plane = planes + (long long)gsh[b] * H * W;
+            const int cell = cellv[b];
+            A ax = tx[cell], ay = ty[cell];
+            for (int j = bins.start[b]; j < bins.start[b + 1]; ++j) {
+              const mx_roi::DeformTap<A>& s = bins.taps[j];
               A dx, dy;
               mx_roi::deform_trans_terms<A>(
                   mx_roi::Traits<T>::load(plane[s.o[0]]), mx_roi::Traits<T>::load(plane[s.o[1]]),
@@ -616,16 +634,22 @@ __global__ void deformable_psroi_pooling_backward_trans(
               ax += dx;
               ay += dy;
             }
-            sx[cell] = ax;
-            sy[cell] = ay;
+            tx[cell] = ax;
+            ty[cell] = ay;
           }
         }
       }
-      for (int u = 0; u < part; ++u)
-        for (int v = 0; v < part; ++v) {
-          trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx[u * part + v];
-          trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy[u * part + v];
-        }
+      for (int t = 0; t < nt; ++t) {
+        const long long r = (i0 + t) % R;
+        for (int u = 0; u < part; ++u)
+          for (int v = 0; v < part; ++v) {
+            trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] =
+                sx[(size_t)t * cells + u * part + v];
+            trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] =
+                sy[(size_t)t * cells + u * part + v];
+          }
+      }
+      i0 = e;
     }
     return;
   }
