@@ -174,7 +174,104 @@ __host__ __device__ __forceinline__ int deform_count(const DeformItem<A>& d, int
 }  // namespace mx_roi
 
 #ifdef MX_ROI_HOST_NATIVE
+#include <algorithm>
+#include <vector>
 namespace mx_roi {
+// The items of the calling thread's channel block [mx_roi_c_begin, mx_roi_c_end) class by
+// class: per class (its channels in the block), roi by roi, then channel, bin.  With
+// shared offsets (K = 1) that is ItemLoop's roi-major order; with per-class offsets
+// (R-FCN: one channel per class) a channel's planes (P * Q per image, ~0.75 MB on
+// R-FCN's 2 x 38 x 50 maps) stay in cache for all its rois, where roi-major order swept
+// the block's 16 classes' planes (~12 MB) once per roi.  A plane is written only by one
+// (c, p, q), in roi order either way: the same bits.  The rois are walked image by image
+// (a stable sort by batch index: each image's rois still in roi order), so that only one
+// image's planes of the channel, and of its gradient, are hot at a time (R-FCN: 0.37 MB
+// each, where both images' data and gradient planes overflowed a 1 MB L2).
+template <typename T>
+class DeformWalk {
+ public:
+  DeformWalk(long long n, int C, int P, int Q, int K, const T* rois)
+      : C_(C), P_(P), Q_(Q), per_(K > 0 && C / K > 0 ? C / K : 1) {
+    const long long per_roi = (long long)C * P * Q;
+    R_ = per_roi > 0 ? n / per_roi : 0;
+    if (mx_roi_c_begin < mx_roi_c_end && R_ > 0) {
+      std::vector<int> batch((size_t)R_);
+      order_.resize((size_t)R_);
+      for (long long r = 0; r < R_; ++r) {
+        order_[r] = r;
+        batch[r] = (int)Traits<T>::load(rois[r * 5]);  // as deform_box
+      }
+      std::stable_sort(order_.begin(), order_.end(),
+                       [&](long long a, long long b) { return batch[a] < batch[b]; });
+    }
+    end_ = mx_roi_c_end;
+    c0_ = mx_roi_c_begin;
+    group();
+    first_ = true;
+  }
+  // the current class's channels in the block: [group_begin, group_end)
+  int group_begin() const { return c0_; }
+  int group_end() const { return c1_; }
+  inline bool next(Item& it) {
+    if (first_) {
+      first_ = false;
+    } else if (++it_.q == Q_) {
+      it_.q = 0;
+      if (++it_.p == P_) {
+        it_.p = 0;
+        if (++it_.c == c1_) {
+          it_.c = c0_;
+          if (++ri_ >= R_) {
+            c0_ = c1_;
+            group();
+          }
+        }
+      }
+    }
+    if (R_ <= 0 || c0_ >= end_) return false;
+    it_.r = order_[ri_];
+    it_.i = ((it_.r * C_ + it_.c) * P_ + it_.p) * (long long)Q_ + it_.q;
+    it = it_;
+    return true;
+  }
+
+ private:
+  void group() {  // the block's channels of c0_'s class: [c0_, c1_)
+    const int last = (c0_ / per_ + 1) * per_;
+    c1_ = last < end_ ? last : end_;
+    ri_ = 0;
+    it_.c = c0_;
+    it_.p = 0;
+    it_.q = 0;
+  }
+  Item it_;
+  std::vector<long long> order_;  // the rois image by image
+  long long R_, ri_ = 0;
+  int C_, P_, Q_, per_, end_, c0_, c1_;
+  bool first_;
+};
+
+// At the start of each (class, image) phase of a DeformWalk: hint every cache line of the
+// phase's input planes -- channels [c0, c1) read planes [c0 * G * G, c1 * G * G) of image
+// b, one contiguous run (at most 1 MB of it) -- so that they stream in at memory speed,
+// where the items' scattered first touches each waited for memory.
+template <typename T>
+inline void deform_prefetch_phase(const T* base, int b, int c0, int c1, int G, int Cin,
+                                  int H, int W, bool write) {
+#ifndef MX_ROI_NO_PREFETCH
+  const long long first = plane_offset(b, c0 * G * G, Cin, H, W);
+  long long bytes = ((long long)(c1 - c0) * G * G * H * W) * (long long)sizeof(T);
+  if (bytes > (1LL << 20)) bytes = 1LL << 20;
+  const char* p = (const char*)(base + first);
+  for (long long o = 0; o < bytes; o += 64) {
+    if (write)
+      __builtin_prefetch(p + o, 1);
+    else
+      __builtin_prefetch(p + o, 0);
+  }
+#endif
+}
+
 // Native host build: the samples of every bin of one (roi, class), built once and reused
 // by every output channel of that class in the thread's block (a class-agnostic model --
 // K = 1, e.g. Deformable-ConvNets' FPN head with 256 channels -- builds them once per
@@ -190,7 +287,7 @@ struct DeformTap {
 
 template <typename T, typename A>
 struct DeformBins {
-  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order
+  std::vector<DeformTap<A>> taps;  // valid samples, bin by bin, (i, j) order (the first `used`)
   std::vector<int> start;          // bin b = p * Q + q: taps[start[b] .. start[b + 1])
   DeformBox<A> g;
   long long r = -1;
@@ -209,12 +306,18 @@ struct DeformBins {
   // bin (p, q) of (r_, k_) alone, as bin 0 (the roi-inner walk: each item its own bin)
  private:
   std::vector<DeformAxis<A>> ax;
+  int used = 0;
 
   void begin(const T* rois, long long r_, int k_, A scale, int S, int P, int Q) {
     r = r_;
     k = k_;
     g = deform_box<T, A>(rois, r, scale, P, Q, S);
-    taps.clear();
+    // room for every sample of every bin, written in place: a tap built on the stack and
+    // pushed back was stored piecewise and reloaded whole, a stalled store-to-load
+    // forward per tap (measured: most of the table's time)
+    const size_t most = (size_t)P * Q * S * S;
+    if (taps.size() < most) taps.resize(most);
+    used = 0;
     start.assign(1, 0);
     ax.resize(S);
   }
@@ -230,7 +333,7 @@ struct DeformBins {
       if (!ay.inside) continue;
       for (int j = 0; j < S; ++j) {
         if (!ax[j].inside) continue;
-        DeformTap<A> t;
+        DeformTap<A>& t = taps[used++];
         t.o[0] = ay.lo * W + ax[j].lo;
         t.o[1] = ay.hi * W + ax[j].lo;
         t.o[2] = ay.lo * W + ax[j].hi;
@@ -241,10 +344,9 @@ struct DeformBins {
         t.w[3] = ax[j].d * ay.d;
         t.dx = ax[j].d;
         t.dy = ay.d;
-        taps.push_back(t);
       }
     }
-    start.push_back((int)taps.size());
+    start.push_back(used);
   }
 };
 }  // namespace mx_roi
@@ -283,13 +385,22 @@ __global__ void deformable_psroi_pooling_forward(
     int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   {
-    // roi by roi (MXNet's order), the (roi, class) table shared by the class's channels.
-    // (Walking a bin's rois back to back instead, its plane hot, measured 1.7x slower on
-    // R-FCN 7x7 / 256 rois: the out / out-grad and offset reads then stride by a roi.)
+    // class by class, roi by roi (DeformWalk), the (roi, class) table shared by the
+    // class's channels.  (Walking a bin's rois back to back instead, its plane hot,
+    // measured 1.7x slower on R-FCN 7x7 / 256 rois: the out / out-grad and offset reads
+    // then stride by a roi.)
     mx_roi::DeformBins<T, A> bins;
-    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    mx_roi::Item it;
+    int phase_c = -1, phase_b = -1;
+    for (mx_roi::DeformWalk<T> walk(n, C, P, Q, K, rois); walk.next(it);) {
       bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
                   no_trans != 0, K, part, S, P, Q, H, W);
+      if (bins.g.batch >= 0 && (walk.group_begin() != phase_c || bins.g.batch != phase_b)) {
+        phase_c = walk.group_begin();
+        phase_b = bins.g.batch;
+        mx_roi::deform_prefetch_phase(data, phase_b, phase_c, walk.group_end(), G, Cin, H, W,
+                                      false);
+      }
       const int b = it.p * Q + it.q;
       const int count = bins.start[b + 1] - bins.start[b];
       A sum = 0;
@@ -356,11 +467,22 @@ __global__ void deformable_psroi_pooling_backward(
     long long n) {
 #ifdef MX_ROI_HOST_NATIVE
   {
-    // as the forward: roi by roi, MXNet's order of additions into every plane
+    // as the forward (DeformWalk): MXNet's order of additions into every plane (roi by roi)
     mx_roi::DeformBins<T, A> bins;
-    MX_ROI_ITEM_LOOP(it, n, C, P, Q, false) {
+    mx_roi::Item it;
+    int phase_c = -1, phase_b = -1;
+    for (mx_roi::DeformWalk<T> walk(n, C, P, Q, K, rois); walk.next(it);) {
       bins.ensure(rois, trans, it.r, it.c / (C / K), (A)spatial_scale, (A)trans_std,
                   no_trans != 0, K, part, S, P, Q, H, W);
+      if (bins.g.batch >= 0 && (walk.group_begin() != phase_c || bins.g.batch != phase_b)) {
+        phase_c = walk.group_begin();
+        phase_b = bins.g.batch;
+        mx_roi::deform_prefetch_phase(bottom, phase_b, phase_c, walk.group_end(), G, Cin, H,
+                                      W, true);
+        if (fuse_trans)
+          mx_roi::deform_prefetch_phase(data, phase_b, phase_c, walk.group_end(), G, Cin, H,
+                                        W, false);
+      }
       const int b = it.p * Q + it.q;
       const int count = bins.start[b + 1] - bins.start[b];
       A sx = 0, sy = 0;
@@ -457,35 +579,53 @@ __global__ void deformable_psroi_pooling_backward_trans(
   const int per_class = D / K;
 #ifdef MX_ROI_HOST_NATIVE
   {
-    // a (roi, class) at once, at its item (u, v) = (0, 0): output channel by channel, each
-    // plane read once for all its bins, every sample added to its part cell's sums -- per
-    // cell still in the order c, (p, q), (i, j)
-    mx_roi::DeformBins<T, A> bins;
+    // up to TILE (roi, class) pairs of one class at once (their items (u, v) = (0, 0)):
+    // output channel by channel, each plane read by every roi of the tile while it is in
+    // cache (roi by roi, a class-agnostic model's 256 channels' planes, 1.9 MB an image,
+    // were swept once per roi), every sample added to its roi's part cell's sums -- per
+    // (roi, cell) still in the order c, (p, q), (i, j): the same bits
+    const int TILE = 16;
+    std::vector<mx_roi::DeformBins<T, A>> tile(TILE);
     std::vector<A> sx, sy;
-    MX_ROI_ITEM_LOOP(it, n, C, part, part, false) {
-      if (it.p != 0 || it.q != 0) continue;
-      // class-major (c = k * R + r): consecutive items read the same class's planes
-      const long long R = C / K, r = it.c % R;
-      const int k = (int)(it.c / R);
-      bins.ensure(rois, trans, r, k, (A)spatial_scale, tstd, false, K, part, S, P, Q, H, W);
-      sx.assign((size_t)part * part, (A)0);
-      sy.assign((size_t)part * part, (A)0);
-      for (int c = k * per_class; bins.g.batch >= 0 && c < (k + 1) * per_class; ++c) {
-        for (int p = 0; p < P; ++p) {
-          const int u = mx_roi::deform_part<A>(p, P, part);
-          for (int q = 0; q < Q; ++q) {
-            const int cell = u * part + mx_roi::deform_part<A>(q, Q, part);
-            const int b = p * Q + q, count = bins.start[b + 1] - bins.start[b];
+    std::vector<int> cellv((size_t)P * Q), gsh((size_t)P * Q);
+    for (int p = 0; p < P; ++p)
+      for (int q = 0; q < Q; ++q) {
+        cellv[p * Q + q] =
+            mx_roi::deform_part<A>(p, P, part) * part + mx_roi::deform_part<A>(q, Q, part);
+        gsh[p * Q + q] = mx_roi::deform_group<A>(p, P, G) * G + mx_roi::deform_group<A>(q, Q, G);
+      }
+    const int cells = part * part;
+    const long long R = C / K;
+    // class-major (index = k * R + r): consecutive indices read the same class's planes
+    for (long long i0 = n > 0 ? mx_roi_c_begin : 0, i1 = n > 0 ? mx_roi_c_end : 0; i0 < i1;) {
+      const int k = (int)(i0 / R);
+      long long e = i0 + TILE;
+      if (e > i1) e = i1;
+      if (e > (long long)(k + 1) * R) e = (long long)(k + 1) * R;
+      const int nt = (int)(e - i0);
+      for (int t = 0; t < nt; ++t)
+        tile[t].ensure(rois, trans, (i0 + t) % R, k, (A)spatial_scale, tstd, false, K, part,
+                       S, P, Q, H, W);
+      sx.assign((size_t)nt * cells, (A)0);
+      sy.assign((size_t)nt * cells, (A)0);
+      for (int c = k * per_class; c < (k + 1) * per_class; ++c) {
+        for (int t = 0; t < nt; ++t) {
+          const mx_roi::DeformBins<T, A>& bins = tile[t];
+          if (bins.g.batch < 0) continue;
+          const long long r = (i0 + t) % R;
+          A* tx = sx.data() + (size_t)t * cells;
+          A* ty = sy.data() + (size_t)t * cells;
+          const T* planes = data + mx_roi::plane_offset(bins.g.batch, c * G * G, Cin, H, W);
+          const T* g = grad + (r * D + c) * (long long)P * Q;
+          for (int b = 0; b < P * Q; ++b) {
+            const int count = bins.start[b + 1] - bins.start[b];
             if (count == 0) continue;
-            const A diff =
-                (A)mx_roi::Traits<T>::load(grad[((r * D + c) * P + p) * (long long)Q + q]) /
-                (A)count;
-            const int cin = (c * G + mx_roi::deform_group<A>(p, P, G)) * G +
-                            mx_roi::deform_group<A>(q, Q, G);
-            const T* plane = data + mx_roi::plane_offset(bins.g.batch, cin, Cin, H, W);
-            A ax = sx[cell], ay = sy[cell];
-            for (int t = bins.start[b]; t < bins.start[b + 1]; ++t) {
-              const mx_roi::DeformTap<A>& s = bins.taps[t];
+            const A diff = (A)mx_roi::Traits<T>::load(g[b]) / (A)count;
+            const T* plane = planes + (long long)gsh[b] * H * W;
+            const int cell = cellv[b];
+            A ax = tx[cell], ay = ty[cell];
+            for (int j = bins.start[b]; j < bins.start[b + 1]; ++j) {
+              const mx_roi::DeformTap<A>& s = bins.taps[j];
               A dx, dy;
               mx_roi::deform_trans_terms<A>(
                   mx_roi::Traits<T>::load(plane[s.o[0]]), mx_roi::Traits<T>::load(plane[s.o[1]]),
@@ -494,16 +634,22 @@ __global__ void deformable_psroi_pooling_backward_trans(
               ax += dx;
               ay += dy;
             }
-            sx[cell] = ax;
-            sy[cell] = ay;
+            tx[cell] = ax;
+            ty[cell] = ay;
           }
         }
       }
-      for (int u = 0; u < part; ++u)
-        for (int v = 0; v < part; ++v) {
-          trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] = sx[u * part + v];
-          trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy[u * part + v];
-        }
+      for (int t = 0; t < nt; ++t) {
+        const long long r = (i0 + t) % R;
+        for (int u = 0; u < part; ++u)
+          for (int v = 0; v < part; ++v) {
+            trans_grad[mx_roi::deform_trans_index(r, k, K, 0, part, u, v)] =
+                sx[(size_t)t * cells + u * part + v];
+            trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] =
+                sy[(size_t)t * cells + u * part + v];
+          }
+      }
+      i0 = e;
     }
     return;
   }
