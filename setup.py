@@ -44,7 +44,7 @@ setup(
         "docs": ["sphinx>=7,<9"],
         # nvrtc + runtime (cuda_fp16.h): tests/test_cuda_compile.py compiles the kernels;
         # CuPy (imports without a driver): tests/test_cupy_compile.py runs its compile path
-        "test": ["pytest", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",
+        "test": ["pytest", "pytest-xdist", "hypothesis", "nvidia-cuda-nvrtc-cu11", "nvidia-cuda-runtime-cu11",
                  CUPY,
                  "wheel", "tqdm", "Pillow", "matplotlib<3.9"],
     },
