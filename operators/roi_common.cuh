@@ -1203,6 +1203,22 @@ struct Params {
   int Gy, Gx;   // the padded sample counts per bin side (sample grids)
 };
 
+__host__ __device__ inline Params make_params(int mode, int P, int Q, int H, int W, int sample,
+                                              int aligned, float scale, int Gy, int Gx) {
+  Params g;
+  g.mode = mode;
+  g.P = P;
+  g.Q = Q;
+  g.H = H;
+  g.W = W;
+  g.sample = sample;
+  g.aligned = aligned;
+  g.scale = scale;
+  g.Gy = Gy;
+  g.Gx = Gx;
+  return g;
+}
+
 // The tables of geometry.IntBins / SampleGrid, in the dataclasses' field order.
 template <typename A>
 struct Tables {
@@ -1460,14 +1476,8 @@ __global__ void roi_bins_geometry(const T* __restrict__ rois, int mode, int P, i
                                   int* __restrict__ hstart, int* __restrict__ hend,
                                   int* __restrict__ wstart, int* __restrict__ wend,
                                   unsigned long long* __restrict__ status, long long n) {
-  mx_roi::geo::Params g;
-  g.mode = mode;
-  g.P = P;
-  g.Q = Q;
-  g.H = H;
-  g.W = W;
-  g.sample = g.aligned = g.Gy = g.Gx = 0;
-  g.scale = spatial_scale;
+  const mx_roi::geo::Params g =
+      mx_roi::geo::make_params(mode, P, Q, H, W, 0, 0, spatial_scale, 0, 0);
   mx_roi::geo::Tables<A> t = {};
   t.batch = batch;
   t.hstart = hstart;
@@ -1503,17 +1513,8 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
                                   int* __restrict__ x_high, A* __restrict__ x_wl,
                                   A* __restrict__ x_wh, A* __restrict__ divisor,
                                   unsigned long long* __restrict__ status, long long n) {
-  mx_roi::geo::Params g;
-  g.mode = mode;
-  g.P = P;
-  g.Q = Q;
-  g.H = H;
-  g.W = W;
-  g.sample = sample;
-  g.aligned = aligned;
-  g.scale = spatial_scale;
-  g.Gy = Gy;
-  g.Gx = Gx;
+  const mx_roi::geo::Params g =
+      mx_roi::geo::make_params(mode, P, Q, H, W, sample, aligned, spatial_scale, Gy, Gx);
   mx_roi::geo::Tables<A> t = {};
   t.batch = batch;
   t.y_count = y_count;
@@ -1550,28 +1551,12 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
     default: return -1;                                  \
   }
 
-static inline mx_roi::geo::Params mx_roi_geo_params(int mode, int P, int Q, int H, int W,
-                                                    int sample, int aligned, float scale,
-                                                    int Gy, int Gx) {
-  mx_roi::geo::Params g;
-  g.mode = mode;
-  g.P = P;
-  g.Q = Q;
-  g.H = H;
-  g.W = W;
-  g.sample = sample;
-  g.aligned = aligned;
-  g.scale = scale;
-  g.Gy = Gy;
-  g.Gx = Gx;
-  return g;
-}
-
 // G[0], G[1] = the padded sample counts (geometry_counts).  Returns 0, -1 for a bad dtype.
 extern "C" int mx_roi_geometry_counts(int mode, int dtype, const void* rois, long long R, int P,
                                       int Q, int H, int W, int sample, int aligned, float scale,
                                       int* G) {
-  const mx_roi::geo::Params g = mx_roi_geo_params(mode, P, Q, H, W, sample, aligned, scale, 0, 0);
+  const mx_roi::geo::Params g =
+      mx_roi::geo::make_params(mode, P, Q, H, W, sample, aligned, scale, 0, 0);
   MX_ROI_GEO_DISPATCH(dtype, mx_roi::geo::geometry_counts<T, A>(g, (const T*)rois, R, G));
   return 0;
 }
@@ -1582,7 +1567,7 @@ extern "C" int mx_roi_geometry_fill(int mode, int dtype, const void* rois, long 
                                     int Q, int H, int W, int sample, int aligned, float scale,
                                     int Gy, int Gx, void* const* t) {
   const mx_roi::geo::Params g =
-      mx_roi_geo_params(mode, P, Q, H, W, sample, aligned, scale, Gy, Gx);
+      mx_roi::geo::make_params(mode, P, Q, H, W, sample, aligned, scale, Gy, Gx);
   MX_ROI_GEO_DISPATCH(dtype, {
     mx_roi::geo::Tables<A> tb = {};
     tb.batch = (int*)t[0];

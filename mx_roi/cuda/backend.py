@@ -568,7 +568,11 @@ class CudaBackend:
         dev = device_geometry.build(launch, pending.spec, rois, data.shape[0], data.shape[2],
                                     data.shape[3])
         pending.dev = dev
-        geo = dev.geo
+        return self._run_forward(op, req, launch, dev.geo, data, rois, out_nd, keep)
+
+    def _run_forward(self, op, req, launch, geo, data, rois, out_nd, keep):
+        """The op's forward kernels on ``geo``, the output stored honouring ``req``;
+        what the backward keeps (with the rois and tables), or None."""
         launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
                                                                           rois.shape)))
         launch.keep = bool(keep)
@@ -662,15 +666,7 @@ class CudaBackend:
             return None
         geo = self._geometry(op, rois, data.shape[2], data.shape[3], extra)
         launch = self._launch(op, data.dtype, data_nd)
-        launch.out_target = self._target(out_nd, req, size=math.prod(op.out_shape(data.shape,
-                                                                          rois.shape)))
-        launch.keep = bool(keep)
-        out, saved = op.forward_cuda(launch, geo, data)
-        if out is not launch.out_target:
-            self._write(out_nd, req, out)
-        if keep:  # the backward reuses the geometry (when its rois are the same)
-            return keep_for_backward(saved, rois, data.shape[2:], geo)
-        return None
+        return self._run_forward(op, req, launch, geo, data, rois, out_nd, keep)
 
     def backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd, saved,
                  rois_req="null", rois_grad_nd=None, extra=(), extra_grad=()):
