@@ -136,7 +136,7 @@ def _deformable_coords(op, rois, H, W, channel, trans, out):
     out["outside"] = np.array(outside, dtype=bool)
     from mx_roi.geometry import c_round
     corner = c_round(rois[0, 1:3].astype(np.float32)) * np.float32(p.spatial_scale)
-    start = [float(v) - 0.5 for v in corner]   # round(x1) * s - 0.5 (x, y)
+    start = [float(v) - 0.5 for v in corner]   # C-rounded x1 * s - 0.5 (x, y)
     size = [float(geo.roi_w[0]), float(geo.roi_h[0])]
     out["bin_x"] = np.array([(start[0] + q * size[0] / P, start[0] + (q + 1) * size[0] / P)
                              for q in range(P)])
