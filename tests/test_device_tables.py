@@ -85,11 +85,14 @@ class PinnedCopy:
 
     def __init__(self):
         import types
-        self.copies, self.pinned = [], []
+        self.copies, self.pinned, self.blocks = [], [], []
 
         def alloc_pinned_memory(n):
+            # every block kept alive: a buffer the staging dropped (grown) must not free
+            # an address that a later allocation (another thread's) could then reuse
             self.pinned.append(n)
-            return bytearray(n)
+            self.blocks.append(bytearray(n))
+            return self.blocks[-1]
         log = self.events = []
 
         class Event:
