@@ -103,6 +103,7 @@ from ..geometry import compute_dtype
 from ..ndio import Kind
 from ..saved import Saved, keep_for_backward, unpack_saved
 from . import device_geometry, loader
+from .native_program import NativeCalls, ProgramSaved
 from . import source as S
 from .tables import argmax_dtype, host_tables, to_device
 
@@ -429,6 +430,8 @@ class CudaBackend:
         if self.kind is Kind.NUMPY:
             raise ValueError("CudaBackend runs the CUDA kernels: native, emulated-cuda or cuda")
         self.name = self.kind.value
+        # native: one compiled call per op call where it can be recorded
+        self._native = NativeCalls(Launch) if self.kind is Kind.NATIVE else None
         if self.kind is Kind.CUDA:
             from .nvrtc import preload_for_cupy
             preload_for_cupy()  # the nvrtc wheel's library, if CuPy cannot find one
@@ -515,8 +518,16 @@ class CudaBackend:
     #: (:mod:`mx_roi.cuda.device_geometry`); False: the rois go to the host (the path of
     #: calls the device path does not take), kept switchable for tests comparing the two
     device_geometry = True
+    #: whether the native forward and backward run as one recorded compiled call
+    #: (:mod:`mx_roi.cuda.native_program`) where they can; False: every call takes the
+    #: checked path below (kept switchable for tests comparing the two)
+    native_program = True
 
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False, extra=()):
+        if self._native is not None and self.native_program and not extra:
+            done, saved = self._native.forward(self, op, req, data_nd, rois_nd, out_nd, keep)
+            if done:
+                return saved
         with self._device(data_nd):
             dev = None
             try:
@@ -675,6 +686,18 @@ class CudaBackend:
         ``extra_grad``: ``(req, gradient NDArray)`` of each (from a backward that returns
         a tuple, else zeros)."""
         if req == "null" and rois_req == "null" and all(r == "null" for r, _ in extra_grad):
+            return
+        if isinstance(saved, ProgramSaved):
+            if self.native_program and rois_req == "null" and not extra and \
+                    not extra_grad and self._native.backward(self, op, req, grad_nd, data_nd,
+                                                             rois_nd, in_grad_nd, saved):
+                return
+            # its argmax indexes the program's tables: here, as if nothing was kept
+            saved = None
+        elif self._native is not None and self.native_program and rois_req == "null" and \
+                not extra and not extra_grad and saved is None and \
+                self._native.backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd,
+                                      None):
             return
         with self._device(data_nd):
             dev = None

@@ -1,0 +1,272 @@
+"""The native backend's recorded programs (mx_roi.cuda.native_program): one compiled call
+per forward and per backward, replayed with each call's addresses.
+
+The checked path (``native_program = False``: the rois read, checked and turned into
+tables on the host, every kernel launched from Python) is the oracle: every call of a
+replayed program must give its outputs and gradients bit for bit, over buffers holding
+garbage, with new data and new rois of the recorded shapes, and raise its message for a
+bad roi.  The counts prove the replay is one call: no kernel launched from Python, one
+``mx_roi_run_program`` per forward and per backward.
+"""
+import threading
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from mx_roi.cuda import loader, native_program
+from mx_roi.cuda.backend import CudaBackend
+from mx_roi.ndio import Kind
+from tests.test_native import CASES, identical, make_op, nd, problem
+
+FILL = 7.25
+DTYPES = (np.float32, np.float64, np.float16)
+
+
+def _backends():
+    program = CudaBackend(Kind.NATIVE)
+    checked = CudaBackend(Kind.NATIVE)
+    checked.native_program = False
+    return program, checked
+
+
+class Counts:
+    """Kernel launches from Python (``loader._Kernel.__call__``), program runs and
+    recordings, counted while installed."""
+
+    def __init__(self, monkeypatch):
+        self.launches = self.runs = self.records = 0
+        real_call = loader._Kernel.__call__
+        real_run = native_program._Program.__call__
+        real_init = native_program._Program.__init__
+
+        def call(k, *a):
+            self.launches += 1
+            return real_call(k, *a)
+
+        def run(p, *a):
+            self.runs += 1
+            return real_run(p, *a)
+
+        def init(p, *a):
+            self.records += 1
+            return real_init(p, *a)
+
+        monkeypatch.setattr(loader._Kernel, "__call__", call)
+        monkeypatch.setattr(native_program._Program, "__call__", run)
+        monkeypatch.setattr(native_program._Program, "__init__", init)
+
+    def reset(self):
+        self.launches = self.runs = self.records = 0
+
+
+def step(backend, op, data, rois, grad, keep=True, bwd_rois=None):
+    """Forward into a FILL-ed output (keeping what the backward needs), backward into a
+    FILL-ed gradient with ``bwd_rois`` (default: the forward's); returns NumPy arrays."""
+    out = mx.nd.full(op.out_shape(data.shape, rois.shape), FILL, dtype=data.dtype)
+    dgrad = mx.nd.full(data.shape, FILL, dtype=data.dtype)
+    x, r = nd(data), nd(rois)
+    saved = backend.forward(op, "write", x, r, out, keep=keep)
+    r_b = r if bwd_rois is None else nd(bwd_rois)
+    backend.backward(op, "write", nd(grad), x, r_b, dgrad, saved)
+    return out.asnumpy(), dgrad.asnumpy()
+
+
+def inside_problem(op, dtype, seed, N=2, H=9, W=10):
+    """A detector's call: boxes inside the map (clipped proposals), every 4th padding."""
+    rng = np.random.default_rng(seed)
+    data, _, _ = problem(op, dtype, seed=seed, N=N, H=H, W=W)
+    s = op.param.spatial_scale
+    R = 12
+    x1, y1 = rng.uniform(0, 0.8 * W / s, R), rng.uniform(0, 0.8 * H / s, R)
+    x2 = np.minimum(x1 + rng.uniform(1 / s, 0.6 * W / s, R), (W - 1) / s)
+    y2 = np.minimum(y1 + rng.uniform(1 / s, 0.6 * H / s, R), (H - 1) / s)
+    rois = np.stack([rng.integers(0, N, R), x1, y1, x2, y2], axis=1)
+    rois[::4, 0] = -1
+    rois = rois.astype(dtype)
+    grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
+    return data, rois, grad
+
+
+@pytest.mark.parametrize("boxes", ("inside", "adversarial"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{i}" for i, (n, _) in
+                                                    enumerate(CASES)])
+def test_replay_is_the_checked_path_bit_for_bit(name, params, dtype, boxes, monkeypatch):
+    """Three calls of the same shapes (new data, new rois) recorded once and replayed:
+    outputs and gradients byte-equal to the checked path's; a replay launches nothing
+    from Python.  ``inside``: a detector's boxes (never past the tables sized from the
+    shapes); ``adversarial``: degenerate boxes, padding rows and boxes far larger than
+    the map, which the status sends back to the checked path."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    counts = Counts(monkeypatch)
+    make = inside_problem if boxes == "inside" else problem
+    for seed in range(3):
+        data, rois, grad = make(op, dtype, seed=seed)
+        if boxes == "inside":
+            assert not _needs_rerun(op, rois, data.shape)
+        counts.reset()
+        out, g = step(program, op, data, rois, grad)
+        want_out, want_g = step(checked, op, data, rois, grad)
+        identical(out, want_out, f"seed {seed}: forward")
+        identical(g, want_g, f"seed {seed}: backward")
+    # the last seed's call again: one compiled call per direction, nothing recorded
+    counts.reset()
+    step(program, op, data, rois, grad)
+    half = np.dtype(dtype) == np.float16  # its backward accumulates in float32: checked
+    assert counts.records == 0
+    if _needs_rerun(op, rois, data.shape):
+        # the forward's status sends it to the checked path; its backward goes there
+        # directly (a kept argmax of host-built tables)
+        assert counts.runs >= 1 and counts.launches > 0
+    else:
+        assert counts.runs == (1 if half else 2), "one program per forward and per backward"
+        if not half:
+            assert counts.launches == 0, f"{counts.launches} launches from Python in a replay"
+
+
+def _needs_rerun(op, rois, shape):
+    """Whether some live roi of ``rois`` needs a bin or sample grid wider than the tables
+    of the program (the device geometry's shape-derived sizes)."""
+    from mx_roi.cuda import device_geometry
+    spec = op.geometry_spec()
+    geo = op.geometry(rois, shape[2], shape[3], np)
+    if spec.mode in ("pool_bins", "ps_pool_bins"):
+        cells = device_geometry.bin_cells(spec, shape[2], shape[3])
+        h = (geo.hend - geo.hstart).max(axis=1)
+        w = (geo.wend - geo.wstart).max(axis=1)
+        return bool(((h * w > cells) & (geo.batch >= 0)).any())
+    gy, gx = device_geometry.grid_widths(spec, shape[2], shape[3])
+    return bool((((geo.y.count > gy).any(axis=1) | (geo.x.count > gx).any(axis=1))
+                 & (geo.batch >= 0)).any())
+
+
+@pytest.mark.parametrize("name,params", CASES[::2], ids=[f"{n}-{i}" for i, (n, _) in
+                                                         enumerate(CASES[::2])])
+def test_a_bad_roi_in_a_replay_raises_the_checked_message_and_the_next_call_works(
+        name, params):
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = problem(op, np.float32)
+    step(program, op, data, rois, grad)  # recorded
+    for bad, col in (("nan", 3), ("batch", 0)):
+        broken = rois.copy()
+        broken[2, col] = np.nan if bad == "nan" else 5  # 2 images
+        for backend in (checked, program):
+            with pytest.raises(ValueError) as err:
+                backend.forward(op, "write", nd(data), nd(broken),
+                                mx.nd.zeros(op.out_shape(data.shape, rois.shape)), keep=True)
+            if backend is checked:
+                want = str(err.value)
+            else:
+                assert str(err.value) == want
+        # the backward re-checks (MXNet runs it after a rejected forward too)
+        with pytest.raises(ValueError) as err:
+            program.backward(op, "write", nd(grad), nd(data), nd(broken),
+                             mx.nd.zeros(data.shape), None)
+        assert str(err.value) == want
+        out, g = step(program, op, data, rois, grad)
+        want_out, want_g = step(checked, op, data, rois, grad)
+        identical(out, want_out, "forward after the error")
+        identical(g, want_g, "backward after the error")
+
+
+@pytest.mark.parametrize("name,params", [c for c in CASES if c[0] == "ROIPooling" or
+                                         c[1].get("pool_mode") == "max"])
+def test_the_argmax_serves_only_the_rois_it_was_found_for(name, params):
+    """A backward handed other rois than its forward's (same shapes) must not route the
+    gradient through the forward's argmax: it equals a step on those rois."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = problem(op, np.float32, seed=0)
+    _, rois_b, _ = problem(op, np.float32, seed=1)
+    _, g = step(program, op, data, rois, grad, bwd_rois=rois_b)
+    _, want = step(checked, op, data, rois_b, grad)
+    identical(g, want, "backward on other rois")
+
+
+def test_inference_forward_and_thread_count_are_part_of_the_key(monkeypatch):
+    op = make_op(*CASES[4])  # max ROIAlign: the argmax kept or not
+    program, checked = _backends()
+    data, rois, grad = problem(op, np.float32)
+    counts = Counts(monkeypatch)
+    for threads in ("1", "2", "1"):
+        monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
+        for keep in (False, True):
+            out = mx.nd.full(op.out_shape(data.shape, rois.shape), FILL)
+            assert program.forward(op, "write", nd(data), nd(rois), out, keep=keep) is None \
+                or keep
+            want = mx.nd.zeros(out.shape)
+            checked.forward(op, "write", nd(data), nd(rois), want, keep=keep)
+            identical(out.asnumpy(), want.asnumpy(), f"threads {threads}, keep {keep}")
+    assert counts.records == 4, "one program per (keep, thread count)"
+
+
+def test_programs_are_per_thread_and_bounded(monkeypatch):
+    """Two threads replaying concurrently (each its own tables and role cells) get the
+    checked path's bits; a thread keeps at most MAX_PROGRAMS_PER_THREAD programs."""
+    op = make_op(*CASES[2])
+    program, checked = _backends()
+    problems = [problem(op, np.float32, seed=s) for s in range(4)]
+    wants = [step(checked, op, *p) for p in problems]
+    errors = []
+
+    def work(offset):
+        try:
+            for i in range(40):
+                k = (i + offset) % len(problems)
+                got = step(program, op, *problems[k])
+                identical(got[0], wants[k][0], "forward")
+                identical(got[1], wants[k][1], "backward")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    monkeypatch.setattr(native_program, "MAX_PROGRAMS_PER_THREAD", 3)
+    for r in range(1, 8):  # seven roi counts: seven shapes
+        data, rois, grad = problems[0]
+        step(program, op, data, rois[:r], grad[:r])
+    kept = program._native._programs()
+    assert len(kept) == 3
+
+
+def test_an_unrecordable_call_is_remembered_and_takes_the_checked_path(monkeypatch):
+    """float16's backward accumulates in a float32 temporary: not recordable; the verdict
+    is kept (no second recording attempt), and the checked path gives the bits."""
+    op = make_op(*CASES[2])
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float16, seed=0)
+    tries = []
+    real = program._native._recorder
+    monkeypatch.setattr(program._native, "_recorder", lambda *a: (tries.append(1), real(*a))[1])
+    for _ in range(3):
+        got = step(program, op, data, rois, grad)
+    identical(got[1], step(checked, op, data, rois, grad)[1], "float16 backward")
+    assert len(tries) == 2, "one recording of the forward, one attempt of the backward"
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[5]], ids=["ROIPooling", "max"])
+def test_a_large_call_keeps_no_argmax_and_its_backward_rescans(name, params, monkeypatch,
+                                                                launches):
+    """Past ARGMAX_KEEP_MAX_ELEMENTS the recorded forward keeps no argmax and the recorded
+    backward runs the rescan kernel: the same output and gradient bits as with it kept."""
+    from mx_roi.cuda import backend as B
+    op = make_op(name, params)
+    data, rois, grad = inside_problem(op, np.float32, seed=4)
+    kept_out, kept_g = step(_backends()[0], op, data, rois, grad)
+    assert any("rescan" not in e and "backward" in e for e in launches)
+    monkeypatch.setattr(B, "ARGMAX_KEEP_MAX_ELEMENTS", grad.size - 1)
+    program = _backends()[0]
+    launches.clear()
+    for _ in range(2):
+        out, g = step(program, op, data, rois, grad)
+        identical(out, kept_out, "forward")
+        identical(g, kept_g, "rescan backward")
+    assert any("rescan" in e for e in launches) and not any(
+        "rescan" not in e and "backward" in e for e in launches), launches
