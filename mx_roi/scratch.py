@@ -95,8 +95,16 @@ def advise_huge_pages(a: np.ndarray) -> bool:
     Only the VMA flags change (no data, no size: pages fully inside ``a`` only), so it is
     harmless on memory already touched, and any failure is ignored.  Returns whether
     the call was made and succeeded."""
-    global _madvise
     if a.nbytes < HUGE_MIN_BYTES or not a.flags.c_contiguous:
+        return False
+    return advise_huge_pages_at(a.ctypes.data, a.nbytes)
+
+
+def advise_huge_pages_at(addr: int, nbytes: int) -> bool:
+    """:func:`advise_huge_pages` for the ``nbytes`` of memory at address ``addr`` (e.g.
+    MXNet's output memory, known by its address)."""
+    global _madvise
+    if nbytes < HUGE_MIN_BYTES or not addr:
         return False
     if _madvise is None:
         try:
@@ -107,6 +115,5 @@ def advise_huge_pages(a: np.ndarray) -> bool:
             _madvise = False
     if not _madvise:
         return False
-    addr = a.ctypes.data
-    start, end = (addr + _HUGE - 1) & ~(_HUGE - 1), (addr + a.nbytes) & ~(_HUGE - 1)
+    start, end = (addr + _HUGE - 1) & ~(_HUGE - 1), (addr + nbytes) & ~(_HUGE - 1)
     return end > start and _madvise(start, end - start, _MADV_HUGEPAGE) == 0

@@ -111,7 +111,7 @@ def test_fixed_cost_section(quick_run):
     for r in rows:
         assert _positive(r["ours_ms"]) and _positive(r["noop_ms"])
         assert math.isclose(r["extra_ms"], r["ours_ms"] - r["noop_ms"])
-        assert r["target_ms"] == {"fwd": 0.5, "fwd+bwd": 1.0}[r["direction"]]
+        assert r["target_ms"] == {"fwd": 0.25, "fwd+bwd": 0.5}[r["direction"]]  # issue 34
         assert r["met"] == (r["extra_ms"] <= r["target_ms"])
         assert r["data_shape"][0] == 1 and r["data_shape"][1] <= 64
         assert r["data_shape"][2:] == [19, 25] and r["out_shape"][0] == 16
@@ -403,6 +403,15 @@ def test_markdown_table_from_runs():
                          "(worst 0.25), 0.50 both 1 thread (worst 0.50), 0.38 both 2 threads "
                          "(worst 0.38).")
     assert format_markdown({"1": None}) == "(no bench run to tabulate)"
+    # the fixed-cost section, one column per setting (a run without it: "-")
+    runs = {"default": run(1, 2, 1.0), "1": run(1, 1, 2.0)}
+    runs["default"]["fixed_cost"] = [dict(key="ROIPooling", direction="fwd", extra_ms=0.3,
+                                          noop_ms=0.4, met=False)]
+    lines = format_markdown(runs).splitlines()
+    k = lines.index("| op | dir | defaults | both 1 thread |")
+    assert lines[k - 2].startswith("Fixed cost of a small call") and \
+        "fwd <= 0.25, fwd+bwd <= 0.5" in lines[k - 2]
+    assert lines[k + 2] == "| ROIPooling | fwd | 0.30 (0.40) **not met** | - |"
 
 
 def test_markdown_of_a_single_run(quick_run):
@@ -411,8 +420,14 @@ def test_markdown_of_a_single_run(quick_run):
     t = payload["machine"]["threads"]
     assert lines[0].startswith(f"| op | workload | dir | kernels | defaults (MXNet {t['mxnet']} "
                                f"/ mx_roi {t['ours']} threads): ours ms / built-in ms / ratio |")
-    rows = [ln for ln in lines if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI", "| Deformable"))]
+    end = lines.index("") if "" in lines else len(lines)  # the speed table, then the rest
+    rows = [ln for ln in lines[:end]
+            if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI", "| Deformable"))]
     assert len(rows) == len(payload["results"])
+    # and the fixed-cost table: one row per op configuration and direction
+    fixed = [ln for ln in lines[end:] if ln.startswith("| ") and not ln.startswith("| op")]
+    assert len(fixed) == len(payload["fixed_cost"]) and all(
+        ln.endswith(("met |", "**not met** |")) for ln in fixed)
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "
                               f"{r['backend']} | {r['ours_ms']:.2f} / ")

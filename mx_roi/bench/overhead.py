@@ -15,7 +15,8 @@ import mxnet as mx
 import mx_roi
 
 from .timing import bench_pair
-from .workloads import DIRECTIONS, Inputs, Workload, in_layout, make_rois, pooled_hw
+from .workloads import (DIRECTIONS, FIXED_COST_TARGET_MS, Inputs, Workload, in_layout,
+                        make_rois, pooled_hw)
 
 __all__ = ["OVERHEAD_OPS", "bench_overhead", "bench_fixed_cost", "FIXED_COST_TARGET_MS"]
 
@@ -100,8 +101,6 @@ def bench_overhead(inputs: Inputs, workloads: List[Workload], repeat: int):
 #: the small call of the fixed-cost section: one image, a 64-channel stride-32 map of a
 #: 600x800 image (19x25), 16 proposals -- a call where the op's own work is negligible
 SMALL_CHANNELS, SMALL_HW, SMALL_BOXES, SMALL_REPEAT, SEED_SMALL = 64, (19, 25), 16, 41, 7
-#: the targets of issue 18 for ours minus the no-op Custom call: fwd, fwd+bwd (ms)
-FIXED_COST_TARGET_MS = {"fwd": 0.5, "fwd+bwd": 1.0}
 
 
 def bench_fixed_cost(workloads: List[Workload], ctx, repeat: int = SMALL_REPEAT):

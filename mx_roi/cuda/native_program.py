@@ -21,7 +21,7 @@ is then either one of the call's *roles* -- the data, the rois, the output, the 
 the input gradient, the argmax (new per training forward), the status word -- whose
 addresses change from call to call, or memory the recording owns (tables, constants),
 fixed for the program's lifetime.  A replay writes the roles' addresses (read with MXNet's
-C API, :func:`array_info`) into one small array and makes the one call.  Everything that
+C API, :func:`mx_roi.ndio.array_info`) into one small array and makes the one call.  Everything that
 depends on values (which roi is bad, a box too large for the tables) is decided in the
 compiled code; the Python side reads the status and, when it is set, takes the backend's
 checked path, which raises today's message (or reruns on exact tables), so errors, bits
@@ -43,13 +43,14 @@ from typing import Optional
 
 import numpy as np
 
-from .. import parallel
+from .. import parallel, scratch
+from ..ndio import array_info
 from ..saved import Saved
 from . import device_geometry
 from .loader import check_args
 from .pointers import address
 
-__all__ = ["NativeCalls", "ProgramSaved", "array_info", "MAX_PROGRAMS_PER_THREAD"]
+__all__ = ["NativeCalls", "ProgramSaved", "MAX_PROGRAMS_PER_THREAD"]
 
 #: programs kept per thread (least recently used dropped first): a detector's calls have
 #: a few distinct shapes (levels, roi counts); each program holds its tables
@@ -65,33 +66,6 @@ class _Step(ctypes.Structure):
     _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p),
                 ("zero_bytes", ctypes.c_longlong), ("nthreads", ctypes.c_int),
                 ("zero_role", ctypes.c_int), ("status", ctypes.c_void_p)]
-
-
-# ---- NDArray -> (address, shape, dtype) through MXNet's C API --------------------------
-_MX_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16)}
-_info_cells = {}  # OS thread id -> the C API's output cells (see NativeCalls: not threading.local)
-
-
-def array_info(nd):
-    """``(address, shape, dtype)`` of CPU NDArray ``nd`` (dtype None for a type the ops do
-    not take), after its pending writes: ``MXNDArrayWaitToRead`` (a no-op inside an op's
-    callback, whose arrays MXNet has completed), ``MXNDArrayGetData`` (which first brings
-    a oneDNN-layout array to the default layout), shape and dtype -- four C calls, about
-    2 us, where a DLPack view costs 5-20 us."""
-    from mxnet.base import _LIB
-    ident = threading.get_ident()
-    cells = _info_cells.get(ident)
-    if cells is None:
-        cells = _info_cells[ident] = (ctypes.c_void_p(), ctypes.c_int(),
-                                      ctypes.POINTER(ctypes.c_int)(), ctypes.c_int())
-    ptr, ndim, shape, dtype = cells
-    h = nd.handle
-    if _LIB.MXNDArrayWaitToRead(h) or _LIB.MXNDArrayGetData(h, ctypes.byref(ptr)) or \
-            _LIB.MXNDArrayGetShapeEx(h, ctypes.byref(ndim), ctypes.byref(shape)) or \
-            _LIB.MXNDArrayGetDType(h, ctypes.byref(dtype)):
-        return None
-    n = ndim.value
-    return ptr.value or 0, (tuple(shape[:n]) if n > 0 else ()), _MX_DTYPES.get(dtype.value)
 
 
 def _host_view(addr, shape, dtype):
@@ -307,6 +281,8 @@ class NativeCalls:
         if prog is None:
             return False, None
         argmax = np.empty(*prog.argmax) if prog.argmax is not None else None
+        # a large fresh output: huge pages before its first touch (as the checked path)
+        scratch.advise_huge_pages_at(op_, math.prod(oshape) * dtype.itemsize)
         if not prog((dp, rp, op_, address(argmax) if argmax is not None else 0,
                      address(prog.status), 0, 0, 0)):
             return False, None
@@ -378,6 +354,7 @@ class NativeCalls:
         prog = self._get(key, make)
         if prog is None:
             return False
+        scratch.advise_huge_pages_at(bp, math.prod(bshape) * dtype.itemsize)
         return prog((dp, rp, 0, 0, address(prog.status), gp, bp,
                      address(arg) if arg is not None else 0))
 
