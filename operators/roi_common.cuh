@@ -1397,12 +1397,13 @@ __device__ void geometry_counts(const Params& g, const T* rois, long long R, int
 // The first bad roi of R (rois (R, 5)) for images 0..N-1: 1 = a NaN or infinite value
 // (|x| >= bound counts as infinite where the dtype holds bound), checked over all rows
 // first; 2 = a batch index >= N (N = 0: trunc(b) >= 0); 0 = none.  ``row`` gets the row.
-// Whether roi ``row`` (5 values) has a NaN or infinite value (check_rois' code 1).
+// Whether roi ``row`` (``columns`` values) has a NaN or infinite value (check_rois' code 1).
 template <typename T, typename A>
-__device__ __forceinline__ bool roi_nonfinite(const T* row, double bound, bool use_bound) {
+__device__ __forceinline__ bool roi_nonfinite(const T* row, double bound, bool use_bound,
+                                              int columns = 5) {
   typedef Traits<T> Tr;
   const double b_t = (double)(A)bound;  // the bound in the rois' type, as NumPy compares
-  for (int k = 0; k < 5; ++k) {
+  for (int k = 0; k < columns; ++k) {
     const double v = (double)Tr::load(row[k]);
     if (use_bound ? !(fabs(v) < b_t) : !(v - v == 0)) return true;
   }
@@ -1441,13 +1442,15 @@ __device__ int check_rois(const T* rois, long long R, long long N, double bound,
 // status[1]: 1 when some roi needs more sample points per bin side than the tables hold.
 const unsigned long long STATUS_BATCH_KEY = 1ULL << 62;
 
-// Checks roi r (check_rois' rule), records a bad one in status[0]; true if it is bad.
+// Checks roi r (check_rois' rule over its ``columns`` values), records a bad one in
+// status[0]; true if it is bad.
 template <typename T, typename A>
 __device__ __forceinline__ bool roi_status(const T* rois, long long r, long long N, double bound,
-                                           bool use_bound, unsigned long long* status) {
-  const T* row = rois + r * 5;
+                                           bool use_bound, unsigned long long* status,
+                                           int columns = 5) {
+  const T* row = rois + r * columns;
   unsigned long long key;
-  if (roi_nonfinite<T, A>(row, bound, use_bound))
+  if (roi_nonfinite<T, A>(row, bound, use_bound, columns))
     key = (unsigned long long)r;
   else if (roi_batch_out(row, N))
     key = STATUS_BATCH_KEY + (unsigned long long)r;
@@ -1538,6 +1541,18 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
     if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
       batch[r] = -1;
   }
+}
+
+// The roi check alone, for an op whose kernels read the rois themselves (no tables): one
+// thread per roi, check_rois' rule over each roi's ``columns`` values, into ``status``
+// (status[0] as above; a recorded native call stops before the op's kernels when it is
+// set: mx_roi.cuda.native_program).  n = R.
+template <typename T, typename A>
+__global__ void roi_check(const T* __restrict__ rois, int columns, long long N, double bound,
+                          int use_bound, unsigned long long* __restrict__ status, long long n) {
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step)
+    mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status, columns);
 }
 
 #ifdef MX_ROI_HOST_SHIM

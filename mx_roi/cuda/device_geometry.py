@@ -122,14 +122,15 @@ class DeviceGeometry:
         return int(status_host[1]) != 0
 
 
-def _carve(xp, specs):
+def _carve(xp, specs, empty=None):
     """Arrays of ``specs`` ((shape, dtype), ...) over one uninitialised buffer (one
-    allocation; 16-byte aligned offsets)."""
+    allocation, by ``empty(shape, dtype)`` if given, else ``xp.empty``; 16-byte aligned
+    offsets)."""
     offsets, total = [], 0
     for shape, dtype in specs:
         offsets.append(total)
         total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
-    buf = xp.empty(max(total, _ALIGN), np.uint8)
+    buf = (empty or xp.empty)((max(total, _ALIGN),), np.uint8)
     base = getattr(buf, "data", None)
     out = []
     for (shape, dtype), o in zip(specs, offsets):
@@ -141,15 +142,19 @@ def _carve(xp, specs):
     return out
 
 
-def build(launch, spec, rois, images: int, height: int, width: int) -> DeviceGeometry:
+def build(launch, spec, rois, images: int, height: int, width: int,
+          empty=None) -> DeviceGeometry:
     """Queue the geometry kernel of ``spec`` over ``rois`` ((R, 5), R >= 1, the data's
     dtype, on the device of ``launch``) for ``images`` images of a ``height`` x ``width``
-    map; the tables and the zeroed status, ready for the op kernels queued after it."""
+    map; the tables and the zeroed status, ready for the op kernels queued after it.
+    ``empty(shape, dtype)``: where the tables and the status are allocated (default
+    ``xp.empty``; a recorded native call passes its own)."""
     xp = launch.xp
     R = int(rois.shape[0])
     P, Q = int(spec.pooled_size[0]), int(spec.pooled_size[1])
     H, W = int(height), int(width)
-    status = xp.zeros(2, np.uint64)
+    status = (empty or xp.empty)((2,), np.uint64)
+    status.fill(0)
     common = dict(rois=rois, mode=MODES[spec.mode], P=P, Q=Q, H=H, W=W,
                   spatial_scale=float(np.float32(spec.spatial_scale)), N=int(images),
                   bound=float(GUARD_BOUND), use_bound=int(bounded_dtype(rois.dtype)),
@@ -157,7 +162,7 @@ def build(launch, spec, rois, images: int, height: int, width: int) -> DeviceGeo
     i32 = np.int32
     if spec.mode in INT_BINS_MODES:
         t = _carve(xp, [((R,), i32), ((R, P), i32), ((R, P), i32), ((R, Q), i32),
-                        ((R, Q), i32)])
+                        ((R, Q), i32)], empty)
         cells = bin_cells(spec, H, W)
         launch.forward("roi_bins_geometry", R, cells=cells, batch=t[0], hstart=t[1],
                        hend=t[2], wstart=t[3], wend=t[4], **common)
@@ -171,7 +176,7 @@ def build(launch, spec, rois, images: int, height: int, width: int) -> DeviceGeo
         specs += [((R, pooled), i32), ((R, pooled, g), i32), ((R, pooled, g), i32),
                   ((R, pooled, g), acc), ((R, pooled, g), acc)]
     specs.append(((R, P, Q), acc))
-    t = _carve(xp, specs)
+    t = _carve(xp, specs, empty)
     names = ("batch", "y_count", "y_low", "y_high", "y_wl", "y_wh", "x_count", "x_low",
              "x_high", "x_wl", "x_wh", "divisor")
     launch.forward("roi_grid_geometry", R, sample=int(spec.sample),

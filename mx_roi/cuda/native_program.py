@@ -47,6 +47,8 @@ from .. import parallel, scratch
 from ..ndio import array_info
 from ..saved import Saved
 from . import device_geometry
+from ..onednn import GUARD_BOUND, bounded_dtype
+from . import source as S
 from .loader import check_args
 from .pointers import address
 
@@ -93,17 +95,23 @@ def _recorder_class(launch_cls):
     below the backend)."""
 
     class _Recorder(launch_cls):
-        """A launch that records instead of running: every array it allocates is owned
-        by the recording (never the reused host scratch), and a const array argument that
-        binding would convert (a copy, fixed in the program while its source changes)
-        makes the call unrecordable."""
+        """A launch that records instead of running.  Every array it allocates is owned by
+        the recording (never the reused host scratch; :attr:`owned` holds their address
+        ranges), and a const array argument that binding would convert (a copy, fixed in
+        the program while its source changes) makes the call unrecordable."""
 
         def __init__(self, module, dtype):
             super().__init__(module, np, dtype, False)
             self.recorded = []
+            self.owned = []
 
         def empty(self, shape, dtype=None):
-            return np.empty(shape, dtype or self.dtype)
+            a = np.empty(shape, dtype or self.dtype)
+            self.owned.append((address(a), a.nbytes))
+            return a
+
+        def owns(self, addr) -> bool:
+            return any(lo <= addr < lo + n for lo, n in self.owned)
 
         def bind(self, sig, n, tables, args):
             ordered = super().bind(sig, n, tables, args)
@@ -131,22 +139,21 @@ def _recorder_class(launch_cls):
     return _Recorder
 
 
-class _Program:
-    """A recorded call: its steps (ctypes), the argument buffers and arrays they point at
-    (kept alive here), the role cells, and what a replay allocates (the argmax)."""
+#: the kernels that check the rois into the status word (a program stops after them
+#: when it is set); the device geometry's fill the tables too
+_CHECKS = ("roi_bins_geometry", "roi_grid_geometry", "roi_check")
 
-    __slots__ = ("steps", "count", "roles", "keep", "argmax", "status", "run", "exprs")
 
-    def __init__(self, module, recorded, role_arrays, zero, status):
-        """``recorded``: (expr, n, args) per launch; ``role_arrays``: role -> the array the
-        recording used; ``zero``: (role, nbytes) to zero before the launches after the
-        geometry (the input gradient); ``status``: the device geometry's status array."""
-        self.run = module.run_program
-        self.status = status
-        self.exprs = tuple(expr for expr, _, _ in recorded)  # the kernels, in order
-        self.roles = _RolesArray()
+class _Recording:
+    """One recording of a call: its launches, the arrays of its roles, and how each
+    pointer argument is classified: ``("role", name)``, ``("owned",)`` (allocated by the
+    recording: tables, status, a dummy argmax) or ``("fixed", array)`` (anything else: a
+    constant of the op, e.g. a channel map -- checked against a second recording)."""
+
+    def __init__(self, rec, roles):
+        self.rec, self.roles = rec, roles
         by_address = {}
-        for role, a in role_arrays.items():
+        for role, a in roles.items():
             if a is None:
                 continue
             if a.size == 0:
@@ -155,37 +162,105 @@ class _Program:
             if addr in by_address:
                 raise _Unsupported(f"{role} and {by_address[addr]} share memory")
             by_address[addr] = role
+        self.by_address = by_address
+        self.kinds = []
+        for expr, n, args in rec.recorded:
+            params = S.instantiate(rec.module.filename, expr).params
+            kinds = []
+            for p, a in zip(params, args):
+                if not p.pointer:
+                    kinds.append(("scalar", np.asarray(a).tobytes()))
+                    continue
+                addr = address(a)
+                if addr in by_address:
+                    kinds.append(("role", by_address[addr]))
+                elif rec.owns(addr):
+                    kinds.append(("owned", a.shape, a.dtype))
+                else:
+                    kinds.append(("fixed", a))
+            self.kinds.append((expr, n, kinds))
+
+    def same_program(self, other) -> bool:
+        """Whether ``other`` (recorded from other inputs of the same shapes) made the same
+        launches with the same scalars and the same roles, and its fixed arrays hold the
+        same bytes: nothing fixed in the program depends on the inputs' values."""
+        if len(self.kinds) != len(other.kinds):
+            return False
+        for (e1, n1, k1), (e2, n2, k2) in zip(self.kinds, other.kinds):
+            if e1 != e2 or n1 != n2 or len(k1) != len(k2):
+                return False
+            for a, b in zip(k1, k2):
+                if a[0] != b[0]:
+                    return False
+                if a[0] == "fixed":
+                    x, y = a[1], b[1]
+                    if x.shape != y.shape or x.dtype != y.dtype or \
+                            x.tobytes() != y.tobytes():
+                        return False
+                elif a[1:] != b[1:]:
+                    return False
+        return True
+
+
+def _perturbed(role_arrays):
+    """Other inputs of the same shapes (for the second recording): every input's values
+    changed (rois: the coordinates moved, the batch column kept), outputs fresh."""
+    out = {}
+    for role, a in role_arrays.items():
+        if a is None:
+            out[role] = None
+        elif role == "rois":
+            b = a.copy()
+            b[:, 1:] = b[:, 1:] * 1.5 + 3
+            out[role] = b
+        elif role in ("data", "grad"):
+            out[role] = a * 2 + 1
+        else:
+            out[role] = np.zeros_like(a)
+    return out
+
+
+class _Program:
+    """A recorded call: its steps (ctypes), the argument buffers and arrays they point at
+    (kept alive here), the role cells, and what a replay allocates (the argmax)."""
+
+    __slots__ = ("steps", "count", "roles", "keep", "argmax", "status", "run", "exprs")
+
+    def __init__(self, module, recording, zero, status):
+        """``recording``: a :class:`_Recording`; ``zero``: (role, nbytes) to zero once the
+        rois are checked (the input gradient); ``status``: the status word's array."""
+        self.run = module.run_program
+        self.status = status
+        recorded = recording.rec.recorded
+        self.exprs = tuple(expr for expr, _, _ in recorded)  # the kernels, in order
+        self.roles = _RolesArray()
         role_base = ctypes.addressof(self.roles)
-        keep, steps = [status], []
-        status_addr = address(status)
-        # the status word is zeroed by the program itself before the geometry kernel
+        keep, steps = [status, recording.rec], []
+        # the status word is zeroed by the program itself before the check
         steps.append((None, None, status.nbytes, 1, _ROLE["status"], None))
-        for i, (expr, n, args) in enumerate(recorded):
+        status_addr = address(status)
+        for (expr, n, args), (_, _, kinds) in zip(recorded, recording.kinds):
             fn, params = module.native_entry(expr)
             count = max(len(params), 1)
             buf = (ctypes.c_char * (16 * count))()
             base = ctypes.addressof(buf)
-            for j, (p, a) in enumerate(zip(params, args)):
+            for j, (a, kind) in enumerate(zip(args, kinds)):
                 cell = base + 8 * (count + j)
-                if p.pointer:
-                    addr = address(a)
-                    role = by_address.get(addr)
-                    if role is not None:
-                        slot = role_base + 8 * _ROLE[role]
-                    else:
-                        keep.append(a)
-                        struct.pack_into("@P", buf, 8 * (count + j), addr)
-                        slot = cell
-                else:
-                    raw = np.asarray(a).tobytes()
-                    ctypes.memmove(cell, raw, len(raw))
+                if kind[0] == "role":
+                    slot = role_base + 8 * _ROLE[kind[1]]
+                elif kind[0] == "scalar":
+                    ctypes.memmove(cell, kind[1], len(kind[1]))
+                    slot = cell
+                else:  # owned or fixed: kept alive, its address in the cell
+                    keep.append(a)
+                    struct.pack_into("@P", buf, 8 * (count + j), address(a))
                     slot = cell
                 struct.pack_into("@P", buf, 8 * j, slot)
             keep.append(buf)
             nthreads = module.native_threads(expr, n)
-            geometry = expr.startswith(("roi_bins_geometry", "roi_grid_geometry"))
-            steps.append((fn, base, 0, nthreads, 0, status_addr if geometry else None))
-            if geometry and zero is not None:  # the gradient, once the rois are known good
+            check = expr.startswith(_CHECKS)
+            steps.append((fn, base, 0, nthreads, 0, status_addr if check else None))
+            if check and zero is not None:  # the gradient, once the rois are known good
                 steps.append((None, None, zero[1], 1, _ROLE[zero[0]], None))
         self.count = len(steps)
         self.steps = (_Step * self.count)(*[
@@ -235,6 +310,48 @@ class NativeCalls:
             programs[key] = programs.pop(key)
         return prog
 
+    @staticmethod
+    def _how(backend, op):
+        """How a recorded call of ``op`` checks its rois: ``(spec, None)`` -- the device
+        geometry's kernel (tables too) --, ``(None, "check")`` -- the ``roi_check`` kernel
+        (kernels that read the rois themselves) --, or None: not recordable."""
+        spec = backend._spec(op)
+        if spec is not None:
+            return spec, None
+        if op.kernels_read_rois():
+            return None, "check"
+        return None
+
+    def _record(self, backend, op, how, dtype, module_nd, shape, inputs, run):
+        """Record twice -- with the call's arrays (``run(rec, geo, arrays)`` given
+        ``arrays`` by role) and with other values of the same shapes -- and return the
+        first recording and its status array, after checking that the two agree (else
+        :class:`_Unsupported`)."""
+        spec, _ = how
+        module = backend._launch(op, dtype, module_nd).module
+        recordings = []
+        for arrays in (inputs, _perturbed(inputs)):
+            rec = self._recorder(module, dtype)
+            r = arrays["rois"]
+            if spec is not None:
+                dev = device_geometry.build(rec, spec, r, shape[0], shape[2], shape[3],
+                                            empty=rec.empty)
+                geo, status = dev.geo, dev.status
+            else:
+                status = rec.empty((2,), np.uint64)
+                status.fill(0)
+                rec.forward("roi_check", r.shape[0], rois=r, columns=r.shape[1],
+                            N=shape[0], bound=float(GUARD_BOUND),
+                            use_bound=int(bounded_dtype(r.dtype)), status=status)
+                geo = op.geometry(r, shape[2], shape[3], np)
+            rec.geo = geo
+            arrays = run(rec, geo, arrays)
+            recordings.append((_Recording(rec, dict(arrays, status=status)), status))
+        (first, status), (second, _) = recordings
+        if not first.same_program(second):
+            raise _Unsupported("the recording depends on the inputs' values")
+        return first, status
+
     # ---- forward ----------------------------------------------------------------------
     def forward(self, backend, op, req, data_nd, rois_nd, out_nd, keep):
         """Run the forward as one compiled call; returns ``(True, saved)``, or ``(False,
@@ -242,16 +359,14 @@ class NativeCalls:
         status reported a roi it must raise for or rerun)."""
         if req not in ("write", "inplace"):
             return False, None
-        spec = backend._spec(op)
-        if spec is None:
+        how = self._how(backend, op)
+        if how is None:
             return False, None
         d, r, o = array_info(data_nd), array_info(rois_nd), array_info(out_nd)
         if d is None or r is None or o is None:
             return False, None
         (dp, dshape, dtype), (rp, rshape, rdtype), (op_, oshape, odtype) = d, r, o
-        if dtype is None or dtype != rdtype or dtype != odtype or \
-                len(dshape) != 4 or len(rshape) != 2 or rshape[1] != 5 or rshape[0] == 0 \
-                or 0 in dshape or not device_geometry.supported(spec, dshape[2], dshape[3]):
+        if not _shapes_ok(op, how, dshape, rshape, dtype, rdtype) or dtype != odtype:
             return False, None
         threads = parallel.num_threads()
         key = ("fwd", op, dshape, rshape, oshape, dtype, bool(keep), threads)
@@ -262,17 +377,18 @@ class NativeCalls:
             op.check_inputs(dshape, dtype, rois, np, compiled=backend._compiled(op)[1])
             if tuple(op.out_shape(dshape, rshape)) != tuple(oshape):
                 raise _Unsupported("output shape")
-            rec = self._recorder(backend._launch(op, dtype, data_nd).module, dtype)
-            dev = device_geometry.build(rec, spec, rois, dshape[0], dshape[2], dshape[3])
-            rec.out_target, rec.keep = out, bool(keep)
-            result, saved = op.forward_cuda(rec, dev.geo, data)
-            if result is not out:
-                raise _Unsupported("the output is written through a temporary")
-            roles = {"data": data, "rois": rois, "out": out, "status": dev.status}
-            if saved is not None:
-                roles["argmax"] = saved
-            prog = _Program(rec.module, rec.recorded, roles, None,
-                            dev.status)
+
+            def run(rec, geo, arrays):
+                rec.out_target, rec.keep = arrays["out"], bool(keep)
+                result, saved = op.forward_cuda(rec, geo, arrays["data"])
+                if result is not arrays["out"]:
+                    raise _Unsupported("the output is written through a temporary")
+                return dict(arrays, argmax=saved)
+
+            recording, status = self._record(backend, op, how, dtype, data_nd, dshape,
+                                             {"data": data, "rois": rois, "out": out}, run)
+            prog = _Program(recording.rec.module, recording, None, status)
+            saved = recording.roles.get("argmax")
             if saved is not None:
                 prog.argmax = (saved.shape, saved.dtype)
             return prog
@@ -298,16 +414,14 @@ class NativeCalls:
         when the checked path must run it."""
         if req not in ("write", "inplace"):
             return False
-        spec = backend._spec(op)
-        if spec is None:  # (deterministic=True: the native build is deterministic anyway)
+        how = self._how(backend, op)  # (deterministic=True: the native build is anyway)
+        if how is None:
             return False
         g, r, b = array_info(grad_nd), array_info(rois_nd), array_info(in_grad_nd)
         if g is None or r is None or b is None:
             return False
         (gp, gshape, dtype), (rp, rshape, rdtype), (bp, bshape, bdtype) = g, r, b
-        if dtype is None or dtype != rdtype or dtype != bdtype or \
-                len(bshape) != 4 or len(rshape) != 2 or rshape[1] != 5 or rshape[0] == 0 \
-                or 0 in bshape or not device_geometry.supported(spec, bshape[2], bshape[3]):
+        if not _shapes_ok(op, how, bshape, rshape, dtype, rdtype) or dtype != bdtype:
             return False
         # the forward's argmax, only for the very rois and map it was found on
         arg = None
@@ -335,21 +449,21 @@ class NativeCalls:
             op.check_inputs(bshape, dtype, rois, np, compiled=backend._compiled(op)[1])
             if tuple(op.out_shape(bshape, rshape)) != tuple(gshape):
                 raise _Unsupported("out-grad shape")
-            rec = self._recorder(backend._launch(op, dtype, in_grad_nd).module, dtype)
-            dev = device_geometry.build(rec, spec, rois, bshape[0], bshape[2], bshape[3])
-            rec.geo = dev.geo
-            data = None
-            if needs_data:
-                data = _host_view(dp, bshape, dtype)
-                rec.data = data
-            rec.grad_target, rec.grad_req = bottom, req
-            value = op.backward_cuda(rec, dev.geo, grad, bshape, arg)
-            if value is not bottom:
-                raise _Unsupported("the gradient is returned through a temporary")
-            roles = {"rois": rois, "grad": grad, "bottom": bottom, "status": dev.status,
-                     "data": data, "saved": arg}
-            return _Program(rec.module, rec.recorded, roles,
-                            ("bottom", bottom.nbytes), dev.status)
+            arrays = {"rois": rois, "grad": grad, "bottom": bottom, "saved": arg,
+                      "data": _host_view(dp, bshape, dtype) if needs_data else None}
+
+            def run(rec, geo, arrays):
+                rec.data = arrays["data"]
+                rec.grad_target, rec.grad_req = arrays["bottom"], req
+                value = op.backward_cuda(rec, geo, arrays["grad"], bshape, arrays["saved"])
+                if value is not arrays["bottom"]:
+                    raise _Unsupported("the gradient is returned through a temporary")
+                return arrays
+
+            recording, status = self._record(backend, op, how, dtype, in_grad_nd, bshape,
+                                             arrays, run)
+            return _Program(recording.rec.module, recording, ("bottom", bottom.nbytes),
+                            status)
 
         prog = self._get(key, make)
         if prog is None:
@@ -357,6 +471,17 @@ class NativeCalls:
         scratch.advise_huge_pages_at(bp, math.prod(bshape) * dtype.itemsize)
         return prog((dp, rp, 0, 0, address(prog.status), gp, bp,
                      address(arg) if arg is not None else 0))
+
+
+def _shapes_ok(op, how, shape, rshape, dtype, rdtype) -> bool:
+    """Whether a call of these shapes and dtypes can be recorded: 4-D map and (R, K) rois
+    of the op's layout, R >= 1, nothing empty, one supported dtype, and (device geometry)
+    tables the shapes can size."""
+    spec = how[0]
+    return dtype is not None and dtype == rdtype and len(shape) == 4 and \
+        len(rshape) == 2 and rshape[1] == op.rois_columns and rshape[0] > 0 and \
+        0 not in shape and (spec is None or device_geometry.supported(spec, shape[2],
+                                                                      shape[3]))
 
 
 def _same_bytes(a: np.ndarray, addr: int) -> bool:
