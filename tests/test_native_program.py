@@ -72,6 +72,17 @@ def step(backend, op, data, rois, grad, keep=True, bwd_rois=None):
     return out.asnumpy(), dgrad.asnumpy()
 
 
+def same_bits(program, checked, op, problems):
+    """A training step of each problem on both backends: the same bits; returns the last
+    problem."""
+    for i, (data, rois, grad) in enumerate(problems):
+        out, g = step(program, op, data, rois, grad)
+        want_out, want_g = step(checked, op, data, rois, grad)
+        identical(out, want_out, f"problem {i}: forward")
+        identical(g, want_g, f"problem {i}: backward")
+    return problems[-1]
+
+
 def inside_problem(op, dtype, seed, N=2, H=9, W=10):
     """A detector's call: boxes inside the map (clipped proposals), every 4th padding."""
     rng = np.random.default_rng(seed)
@@ -120,12 +131,8 @@ def test_replay_of_an_op_whose_kernels_read_the_rois(name, params, dtype, monkey
     assert op.kernels_read_rois()
     program, checked = _backends()
     counts = Counts(monkeypatch)
-    for seed in range(3):
-        data, rois, grad = lazy_problem(op, dtype, seed)
-        out, g = step(program, op, data, rois, grad)
-        want_out, want_g = step(checked, op, data, rois, grad)
-        identical(out, want_out, f"seed {seed}: forward")
-        identical(g, want_g, f"seed {seed}: backward")
+    data, rois, grad = same_bits(program, checked, op,
+                                 [lazy_problem(op, dtype, seed) for seed in range(3)])
     counts.reset()
     step(program, op, data, rois, grad)
     half = np.dtype(dtype) == np.float16
@@ -163,15 +170,10 @@ def test_replay_is_the_checked_path_bit_for_bit(name, params, dtype, boxes, monk
     program, checked = _backends()
     counts = Counts(monkeypatch)
     make = inside_problem if boxes == "inside" else problem
-    for seed in range(3):
-        data, rois, grad = make(op, dtype, seed=seed)
-        if boxes == "inside":
-            assert not _needs_rerun(op, rois, data.shape)
-        counts.reset()
-        out, g = step(program, op, data, rois, grad)
-        want_out, want_g = step(checked, op, data, rois, grad)
-        identical(out, want_out, f"seed {seed}: forward")
-        identical(g, want_g, f"seed {seed}: backward")
+    problems = [make(op, dtype, seed=seed) for seed in range(3)]
+    if boxes == "inside":
+        assert not any(_needs_rerun(op, rois, data.shape) for data, rois, _ in problems)
+    data, rois, grad = same_bits(program, checked, op, problems)
     # the last seed's call again: one compiled call per direction, nothing recorded
     counts.reset()
     step(program, op, data, rois, grad)

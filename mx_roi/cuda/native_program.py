@@ -372,11 +372,8 @@ class NativeCalls:
         key = ("fwd", op, dshape, rshape, oshape, dtype, bool(keep), threads)
 
         def make():
-            data, rois = _host_view(dp, dshape, dtype), _host_view(rp, rshape, dtype)
-            out = _host_view(op_, oshape, dtype)
-            op.check_inputs(dshape, dtype, rois, np, compiled=backend._compiled(op)[1])
-            if tuple(op.out_shape(dshape, rshape)) != tuple(oshape):
-                raise _Unsupported("output shape")
+            rois, out = _checked_views(backend, op, dshape, rp, rshape, op_, oshape, dtype)
+            data = _host_view(dp, dshape, dtype)
 
             def run(rec, geo, arrays):
                 rec.out_target, rec.keep = arrays["out"], bool(keep)
@@ -444,11 +441,8 @@ class NativeCalls:
                (arg.shape, arg.dtype), needs_data, threads)
 
         def make():
-            rois, grad = _host_view(rp, rshape, dtype), _host_view(gp, gshape, dtype)
+            rois, grad = _checked_views(backend, op, bshape, rp, rshape, gp, gshape, dtype)
             bottom = _host_view(bp, bshape, dtype)
-            op.check_inputs(bshape, dtype, rois, np, compiled=backend._compiled(op)[1])
-            if tuple(op.out_shape(bshape, rshape)) != tuple(gshape):
-                raise _Unsupported("out-grad shape")
             arrays = {"rois": rois, "grad": grad, "bottom": bottom, "saved": arg,
                       "data": _host_view(dp, bshape, dtype) if needs_data else None}
 
@@ -471,6 +465,17 @@ class NativeCalls:
         scratch.advise_huge_pages_at(bp, math.prod(bshape) * dtype.itemsize)
         return prog((dp, rp, 0, 0, address(prog.status), gp, bp,
                      address(arg) if arg is not None else 0))
+
+
+def _checked_views(backend, op, shape, rp, rshape, yp, yshape, dtype):
+    """NumPy views of the rois and of the op's output (or out-grad) ``yshape`` at ``yp``,
+    after the checked path's checks of the recording call (its error, if any, is the
+    call's) and of the output's shape."""
+    rois = _host_view(rp, rshape, dtype)
+    op.check_inputs(shape, dtype, rois, np, compiled=backend._compiled(op)[1])
+    if tuple(op.out_shape(shape, rshape)) != tuple(yshape):
+        raise _Unsupported("the output's shape")
+    return rois, _host_view(yp, yshape, dtype)
 
 
 def _shapes_ok(op, how, shape, rshape, dtype, rdtype) -> bool:
