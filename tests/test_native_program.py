@@ -153,7 +153,7 @@ def test_an_adaptive_rotated_grid_is_not_recorded():
         with pytest.raises(ValueError, match=r"RROIAlign: rois\[1\] is a box of"):
             backend.forward(op, "write", nd(data), nd(rois),
                             mx.nd.zeros(op.out_shape(data.shape, rois.shape)), keep=True)
-    assert program._native._programs() == {}
+    assert program._native.programs() == {}
 
 
 @pytest.mark.parametrize("boxes", ("inside", "adversarial"))
@@ -273,14 +273,17 @@ def test_inference_forward_and_thread_count_are_part_of_the_key(monkeypatch):
     assert counts.records == 4, "one program per (keep, thread count)"
 
 
-def test_programs_are_per_thread_and_bounded(monkeypatch):
-    """Two threads replaying concurrently (each its own tables and role cells) get the
-    checked path's bits; a thread keeps at most MAX_PROGRAMS_PER_THREAD programs."""
+def test_programs_serve_one_call_at_a_time_and_are_bounded(monkeypatch):
+    """Two threads replaying concurrently (a program's tables and role cells serve one
+    call at a time: a busy one is not shared, another is recorded) get the checked path's
+    bits; a key keeps no more programs than calls ran at once, and at most MAX_PROGRAMS
+    keys are kept."""
     op = make_op(*CASES[2])
     program, checked = _backends()
-    problems = [problem(op, np.float32, seed=s) for s in range(4)]
+    problems = [inside_problem(op, np.float32, seed=s) for s in range(4)]
     wants = [step(checked, op, *p) for p in problems]
     errors = []
+    counts = Counts(monkeypatch)
 
     def work(offset):
         try:
@@ -298,12 +301,15 @@ def test_programs_are_per_thread_and_bounded(monkeypatch):
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    monkeypatch.setattr(native_program, "MAX_PROGRAMS_PER_THREAD", 3)
-    for r in range(1, 8):  # seven roi counts: seven shapes
+    assert counts.runs == 2 * 2 * 40 and counts.launches == 0
+    kept = program._native.programs()
+    assert len(kept) == 2 and all(1 <= len(v) <= 2 for v in kept.values()), kept
+    assert counts.records == sum(len(v) for v in kept.values())
+    monkeypatch.setattr(native_program, "MAX_PROGRAMS", 3)
+    for r in range(1, 8):  # seven roi counts: seven shapes (fourteen keys)
         data, rois, grad = problems[0]
         step(program, op, data, rois[:r], grad[:r])
-    kept = program._native._programs()
-    assert len(kept) == 3
+    assert len(program._native.programs()) == 3
 
 
 def test_an_unrecordable_call_is_remembered_and_takes_the_checked_path(monkeypatch):

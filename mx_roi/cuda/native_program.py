@@ -39,24 +39,24 @@ import ctypes
 import math
 import struct
 import threading
-from typing import Optional
 
 import numpy as np
 
 from .. import parallel, scratch
-from ..ndio import array_info
-from ..saved import Saved
-from . import device_geometry
+from ..ndio import Kind, array_info
 from ..onednn import GUARD_BOUND, bounded_dtype
+from ..saved import Saved
+from . import device_geometry, loader
 from . import source as S
 from .loader import check_args
 from .pointers import address
 
-__all__ = ["NativeCalls", "ProgramSaved", "MAX_PROGRAMS_PER_THREAD"]
+__all__ = ["NativeCalls", "ProgramSaved", "MAX_PROGRAMS"]
 
-#: programs kept per thread (least recently used dropped first): a detector's calls have
-#: a few distinct shapes (levels, roi counts); each program holds its tables
-MAX_PROGRAMS_PER_THREAD = 16
+#: shapes (keys) whose programs are kept (least recently used dropped first): a
+#: detector's calls have a few distinct shapes (levels, roi counts, both directions);
+#: each program holds its tables
+MAX_PROGRAMS = 32
 
 _ROLES = ("data", "rois", "out", "argmax", "status", "grad", "bottom", "saved")
 _ROLE = {name: i for i, name in enumerate(_ROLES)}
@@ -203,8 +203,9 @@ class _Recording:
 
 
 def _perturbed(role_arrays):
-    """Other inputs of the same shapes (for the second recording): every input's values
-    changed (rois: the coordinates moved, the batch column kept), outputs fresh."""
+    """Other inputs of the same shapes (for the second recording): the rois' coordinates
+    moved (the batch column kept), every other array other memory (uninitialised: a
+    recording reads no data, and a large copy would cost more than the call)."""
     out = {}
     for role, a in role_arrays.items():
         if a is None:
@@ -213,10 +214,8 @@ def _perturbed(role_arrays):
             b = a.copy()
             b[:, 1:] = b[:, 1:] * 1.5 + 3
             out[role] = b
-        elif role in ("data", "grad"):
-            out[role] = a * 2 + 1
         else:
-            out[role] = np.zeros_like(a)
+            out[role] = np.empty_like(a)
     return out
 
 
@@ -276,39 +275,63 @@ class _Program:
 
 
 class NativeCalls:
-    """The recorded programs of one backend, per thread (a program's tables and role
-    cells are written by its call), keyed by everything the recording depended on."""
+    """The recorded programs of one backend, keyed by everything a recording depended on.
+
+    A program's tables and role cells are written by its call, so a program serves one
+    call at a time: each key holds the idle programs, a call takes one (or records one
+    when all are busy: MXNet runs custom ops on several worker threads) and gives it
+    back.  At most :data:`MAX_PROGRAMS` keys are kept (least recently used dropped
+    first), with no more programs each than calls ran at once."""
 
     def __init__(self, launch_cls):
         self._recorder = _recorder_class(launch_cls)
-        # by the OS thread's id, not threading.local: MXNet's worker threads are not
-        # Python threads, and each callback gets a fresh Python thread state (its
-        # threading.local values are gone when the callback returns)
-        self._by_thread = {}
+        self._lock = threading.Lock()
+        self._idle = {}  # key -> [idle programs], or None: not recordable
 
-    def _programs(self):
-        ident = threading.get_ident()
-        d = self._by_thread.get(ident)
-        if d is None:
-            d = self._by_thread[ident] = {}
-        return d
+    def programs(self, key=None):
+        """The idle programs of ``key`` (a list; None: not recordable), or all keys."""
+        with self._lock:
+            return dict(self._idle) if key is None else self._idle.get(key, [])
 
-    def _get(self, key, make):
-        programs = self._programs()
-        prog = programs.get(key)
-        if prog is None:
-            if key in programs:  # recorded as unsupported
+    def _take(self, key, make):
+        """An idle program of ``key`` (recorded now when there is none), or None."""
+        with self._lock:
+            idle = self._idle.get(key, ())
+            if idle is None:  # recorded as not recordable
                 return None
-            try:
-                prog = make()
-            except _Unsupported:
-                prog = None
-            if len(programs) >= MAX_PROGRAMS_PER_THREAD:
-                programs.pop(next(iter(programs)))
-            programs[key] = prog
-        else:  # most recently used last
-            programs[key] = programs.pop(key)
-        return prog
+            if idle:
+                self._idle[key] = self._idle.pop(key)  # most recently used last
+                return idle.pop()
+        try:
+            return make()
+        except _Unsupported:
+            with self._lock:
+                self._idle[key] = None
+                self._trim()
+            return None
+
+    def _give_back(self, key, prog):
+        with self._lock:
+            idle = self._idle.pop(key, [])
+            if idle is not None:
+                idle.append(prog)
+                self._idle[key] = idle
+                self._trim()
+
+    def _trim(self):
+        while len(self._idle) > MAX_PROGRAMS:
+            self._idle.pop(next(iter(self._idle)))
+
+    def _run(self, key, make, values):
+        """Take a program of ``key``, run it with the role values ``values(prog)``, give
+        it back; None when not recordable, else whether its status was clean."""
+        prog = self._take(key, make)
+        if prog is None:
+            return None, None
+        try:
+            return prog(values(prog)), prog
+        finally:
+            self._give_back(key, prog)
 
     @staticmethod
     def _how(backend, op):
@@ -368,8 +391,8 @@ class NativeCalls:
         (dp, dshape, dtype), (rp, rshape, rdtype), (op_, oshape, odtype) = d, r, o
         if not _shapes_ok(op, how, dshape, rshape, dtype, rdtype) or dtype != odtype:
             return False, None
-        threads = parallel.num_threads()
-        key = ("fwd", op, dshape, rshape, oshape, dtype, bool(keep), threads)
+        key = ("fwd", _op_key(op), dshape, rshape, oshape, dtype, bool(keep),
+               parallel.num_threads())
 
         def make():
             rois, out = _checked_views(backend, op, dshape, rp, rshape, op_, oshape, dtype)
@@ -390,15 +413,20 @@ class NativeCalls:
                 prog.argmax = (saved.shape, saved.dtype)
             return prog
 
-        prog = self._get(key, make)
-        if prog is None:
-            return False, None
-        argmax = np.empty(*prog.argmax) if prog.argmax is not None else None
         # a large fresh output: huge pages before its first touch (as the checked path)
         scratch.advise_huge_pages_at(op_, math.prod(oshape) * dtype.itemsize)
-        if not prog((dp, rp, op_, address(argmax) if argmax is not None else 0,
-                     address(prog.status), 0, 0, 0)):
+        kept = []
+
+        def values(prog):
+            argmax = np.empty(*prog.argmax) if prog.argmax is not None else None
+            kept.append(argmax)
+            return (dp, rp, op_, address(argmax) if argmax is not None else 0,
+                    address(prog.status), 0, 0, 0)
+
+        ok, _ = self._run(key, make, values)
+        if not ok:
             return False, None
+        argmax = kept[0]
         if not keep:
             return True, None
         rois_copy = np.empty(rshape, dtype)
@@ -436,9 +464,8 @@ class NativeCalls:
             if d is None or d[1] != bshape or d[2] != dtype:
                 return False
             dp = d[0]
-        threads = parallel.num_threads()
-        key = ("bwd", op, gshape, rshape, bshape, dtype, None if arg is None else
-               (arg.shape, arg.dtype), needs_data, threads)
+        key = ("bwd", _op_key(op), gshape, rshape, bshape, dtype, None if arg is None else
+               (arg.shape, arg.dtype), needs_data, parallel.num_threads())
 
         def make():
             rois, grad = _checked_views(backend, op, bshape, rp, rshape, gp, gshape, dtype)
@@ -459,12 +486,18 @@ class NativeCalls:
             return _Program(recording.rec.module, recording, ("bottom", bottom.nbytes),
                             status)
 
-        prog = self._get(key, make)
-        if prog is None:
-            return False
         scratch.advise_huge_pages_at(bp, math.prod(bshape) * dtype.itemsize)
-        return prog((dp, rp, 0, 0, address(prog.status), gp, bp,
-                     address(arg) if arg is not None else 0))
+        ok, _ = self._run(key, make, lambda prog: (dp, rp, 0, 0, address(prog.status), gp,
+                                                   bp, address(arg) if arg is not None
+                                                   else 0))
+        return bool(ok)
+
+
+def _op_key(op):
+    """What of ``op`` a program depends on: its class, its parameters, and its host
+    library (the module object: a library loaded anew -- e.g. a cache reset -- is asked
+    for again, with its errors)."""
+    return type(op), op.param, id(loader.get_module(op.cuda_source, Kind.NATIVE))
 
 
 def _checked_views(backend, op, shape, rp, rshape, yp, yshape, dtype):
