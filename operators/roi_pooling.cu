@@ -151,7 +151,29 @@ void roi_pooling_backward_native(const T* grad, const int* batch, const int* hst
     }
     // (plain pointers: a thread_local read in the loop costs a call per access)
     const long long *cells_at = cell.data(), *first_at = first.data();
-    for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
+    int c = mx_roi_c_begin;
+    if (table) {
+      // four channels at a time: their planes are apart, so the four read-add-write
+      // chains overlap (one channel's winners often repeat a cell: each add waits for
+      // the last); per plane the adds keep the order below, so the same sums
+      const long long hw = (long long)H * W;
+      for (; c + 4 <= mx_roi_c_end; c += 4) {
+        const long long o = (r * C + c) * plane_out;
+        const T* g = grad + o;
+        const I* a = argmax + o;
+        O* plane = bottom + mx_roi::plane_offset(b, c, C, H, W);
+        for (long long i = 0; i < plane_out; ++i) {
+          const long long* cells_i = cells_at + first_at[i];
+          for (int j = 0; j < 4; ++j) {
+            const int k = mx_roi::index_load(a[j * plane_out + i]);
+            if (k >= 0)
+              mx_roi::grad_add(plane + j * hw + cells_i[k],
+                               (A)mx_roi::Traits<T>::load(g[j * plane_out + i]), scale);
+          }
+        }
+      }
+    }
+    for (; c < mx_roi_c_end; ++c) {
       const long long o = (r * C + c) * plane_out;
       const T* g = grad + o;
       const I* a = argmax + o;
