@@ -1,7 +1,10 @@
 """The ``cuda``, ``native`` and ``emulated-cuda`` backends: the ops' CUDA kernels, on a GPU,
 compiled for the host as fast multi-threaded CPU code, or emulated serially on the host.
 
-Flow of one call (``forward`` or ``backward``), identical for all three:
+Flow of one call (``forward`` or ``backward``), identical for all three (on ``native``,
+an op with a compiled geometry or whose kernels read the rois themselves runs a call as
+one recorded compiled call instead, :mod:`mx_roi.cuda.native_program`, and comes here
+only when that does not apply or the call's status sends it back):
 
 1. inputs -> arrays: on a GPU the MXNet NDArrays are handed to CuPy *without copies*
    through DLPack (``NDArray.to_dlpack_for_read`` -> ``cupy.from_dlpack``; outputs through
