@@ -211,6 +211,51 @@ def test_roi_check_finds_what_check_inputs_finds(dtype):
     assert seen == {None, "a NaN", "batch"}
 
 
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name,params", [
+    ("ROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0)),
+    ("RROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0, sampling_ratio=2)),
+    ("PrRoIPool", dict(pooled_size=(2, 2), spatial_scale=1.0))])
+def test_roi_check_kernel_finds_what_check_inputs_finds(name, params, dtype, kind):
+    """The ``roi_check`` kernel (a native recorded call's check of an op whose kernels
+    read the rois themselves) records in its status word the roi ``check_inputs`` names:
+    the same first bad roi over each roi's ``rois_columns`` values (5, and RROIAlign's 6),
+    for NaN, +-inf, |x| around the guard bound, batch index >= N (and N = 0), padding."""
+    from mx_roi.cuda.backend import Launch
+    from mx_roi.cuda.device_geometry import DeviceGeometry
+    from mx_roi.onednn import GUARD_BOUND, bounded_dtype
+    cls = get_op(name)
+    op = cls(cls.param_cls.from_kwargs(**params))
+    K = op.rois_columns
+    launch = Launch.on_host(op.cuda_source, kind, dtype)
+    rng = np.random.default_rng([DTYPES.index(dtype), K, 11])
+    specials = [np.nan, np.inf, -np.inf, 3.0, -1.0, 2.0, 2.5, -0.5, -0.0, 1e4]
+    if float(np.finfo(dtype).max) > GUARD_BOUND:
+        below = float(np.nextafter(dtype(GUARD_BOUND), dtype(0)))
+        specials += [GUARD_BOUND, -GUARD_BOUND, below, -below,
+                     float(np.nextafter(dtype(GUARD_BOUND), dtype(np.inf)))]
+    seen, last_column = set(), False
+    for _ in range(400):
+        R, n = int(rng.integers(1, 6)), int(rng.integers(0, 4))
+        rois = np.zeros((R, K), dtype)
+        rois[:, 0] = rng.integers(-1, 3, R)
+        rois[:, 1:] = rng.uniform(-5, 20, (R, K - 1))
+        for _ in range(int(rng.integers(0, 3))):
+            r, c = int(rng.integers(R)), int(rng.integers(K))
+            rois[r, c] = rng.choice(specials)
+            last_column |= c == K - 1 and r == R - 1
+        status = np.zeros(2, np.uint64)
+        launch.forward("roi_check", R, rois=rois, columns=K, N=n, bound=float(GUARD_BOUND),
+                       use_bound=int(bounded_dtype(rois.dtype)), status=status)
+        err = DeviceGeometry(None, status, rois, n, False).error(op, status, np)
+        want = _message(op, rois, n)
+        assert (str(err) if err else None) == want, (rois, n, status)
+        assert status[1] == 0
+        seen.add(want.split(" has ")[1][:5] if want else None)
+    assert seen == {None, "a NaN", "batch"} and last_column
+
+
 # ---- end to end: the host backends run on the compiled tables, with today's bits -------
 
 def _garbage(shape, dtype):
