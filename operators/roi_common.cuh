@@ -1460,6 +1460,17 @@ __device__ __forceinline__ bool roi_status(const T* rois, long long r, long long
   return true;
 }
 
+// Roi r's verdict in a device geometry kernel: a bad roi (roi_status) or one whose tables
+// cannot hold it (``over``: flagged in status[1]) becomes padding (batch -1), so the op
+// kernels that follow read no data for it.
+template <typename T, typename A>
+__device__ __forceinline__ void roi_verdict(const T* rois, long long r, long long N, double bound,
+                                            bool use_bound, bool over,
+                                            unsigned long long* status, int* batch) {
+  if (over) status[1] = 1ULL;
+  if (roi_status<T, A>(rois, r, N, bound, use_bound, status) || over) batch[r] = -1;
+}
+
 }  // namespace geo
 }  // namespace mx_roi
 
@@ -1495,10 +1506,8 @@ __global__ void roi_bins_geometry(const T* __restrict__ rois, int mode, int P, i
     int h = 0, w = 0;
     for (int p = 0; p < P; ++p) h = mx_roi::geo::imax(h, hend[r * P + p] - hstart[r * P + p]);
     for (int q = 0; q < Q; ++q) w = mx_roi::geo::imax(w, wend[r * Q + q] - wstart[r * Q + q]);
-    const bool over = (long long)h * (long long)w > cells;
-    if (over) status[1] = 1ULL;
-    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
-      batch[r] = -1;
+    mx_roi::geo::roi_verdict<T, A>(rois, r, N, bound, use_bound != 0,
+                                   (long long)h * (long long)w > cells, status, batch);
   }
 }
 
@@ -1537,9 +1546,7 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
     bool over = false;
     for (int p = 0; p < P; ++p) over = over || y_count[r * P + p] > Gy;
     for (int q = 0; q < Q; ++q) over = over || x_count[r * Q + q] > Gx;
-    if (over) status[1] = 1ULL;
-    if (mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status) || over)
-      batch[r] = -1;
+    mx_roi::geo::roi_verdict<T, A>(rois, r, N, bound, use_bound != 0, over, status, batch);
   }
 }
 
