@@ -690,18 +690,14 @@ class CudaBackend:
         a tuple, else zeros)."""
         if req == "null" and rois_req == "null" and all(r == "null" for r, _ in extra_grad):
             return
-        if isinstance(saved, ProgramSaved):
+        if self._native is not None:
             if self.native_program and rois_req == "null" and not extra and \
                     not extra_grad and self._native.backward(self, op, req, grad_nd, data_nd,
                                                              rois_nd, in_grad_nd, saved):
                 return
-            # its argmax indexes the program's tables: here, as if nothing was kept
-            saved = None
-        elif self._native is not None and self.native_program and rois_req == "null" and \
-                not extra and not extra_grad and saved is None and \
-                self._native.backward(self, op, req, grad_nd, data_nd, rois_nd, in_grad_nd,
-                                      None):
-            return
+            if isinstance(saved, ProgramSaved):
+                # its argmax indexes the program's tables: here, as if nothing was kept
+                saved = None
         with self._device(data_nd):
             dev = None
             try:

@@ -221,12 +221,6 @@ class KernelModule:
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
         return ctypes.cast(fn, ctypes.c_void_p).value, S.instantiate(self.filename, expr).params
 
-    def native_threads(self, expr, n):
-        """The threads of a native launch of ``expr`` over ``n`` items (as its launcher
-        picks them)."""
-        from .. import parallel
-        return native_threads(int(n), parallel.num_threads())
-
     @property
     def run_program(self):
         """``mx_roi_run_program(count, steps, roles) -> int`` of the native build

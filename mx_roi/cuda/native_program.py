@@ -223,13 +223,14 @@ class _Program:
     """A recorded call: its steps (ctypes), the argument buffers and arrays they point at
     (kept alive here), the role cells, and what a replay allocates (the argmax)."""
 
-    __slots__ = ("steps", "count", "roles", "keep", "argmax", "status", "run", "exprs")
+    __slots__ = ("steps", "count", "roles", "keep", "argmax", "status", "status_at", "run",
+                 "exprs")
 
     def __init__(self, module, recording, zero, status):
         """``recording``: a :class:`_Recording`; ``zero``: (role, nbytes) to zero once the
         rois are checked (the input gradient); ``status``: the status word's array."""
         self.run = module.run_program
-        self.status = status
+        self.status, self.status_at = status, address(status)
         recorded = recording.rec.recorded
         self.exprs = tuple(expr for expr, _, _ in recorded)  # the kernels, in order
         self.roles = _RolesArray()
@@ -237,7 +238,6 @@ class _Program:
         keep, steps = [status, recording.rec], []
         # the status word is zeroed by the program itself before the check
         steps.append((None, None, status.nbytes, 1, _ROLE["status"], None))
-        status_addr = address(status)
         for (expr, n, args), (_, _, kinds) in zip(recorded, recording.kinds):
             fn, params = module.native_entry(expr)
             count = max(len(params), 1)
@@ -256,9 +256,9 @@ class _Program:
                     slot = cell
                 struct.pack_into("@P", buf, 8 * j, slot)
             keep.append(buf)
-            nthreads = module.native_threads(expr, n)
+            nthreads = loader.native_threads(n, parallel.num_threads())
             check = expr.startswith(_CHECKS)
-            steps.append((fn, base, 0, nthreads, 0, status_addr if check else None))
+            steps.append((fn, base, 0, nthreads, 0, self.status_at if check else None))
             if check and zero is not None:  # the gradient, once the rois are known good
                 steps.append((None, None, zero[1], 1, _ROLE[zero[0]], None))
         self.count = len(steps)
@@ -421,7 +421,7 @@ class NativeCalls:
             argmax = np.empty(*prog.argmax) if prog.argmax is not None else None
             kept.append(argmax)
             return (dp, rp, op_, address(argmax) if argmax is not None else 0,
-                    address(prog.status), 0, 0, 0)
+                    prog.status_at, 0, 0, 0)
 
         ok, _ = self._run(key, make, values)
         if not ok:
@@ -487,7 +487,7 @@ class NativeCalls:
                             status)
 
         scratch.advise_huge_pages_at(bp, math.prod(bshape) * dtype.itemsize)
-        ok, _ = self._run(key, make, lambda prog: (dp, rp, 0, 0, address(prog.status), gp,
+        ok, _ = self._run(key, make, lambda prog: (dp, rp, 0, 0, prog.status_at, gp,
                                                    bp, address(arg) if arg is not None
                                                    else 0))
         return bool(ok)
