@@ -16,6 +16,11 @@ entry point takes the inputs as a list, dtype, a bad parameter) and those that f
 the forward (a batch index past the data, a NaN coordinate).  Each bad call is made
 :data:`REPS` times; each time the message must be found, as a whole line, in the error,
 and be the same line.
+
+Under ``MXNET_ENGINE_TYPE=NaiveEngine`` (a debugging engine: the forward raises at once)
+an executor whose forward raised is broken for good, for any op (MXNet's ``take`` with
+``mode='raise'`` too: "Cannot find attribute shape in the graph"), so the kept-executor
+cases of forward-time errors fail there; that is MXNet's executor, not ours to rebuild.
 """
 from __future__ import annotations
 
@@ -109,7 +114,8 @@ def _head(shape):
 
 
 def _imperative(call):
-    """A mode that calls ``call(inputs, params, state)`` on NDArrays."""
+    """An entry point that ``call(op_type, inputs, params, state)`` calls on NDArrays;
+    a training step records it and runs its backward."""
     def run(op_type, params, arrays, train, state):
         xs = [mx.nd.array(a, dtype=a.dtype) for a in arrays]
         if not train:
