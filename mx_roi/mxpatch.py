@@ -10,7 +10,9 @@
   ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too; and
   ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
   feeds one of our nodes straight from a variable makes its inputs plain first
-  (:func:`plain_block_inputs`; graph variables get no guard node).
+  (:func:`plain_block_inputs`; graph variables get no guard node), and drops the block's
+  ``CachedOp`` when its call raised (MXNet leaves it broken after a failed shape
+  inference, :func:`_cached_op`).
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
@@ -29,6 +31,7 @@ from typing import Any, Sequence
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import MXNetError
 
 from . import errors, onnx
 from .onednn import GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, onednn_enabled
@@ -45,11 +48,14 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     """``F.Custom(*inputs, op_type=op_type, **kwargs)`` protected against the oneDNN
     hazard (inputs and outputs guarded, :mod:`mx_roi.onednn`).  ``F`` is ``mx.nd`` or
     ``mx.sym`` (inside ``hybrid_forward`` the ``F`` you are given); ``kwargs`` may include
-    ``name``.  With oneDNN off no guard is added.
+    ``name``.  With oneDNN off no guard is added.  More inputs than the op takes with
+    these parameters (fewer, imperatively) are a TypeError naming the op.
 
     An imperative call of one of our ops usually runs as a cached graph
     (:func:`_cached_call`): the same ``Custom`` node at a lower per-call cost."""
     name = kwargs.get("name")
+    if F is mx.sym:
+        _check_symbol_inputs(op_type, inputs, kwargs)
     guarded = guard_inputs(F, *inputs, name=name)
     if F is not mx.sym:
         out = _cached_call(op_type, guarded, kwargs)
@@ -59,6 +65,29 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     if F is not mx.sym and not mx.autograd.is_recording():
         return out  # the output guard only protects a backward pass, and none will run
     return guard_output(F, out, name=name)
+
+
+def _input_count_error(op_type, names, got) -> TypeError:
+    # MXNet's own error names neither the op nor its inputs ("Operator Custom expects 2
+    # inputs, but got 3 instead")
+    return TypeError(f"{op_type}: takes inputs {', '.join(names)} with these parameters, "
+                     f"got {got} input(s)")
+
+
+def _check_symbol_inputs(op_type, inputs, kwargs) -> None:
+    """TypeError for more ``inputs`` than the op takes with these parameters (a symbol
+    may leave trailing inputs out: MXNet makes variables for them)."""
+    from .registry import REGISTERED
+    op_cls = REGISTERED.get(op_type)
+    if op_cls is None:
+        return
+    try:
+        names = op_cls(op_cls.param_cls.from_kwargs(
+            **{k: v for k, v in kwargs.items() if k != "name"})).input_names()
+    except Exception:  # noqa: BLE001 - the Prop reports a bad parameter
+        return
+    if len(inputs) > len(names):
+        raise _input_count_error(op_type, names, len(inputs))
 
 
 #: largest output (bytes) of an imperative training call that runs as a cached graph: its
@@ -75,7 +104,8 @@ _CACHED = threading.local()
 def _cached_call(op_type, inputs, kwargs):
     """Our op ``op_type`` on NDArrays ``inputs`` through a cached graph (``CachedOp``:
     ``Custom``, and while autograd records with oneDNN on, the output guard
-    ``slice_axis``), or None where the plain ``mx.nd.Custom`` path is to be taken.
+    ``slice_axis``), or None where the plain ``mx.nd.Custom`` path is to be taken;
+    TypeError naming the op for a wrong number of inputs.
 
     ``mx.nd.Custom`` creates and queries the op's Python ``CustomOpProp`` on every call
     (parameter parsing, argument lists, shape and type inference, each a callback), and
@@ -97,7 +127,7 @@ def _cached_call(op_type, inputs, kwargs):
         return None
     names = op.input_names()
     if len(inputs) != len(names):
-        return None
+        raise _input_count_error(op_type, names, len(inputs))
     recording = mx.autograd.is_recording()
     guard = recording and onednn_enabled()
     if guard:
@@ -110,19 +140,33 @@ def _cached_call(op_type, inputs, kwargs):
     cop = _cached_op(op_cls, params, guard)
     if cop is None:
         return None
-    out = cop(*inputs)
+    try:
+        out = cop(*inputs)
+    except MXNetError:
+        _CACHED.ops.pop(_cache_key(op_cls, params, guard), None)  # see _cached_op
+        raise
     if recording:
         _set_backward_dependency(op_cls, len(names))
     return out
 
 
+def _cache_key(op_cls, params, guard):
+    return op_cls.name, tuple(sorted((k, str(v)) for k, v in params.items())), guard
+
+
 def _cached_op(op_cls, params, guard):
     """The calling thread's ``CachedOp`` for these parameters (made on first use; None if
-    the graph cannot be built -- the plain path then raises the error)."""
+    the graph cannot be built -- the plain path then raises the error).
+
+    One whose call raised is dropped by :func:`_cached_call`: MXNet 1.9.1's ``CachedOp``
+    keeps the input shapes (dtypes) of a failed shape (type) inference without its
+    result, so its next call with those inputs skips the inference and raises MXNet's
+    ``Graph attr dependency shape is required by pass MXPlanMemory`` (``Cannot find
+    attribute dtype in the graph``) instead of the op's message."""
     cache = getattr(_CACHED, "ops", None)
     if cache is None:
         cache = _CACHED.ops = {}
-    key = (op_cls.name, tuple(sorted((k, str(v)) for k, v in params.items())), guard)
+    key = _cache_key(op_cls, params, guard)
     cop = cache.get(key)
     if cop is None:
         try:
@@ -245,7 +289,8 @@ def plain_block_inputs(block, args, op_types):
 
 def _install_block_input_guard(op_types) -> None:
     """``HybridBlock._call_cached_op`` (every call of a hybridized block, ``SymbolBlock``
-    included): :func:`plain_block_inputs` before the cached graph runs."""
+    included): :func:`plain_block_inputs` before the cached graph runs; a fresh
+    ``CachedOp`` after a call that raised."""
     from mxnet.gluon import HybridBlock
     original = HybridBlock._call_cached_op
     if getattr(original, "_mx_roi_guard", False):
@@ -256,7 +301,13 @@ def _install_block_input_guard(op_types) -> None:
         if self._cached_op is None:
             self._build_cache(*args)
         plain_block_inputs(self, args, op_types)
-        return original(self, *args)
+        try:
+            return original(self, *args)
+        except MXNetError:
+            # MXNet's CachedOp is left broken by a failed shape inference (see
+            # _cached_op): the next call builds a fresh one and raises the same error
+            self._cached_op = None
+            raise
 
     _call_cached_op._mx_roi_guard = True
     HybridBlock._call_cached_op = _call_cached_op
