@@ -1,5 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test` (both idempotent).
-PYTHON ?= python3
+# The venv's Python: 3.11 (numpy<1.24, which MXNet 1.9.1 needs, has no wheels for 3.12+):
+# python3.11 from PATH, or the one named by PYTHON=... (used as given).
+PYTHON ?= $(shell command -v python3.11 2>/dev/null)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -7,6 +9,11 @@ STAMP  := $(VENV)/.installed-stamp
 .PHONY: demo test test-fast test-emulated bench bench-step bench-docs selftest docs pictures wheel clean
 
 $(STAMP): setup.py
+	@test -x $(PY) || test -n "$(PYTHON)" || { \
+	  echo "make: Python 3.11 is needed to create $(VENV) (numpy<1.24, which MXNet 1.9.1" \
+	       "needs, has no wheels for Python 3.12+), and python3.11 is not on PATH." >&2; \
+	  echo "make: install Python 3.11 (e.g. pyenv install 3.11) or name one:" \
+	       "make $(or $(MAKECMDGOALS),test) PYTHON=/path/to/python3.11" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[cpu,test,plot,example,onnx,docs]"

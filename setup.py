@@ -11,15 +11,17 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
 
 # mxnet 1.9.1 uses ``np.bool`` (removed in numpy 1.24), so numpy is pinned below 1.24.
 NUMPY = "numpy<1.24"
-# The GPU path is checked with CuPy 12 (Python 3.8) and 13; CuPy 12 refuses template code
-# without --std (we pass one), CuPy 13 needs Python >= 3.9 and libnvrtc.so.11.2 loadable.
+# The GPU compile path is tested (without a GPU) with CuPy 12 (Python 3.8) and 13; CuPy 12
+# refuses template code without --std (we pass one), CuPy 13 needs Python >= 3.9 and
+# libnvrtc.so.11.2 loadable.  This extra has never run on a GPU (docs/gpu.md).
 CUPY = "cupy-cuda11x>=12,<14"
 
 setup(
     name="mx_roi",
     version=VERSION,
-    description="ROIPooling, ROIAlign, PSROIPooling and PSROIAlign for MXNet as custom operators "
-                "(NumPy on CPU, CuPy raw CUDA kernels on GPU)",
+    description="RoI operators for MXNet 1.9.1 as custom operators: ROIPooling, ROIAlign, "
+                "PSROIPooling, PSROIAlign, RROIAlign, DeformablePSROIPooling and PrRoIPool "
+                "(the CUDA kernels compiled for the CPU, or NumPy; CuPy on a GPU)",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.8",

@@ -1,9 +1,10 @@
-"""mx_roi: ROIPooling, ROIAlign, PSROIPooling and PSROIAlign for MXNet as custom ops.
+"""mx_roi: RoI operators for MXNet as custom ops -- ROIPooling, ROIAlign, PSROIPooling,
+PSROIAlign, RROIAlign, DeformablePSROIPooling and PrRoIPool (:data:`OP_TYPES`).
 
-``import mx_roi`` registers the four ops (``mx.nd.Custom(data, rois, op_type='ROIAlign',
+``import mx_roi`` registers every op (``mx.nd.Custom(data, rois, op_type='ROIAlign',
 ...)``) and exposes :mod:`mx_roi.nd`, :mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the
-built-ins' signatures, and registers their ONNX export with ``mx.onnx.export_model``
-(:mod:`mx_roi.onnx`).
+built-ins' signatures, and registers the ONNX export of ROIPooling, ROIAlign,
+PSROIPooling and PSROIAlign with ``mx.onnx.export_model`` (:mod:`mx_roi.onnx`).
 """
 import atexit
 

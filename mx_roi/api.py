@@ -8,6 +8,7 @@ fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` thro
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import mxnet as mx
@@ -15,9 +16,61 @@ import mxnet as mx
 from . import mxpatch
 from .registry import REGISTERED
 
-__all__ = ["make_function", "populate", "bind_params", "parse_params"]
+__all__ = ["make_function", "populate", "bind_params", "parse_params", "signature",
+           "param_table", "param_parameters", "param_doc", "BUILTIN_ONLY"]
 
 _FALSE = (False, "False", "false", "0", 0)
+
+#: parameters of a built-in's positional order that are not fields of the op's struct:
+#: name -> (default, type, meaning).  ``contrib.ROIAlign``'s ``position_sensitive``,
+#: accepted when false (:func:`parse_params`)
+BUILTIN_ONLY = {
+    "position_sensitive": (False, "bool", "contrib.ROIAlign's; only False is accepted "
+                                          "(True: use PSROIAlign, with output_dim)"),
+}
+
+
+def param_table(op_cls) -> list:
+    """``[(name, default, type, meaning), ...]`` of the op's parameters in its positional
+    order (:meth:`~mx_roi.registry.RoIOp.positional_order`): its struct's fields
+    (``inspect.Parameter.empty`` for a required one's default; the type as annotated) and
+    any :data:`BUILTIN_ONLY` parameter of that order.  The one source of every entry
+    point's signature, its docstring and the API reference's parameter table."""
+    fields = {f.name: f for f in dataclasses.fields(op_cls.param_cls)}
+    rows = []
+    for name in op_cls.positional_order():
+        if name in fields:
+            f = fields[name]
+            default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+            rows.append((name, default, f.type, f.metadata.get("doc", "")))
+        else:
+            rows.append((name, *BUILTIN_ONLY[name]))
+    return rows
+
+
+def param_parameters(op_cls) -> list:
+    """The op's parameters as :class:`inspect.Parameter` s (:func:`param_table`)."""
+    P = inspect.Parameter
+    return [P(name, P.POSITIONAL_OR_KEYWORD, default=default)
+            for name, default, _, _ in param_table(op_cls)]
+
+
+def param_doc(op_cls) -> str:
+    """NumPy-style lines of the op's parameters (:func:`param_table`)."""
+    return "\n".join(
+        f"{name} : {'required' if default is inspect.Parameter.empty else f'default {default!r}'}"
+        f"\n    {meaning}" for name, default, _, meaning in param_table(op_cls))
+
+
+def signature(op_cls) -> inspect.Signature:
+    """``fn(data, rois, [extra inputs,] <params in positional order>, *, name=None)``: the
+    signature of the op's ``mx_roi.nd`` / ``mx_roi.sym`` function (:func:`make_function`).
+    The inputs have no default: an input the parameters drop (DeformablePSROIPooling's
+    ``trans`` with ``no_trans=True``) is passed as ``None`` or left out by name."""
+    P = inspect.Parameter
+    return inspect.Signature([P(n, P.POSITIONAL_OR_KEYWORD) for n in op_cls.inputs]
+                             + param_parameters(op_cls)
+                             + [P("name", P.KEYWORD_ONLY, default=None)])
 
 
 def _name_args(op_cls, order, args, kwargs) -> dict:
@@ -96,7 +149,6 @@ def bind_params(op_cls, args, kwargs, old_order=None, stacklevel=2):
 def make_function(F, op_cls):
     """``F`` is ``mx.nd`` or ``mx.sym``; returns ``fn(data, rois, [extra inputs,] *params,
     name=None, **kw)`` (the inputs: ``op_cls.inputs``)."""
-    fields = dataclasses.fields(op_cls.param_cls)
     # the built-in's positional order (RoIOp.positional_order), so that
     # ``mx_roi.nd.ROIAlign(x, rois, (7, 7), 1. / 16)`` reads like ``mx.nd.contrib.ROIAlign``
     order = op_cls.positional_order()
@@ -116,15 +168,14 @@ def make_function(F, op_cls):
         return mxpatch.call_custom(F, op_cls.name, inputs, **param.to_kwargs(), **extra)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
-    params = "\n".join(f"{f.name} : default {f.default!r}. {f.metadata.get('doc', '')}"
-                       if f.default is not dataclasses.MISSING else
-                       f"{f.name} : required. {f.metadata.get('doc', '')}" for f in fields)
+    fn.__signature__ = signature(op_cls)
     fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
-                  f"'{op_cls.name}')``.\n\n{(op_cls.__doc__ or '').strip()}\n\n"
+                  f"'{op_cls.name}')``.\n\n{inspect.cleandoc(op_cls.__doc__ or '')}\n\n"
                   f"Positional parameters after {', '.join(names)}: {', '.join(order)}.\n\n"
                   "Parameters\n----------\ndata : (N, C, H, W)\n"
                   f"rois : (R, {op_cls.rois_columns}) {op_cls.rois_layout}\n"
-                  + "".join(f"{n} : see above\n" for n in names[2:]) + f"{params}\n")
+                  + "".join(f"{n} : see above\n" for n in names[2:])
+                  + f"{param_doc(op_cls)}\nname : str, optional\n    the node's name\n")
     return fn
 
 

@@ -1,9 +1,11 @@
 """Gluon blocks for the mx_roi operators.
 
-* :class:`ROIPooling`, :class:`ROIAlign`, :class:`PSROIPooling`, :class:`PSROIAlign`:
+* :class:`ROIPooling`, :class:`ROIAlign`, :class:`PSROIPooling`, :class:`PSROIAlign`,
+  :class:`RROIAlign`, :class:`DeformablePSROIPooling`, :class:`PrRoIPool`:
   one ``HybridBlock`` per registered op, generated from :data:`mx_roi.registry.REGISTERED`.
   The constructor takes the op's parameters (by name, or positionally in the built-in's
-  order like :mod:`mx_roi.nd`: ``op_cls.positional_order()``) and validates them through
+  order like :mod:`mx_roi.nd`: ``op_cls.positional_order()``; its signature says so,
+  with the struct's defaults) and validates them through
   the op's parameter struct, so a bad value fails when the block is built, with a
   ``ValueError`` naming the parameter.  The old positional order (the struct's fields,
   different for PSROIPooling and ROIAlign) is still mapped, with a ``DeprecationWarning``,
@@ -107,37 +109,23 @@ class RoIBlock(HybridBlock):
 
 
 def _make_block(op_cls):
-    """One ``HybridBlock`` subclass for a registered op."""
-    fields = {f.name: f for f in dataclasses.fields(op_cls.param_cls)}
+    """One ``HybridBlock`` subclass for a registered op; the class's signature (what
+    ``inspect.signature``, ``help()`` and IDEs show for a call of it) is
+    :func:`mx_roi.api.param_parameters` (the positional order, the struct's defaults)."""
     order = op_cls.positional_order()  # the built-in's order, then the other fields
-
-    def default(name):
-        if name not in fields:  # position_sensitive (contrib.ROIAlign's): only False
-            return False
-        f = fields[name]
-        return P.empty if f.default is dataclasses.MISSING else f.default
-
-    def doc_line(name):
-        if name not in fields:
-            return f"{name} : default False\n    the built-in's; True is refused (use PSROIAlign)"
-        f = fields[name]
-        return (f"{name} : {'required' if f.default is dataclasses.MISSING else 'default ' + repr(f.default)}"
-                f"\n    {f.metadata.get('doc', '')}")
-
     P = inspect.Parameter
     sig = inspect.Signature(
-        [P("self", P.POSITIONAL_OR_KEYWORD)]
-        + [P(name, P.POSITIONAL_OR_KEYWORD, default=default(name)) for name in order]
+        api.param_parameters(op_cls)
         + [P("prefix", P.KEYWORD_ONLY, default=None), P("params", P.KEYWORD_ONLY, default=None)])
-    lines = "\n".join(doc_line(name) for name in order)
+    inputs = ", ".join(op_cls.inputs)
     doc = (f"Gluon block for ``{op_cls.name}`` (``Custom(op_type='{op_cls.name}')``).\n\n"
-           f"{(op_cls.__doc__ or '').strip()}\n\nCall as ``block(data, rois)`` with data "
+           f"{inspect.cleandoc(op_cls.__doc__ or '')}\n\nCall as ``block({inputs})`` with data "
            f"(N, C, H, W) and rois (R, {op_cls.rois_columns}) = {op_cls.rois_layout} of the same "
            "dtype; "
            "a negative batch index marks a padding roi (output 0).\n\n"
            f"Positional parameters: {', '.join(order)} (the built-in's order, as "
            "``mx_roi.nd``).\n\n"
-           f"Parameters\n----------\n{lines}\n")
+           f"Parameters\n----------\n{api.param_doc(op_cls)}\n")
     cls = type(op_cls.name, (RoIBlock,), {"op_cls": op_cls, "__module__": __name__,
                                          "__doc__": doc})
     cls.__qualname__ = op_cls.name
@@ -163,9 +151,11 @@ def _block_class(mode: str):
 def roi_pooler(mode, pooled_size, spatial_scale, **kwargs) -> RoIBlock:
     """GluonCV-style factory: ``roi_pooler('align', (7, 7), 1. / 16, sample_ratio=2)``.
 
-    ``mode`` is ``'pool'`` (ROIPooling), ``'align'`` (ROIAlign), ``'pspool'``
-    (PSROIPooling, needs ``output_dim``) or ``'psalign'`` (PSROIAlign, needs
-    ``output_dim``); other keyword arguments are the op's parameters (or ``prefix``).
+    ``mode`` is a key of :data:`MODES` (each op's ``gluon_mode``): ``'pool'``
+    (ROIPooling), ``'align'`` (ROIAlign), ``'pspool'`` (PSROIPooling, needs
+    ``output_dim``), ``'psalign'`` (PSROIAlign, needs ``output_dim``), ``'ralign'``
+    (RROIAlign), ``'deformpool'`` (DeformablePSROIPooling) or ``'prpool'`` (PrRoIPool), or
+    an op's name; other keyword arguments are the op's parameters (or ``prefix``).
     """
     return _block_class(mode)(pooled_size=pooled_size, spatial_scale=spatial_scale, **kwargs)
 

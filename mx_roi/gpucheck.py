@@ -5,7 +5,9 @@ names every missing piece with the command that fixes it:
 
 =========  ==========================================================================
 driver     ``libcuda.so.1`` loads, ``cuInit`` succeeds, CUDA 11.2+ driver, >= 1 GPU
-mxnet      the MXNet build has CUDA (``mxnet-cu112``) and sees the GPUs
+mxnet      the MXNet build has CUDA (``mxnet-cu112``), sees the GPUs and can run on them:
+           MXNet 1.9.1's CUDA wheels carry no code for a GPU of compute capability 9.0+
+           (Hopper: H100, H200) -- there no wheel helps (:func:`mxnet_gpu_gap`)
 cupy       CuPy imports, 12.x-14.x (setup.py installs ``cupy-cuda11x>=12,<14``)
 nvrtc      the ``libnvrtc`` CuPy opens by name loads (a CUDA toolkit on the loader path,
            ``LD_LIBRARY_PATH``, or the ``nvidia-cuda-nvrtc-cu11`` wheel that mx_roi
@@ -35,7 +37,9 @@ import numpy as np
 
 __all__ = ["Probe", "Piece", "diagnose", "Step", "checklist", "GRID_WRAP_ITEMS",
            "gpu_kernels_main", "gpu_context", "is_standin", "mxnet_gpu_count",
-           "cupy_gpu_count"]
+           "cupy_gpu_count", "MXNET_WHEEL_ARCHS", "wheel_runs_on", "mxnet_distribution",
+           "mxnet_gpu_gap",
+           "standin_reason"]
 
 #: what setup.py's ``gpu`` extra installs (``CUPY``): CuPy for CUDA 11, as mxnet-cu112
 CUPY_REQUIREMENT = "cupy-cuda11x>=12,<14"
@@ -47,6 +51,14 @@ MIN_DRIVER = 11020  # CUDA 11.2, what mxnet-cu112 and cupy-cuda11x need
 #: must wrap (``MAX_GRID * BLOCK`` of mx_roi.cuda.loader)
 GRID_WRAP_ITEMS = 65535 * 256 + 3
 
+#: the GPU architectures MXNet 1.9.1's CUDA wheels carry machine code for: measured with
+#: ``cuobjdump --list-elf --list-ptx libmxnet.so`` on ``mxnet-cu112`` and ``mxnet-cu117``
+#: 1.9.1 (the same list in both, and no PTX the driver could compile for a newer GPU)
+MXNET_WHEEL_ARCHS = ((5, 0), (6, 0), (7, 0), (8, 0), (8, 6))
+#: how a message names those wheels' code
+WHEEL_CODE = ("MXNet 1.9.1's CUDA wheels (mxnet-cu112, mxnet-cu117) carry machine code for "
+              "sm_50/60/70/80/86 only, and no PTX")
+
 FIX = {
     "driver": "install an NVIDIA driver for CUDA 11.2+ (R460 or newer, e.g. "
               "`sudo apt-get install nvidia-driver-535`), reboot, check `nvidia-smi`",
@@ -57,7 +69,29 @@ FIX = {
              ":$LD_LIBRARY_PATH",
     "headers": "pip install nvidia-cuda-runtime-cu11 (or set CUDA_PATH to a CUDA toolkit "
                "of the NVRTC's version)",
+    # the mxnet piece on a GPU no MXNet 1.9.1 wheel runs on (mxnet_gpu_gap): no pip command
+    "mxnet-arch": "no pip package fixes this: MXNet's own GPU work (mx.gpu contexts, its "
+                  "built-ins) needs a GPU of compute capability 5.x-8.x (Maxwell to Ampere) "
+                  "or an MXNet built from source for this GPU's sm_XX (`cuobjdump "
+                  "--list-elf --list-ptx libmxnet.so` lists a build's code); mx_roi's GPU "
+                  "kernels run here on CuPy arrays without it",
 }
+
+
+def mxnet_distribution(installed, cuda: bool) -> str:
+    """Which of the ``installed`` pip distributions (lower-case names) holds the MXNet
+    that imports: an ``mxnet-cu*`` wheel for a CUDA build, else ``mxnet``, else ''."""
+    wheels = sorted(n for n in installed if n.startswith("mxnet-cu"))
+    return wheels[0] if cuda and wheels else ("mxnet" if "mxnet" in installed else "")
+
+
+def wheel_runs_on(capability: Tuple[int, int]) -> bool:
+    """Whether MXNet 1.9.1's CUDA wheels (:data:`MXNET_WHEEL_ARCHS`) have code that runs on
+    a GPU of compute capability ``(major, minor)``.  CUDA's rule: machine code for sm_XY
+    runs on X.Z with Z >= Y (so sm_86 serves 8.9, Ada), never on another major; without
+    PTX nothing is compiled for a newer GPU."""
+    major, minor = capability
+    return any(major == m and minor >= n for m, n in MXNET_WHEEL_ARCHS)
 
 
 @dataclass
@@ -103,6 +137,48 @@ class Probe:
         if n < 1:
             return False, f"mxnet {mx.__version__} (CUDA build) sees no GPU"
         return True, f"mxnet {mx.__version__} with CUDA, {n} GPU(s)"
+
+    def devices(self) -> List[Tuple[str, Tuple[int, int]]]:
+        """``(name, (major, minor))`` -- name and compute capability -- of every GPU the
+        driver shows (``CUDA_VISIBLE_DEVICES`` applies); [] without a driver or a GPU."""
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return []
+        n = ctypes.c_int()
+        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
+            return []
+        found = []
+        for i in range(n.value):
+            dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+            name = ctypes.create_string_buffer(256)
+            # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR (cuda.h)
+            if (lib.cuDeviceGet(ctypes.byref(dev), i) != 0
+                    or lib.cuDeviceGetName(name, 256, dev) != 0
+                    or lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0
+                    or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0):
+                break
+            found.append((name.value.decode(errors="replace"), (major.value, minor.value)))
+        return found
+
+    def mxnet_build(self) -> Optional[Tuple[str, str, bool]]:
+        """``(pip distribution, version, has CUDA)`` of the MXNet that imports, or None.
+        The distribution is the ``mxnet-cu*`` wheel of a CUDA build installed from one,
+        ``mxnet`` for the CPU wheel (or a source build installed under that name), ''
+        for a build pip did not install."""
+        try:
+            import mxnet as mx
+            cuda = bool(mx.runtime.Features().is_enabled("CUDA"))
+        except Exception:  # noqa: BLE001 - not installed, or it does not import
+            return None
+        from importlib import metadata
+        names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+        return mxnet_distribution(names, cuda), mx.__version__, cuda
+
+    def mxnet_gpus(self) -> int:
+        """GPUs MXNet's CUDA build sees (``mx.context.num_gpus()``)."""
+        import mxnet as mx
+        return mx.context.num_gpus()
 
     def cupy(self) -> Tuple[bool, str]:
         try:
@@ -185,8 +261,53 @@ def diagnose(probe: Optional[Probe] = None) -> List[Piece]:
             ok, detail = getattr(probe, name)()
         except Exception as e:  # a probe must never stop the diagnosis
             ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:160]
-        pieces.append(Piece(name, bool(ok), detail, "" if ok else FIX[name]))
+        fix = "" if ok else FIX[name]
+        if name == "mxnet":
+            try:
+                gap = mxnet_gpu_gap(probe)
+            except Exception as e:  # noqa: BLE001 - nor may this query
+                gap = ""
+                detail += (" (GPU architectures not checked: "
+                           f"{type(e).__name__}: {e}".splitlines()[0][:160] + ")")
+            if gap:
+                ok, detail, fix = False, (detail + "; " if ok else detail + ", and ") + gap, \
+                    FIX["mxnet-arch"]
+        pieces.append(Piece(name, bool(ok), detail, fix))
     return pieces
+
+
+def mxnet_gpu_gap(probe: Optional[Probe] = None) -> str:
+    """Why MXNet's own GPU operators cannot run on a GPU of this machine, or ''.
+
+    Said when a GPU needs code MXNet 1.9.1's CUDA wheels lack (:func:`wheel_runs_on`:
+    compute capability 9.0+, Hopper: H100, H200) and the MXNet here is such a wheel, the
+    CPU wheel or none -- the cases where ``pip install mxnet-cu112`` would be the wrong
+    advice.  A CUDA build pip did not install as a wheel (built from source) may have
+    the code: nothing is said."""
+    probe = probe or Probe()
+    beyond = [f"GPU {i} ({name}, sm_{major}{minor})"
+              for i, (name, (major, minor)) in enumerate(probe.devices())
+              if not wheel_runs_on((major, minor))]
+    if not beyond:
+        return ""
+    build = probe.mxnet_build()
+    if build is not None and build[2] and not (build[0].startswith("mxnet-cu")
+                                               and build[1].startswith("1.")):
+        return ""
+    return (f"{', '.join(beyond)}: {WHEEL_CODE}, so MXNet's own GPU operators cannot run "
+            "there")
+
+
+def standin_reason(pieces: List[Piece]) -> str:
+    """Why the GPU kernels ran on CuPy arrays (the selftest's last line), from the
+    diagnosis: MXNet is a CPU build, or no MXNet wheel runs on this GPU."""
+    mxnet = next(p for p in pieces if p.name == "mxnet")
+    if mxnet.fix == FIX["mxnet-arch"]:
+        return ("no MXNet 1.9.1 wheel runs on this GPU: the GPU kernels ran on CuPy arrays "
+                "(mx.gpu contexts need a GPU of compute capability 5.x-8.x or an MXNet "
+                "built for this one)")
+    return ("MXNet is a CPU build: the GPU kernels ran on CuPy arrays (mx.gpu contexts "
+            "need mxnet-cu112)")
 
 
 # --------------------------------------------------------------------------- checklist
@@ -204,11 +325,15 @@ CASES_DTYPES = (np.float16, np.float32, np.float64)
 STANDIN_NOTE = "MXNet is a CPU build"
 
 
-def mxnet_gpu_count() -> int:
-    """GPUs MXNet sees (0 for a CPU build)."""
+def mxnet_gpu_count(probe: Optional[Probe] = None) -> int:
+    """GPUs MXNet can run its operators on: 0 for a CPU build, and 0 where its wheel has
+    no code for a GPU here (:func:`mxnet_gpu_gap`; the GPU steps then run on CuPy arrays)."""
+    probe = probe or Probe()
     try:
-        import mxnet as mx
-        return mx.context.num_gpus() if mx.runtime.Features().is_enabled("CUDA") else 0
+        build = probe.mxnet_build()
+        if build is None or not build[2] or mxnet_gpu_gap(probe):
+            return 0
+        return probe.mxnet_gpus()
     except Exception:  # noqa: BLE001 - a CPU build, or no driver
         return 0
 

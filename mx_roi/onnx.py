@@ -1,8 +1,10 @@
-"""ONNX export of the four ops through MXNet 1.9.1's ``mx.onnx.export_model``.
+"""ONNX export of ROIPooling, ROIAlign, PSROIPooling and PSROIAlign through MXNet 1.9.1's
+``mx.onnx.export_model`` (the other registered ops are refused: :data:`_EMIT`).
 
 ``import mx_roi`` calls :func:`install`, which puts translations for op names ``Custom``
 and ``clip`` into mx2onnx's registry (``MXNetGraph.registry_``).  The ``Custom`` one
-dispatches on the node's ``op_type``: our four op types get the ONNX forms below; any
+dispatches on the node's ``op_type``: our op types with a translation in :data:`_EMIT`
+get the ONNX forms below, our others an :class:`ExportError`; any
 other ``Custom`` node goes to the translation that was registered before ours (if any),
 else fails as MXNet would.  ``clip`` handles only our oneDNN guard clips (below) and
 passes every other clip to MXNet's translation.  Registering is a dict insertion; this

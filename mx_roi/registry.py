@@ -2,7 +2,7 @@
 
 An op is described once by a subclass of :class:`RoIOp` in ``operators/`` (its shape
 rule, geometry and per-backend kernels); :func:`register` generates the two MXNet
-classes for it, so the four ops share one copy of the plumbing: parameter parsing,
+classes for it, so every op shares one copy of the plumbing: parameter parsing,
 shape/type inference with errors that reach the caller, input validation, backend
 dispatch, ``req`` handling and saving what the backward needs.
 """

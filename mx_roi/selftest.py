@@ -243,8 +243,7 @@ def main(argv=None) -> int:
         print(f"FAILED (--require-gpu): {why}")
         return 1
     if missing == ["mxnet"] and "cuda" in usable:  # the kernels ran on CuPy arrays
-        tail = ("; MXNet is a CPU build: the GPU kernels ran on CuPy arrays (mx.gpu "
-                "contexts need mxnet-cu112)")
+        tail = "; " + gpucheck.standin_reason(pieces)
     elif missing:
         tail = f"; GPU setup incomplete ({', '.join(missing)}), the GPU path is not usable here"
     else:

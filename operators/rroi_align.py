@@ -71,6 +71,11 @@ class RROIAlign(RoIOp):
     forward in the data (the rois get none).  A padding roi (negative batch index) gives 0;
     MXNet's built-in reads out-of-map samples as ``0 * data[0, 0]`` (NaN when that cell is
     not finite), ours skips them.
+
+    Names and units (MXNet's): the samples per bin side are ``sampling_ratio`` here (as in
+    MXNet's RROIAlign, mmcv and Detectron2), where ROIAlign and PSROIAlign say
+    ``sample_ratio``; the angle is in **degrees** (MXNet, Detectron2's ROIAlignRotated),
+    where mmcv's ``RoIAlignRotated`` takes **radians**: pass ``math.degrees(theta)``.
     """
     name = "RROIAlign"
     param_cls = RROIAlignParam

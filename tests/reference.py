@@ -331,23 +331,38 @@ def _groups(pooled_size, group_size):
 
 
 # --------------------------------------------------------------------------- PSROIPooling
-def _psroi_pooling_impl(data, rois, pooled_size, output_dim, spatial_scale, group_size,
-                        grad_out=None):
-    data = np.asarray(data)
-    x, r, T, scale = _prepare(data, rois, spatial_scale)
+def _ps_setup(data, rois, pooled_size, output_dim, spatial_scale, group_size, grad_out):
+    """The start of both position-sensitive references: ``(x, r, T, scale, (H, W), (PH, PW,
+    GH, GW), O, out, grad, g, live)`` -- the inputs in the compute type, the pooled and
+    group grids, output_dim, zeroed output and input gradient, the out-grad (or None) and
+    ``live``, the ``(n, b)`` of every non-padding roi and its batch index."""
+    x, r, T, scale = _prepare(np.asarray(data), rois, spatial_scale)
     N, Cin, H, W = x.shape
     PH, PW, GH, GW = _groups(pooled_size, group_size)
     O = int(output_dim)
     assert Cin == O * GH * GW, "channels must be output_dim * GH * GW"
-    R = r.shape[0]
-    out = np.zeros((R, O, PH, PW), T)
+    out = np.zeros((r.shape[0], O, PH, PW), T)
     grad = np.zeros((N, Cin, H, W), T)
     g = None if grad_out is None else np.asarray(grad_out).astype(T)
-    for n in range(R):
+    live = []
+    for n in range(r.shape[0]):
         b = _batch_index(r[n, 0])
-        if b < 0:
-            continue
-        assert b < N, "batch index out of range"
+        if b >= 0:
+            assert b < N, "batch index out of range"
+            live.append((n, b))
+    return x, r, T, scale, (H, W), (PH, PW, GH, GW), O, out, grad, g, live
+
+
+def _ps_result(data, out, grad, grad_out):
+    """The output (forward) or the input gradient (``grad_out`` given) in data's dtype."""
+    return (out if grad_out is None else grad).astype(np.asarray(data).dtype)
+
+
+def _psroi_pooling_impl(data, rois, pooled_size, output_dim, spatial_scale, group_size,
+                        grad_out=None):
+    x, r, T, scale, (H, W), (PH, PW, GH, GW), O, out, grad, g, live = _ps_setup(
+        data, rois, pooled_size, output_dim, spatial_scale, group_size, grad_out)
+    for n, b in live:
         # round the RAW coordinate, then scale
         start_w = T(c_round(r[n, 1])) * scale
         start_h = T(c_round(r[n, 2])) * scale
@@ -383,9 +398,7 @@ def _psroi_pooling_impl(data, rois, pooled_size, output_dim, spatial_scale, grou
                         for h in range(hstart, hend):
                             for w in range(wstart, wend):
                                 grad[b, c, h, w] += d
-    if grad_out is None:
-        return out.astype(data.dtype)
-    return grad.astype(data.dtype)
+    return _ps_result(data, out, grad, grad_out)
 
 
 def psroi_pooling_forward(data, rois, pooled_size, output_dim, spatial_scale, group_size=0):
@@ -401,21 +414,9 @@ def psroi_pooling_backward(data, rois, grad_out, pooled_size, output_dim, spatia
 # --------------------------------------------------------------------------- PSROIAlign
 def _psroi_align_impl(data, rois, pooled_size, output_dim, spatial_scale, sample_ratio,
                       aligned, group_size, grad_out=None):
-    data = np.asarray(data)
-    x, r, T, scale = _prepare(data, rois, spatial_scale)
-    N, Cin, H, W = x.shape
-    PH, PW, GH, GW = _groups(pooled_size, group_size)
-    O = int(output_dim)
-    assert Cin == O * GH * GW, "channels must be output_dim * GH * GW"
-    R = r.shape[0]
-    out = np.zeros((R, O, PH, PW), T)
-    grad = np.zeros((N, Cin, H, W), T)
-    g = None if grad_out is None else np.asarray(grad_out).astype(T)
-    for n in range(R):
-        b = _batch_index(r[n, 0])
-        if b < 0:
-            continue
-        assert b < N, "batch index out of range"
+    x, r, T, scale, (H, W), (PH, PW, GH, GW), O, out, grad, g, live = _ps_setup(
+        data, rois, pooled_size, output_dim, spatial_scale, group_size, grad_out)
+    for n, b in live:
         bins = _align_bins(r[n], scale, PH, PW, H, W, int(sample_ratio), bool(aligned), T)
         for (i, j), (count, samples) in bins.items():
             if count == 0 or not samples:
@@ -432,9 +433,7 @@ def _psroi_align_impl(data, rois, pooled_size, output_dim, spatial_scale, sample
                     for w, hh, ww in taps:
                         # distinct ctop -> distinct channels, so fancy-index += is safe
                         grad[b, chans, hh, ww] += gb * w / T(count)
-    if grad_out is None:
-        return out.astype(data.dtype)
-    return grad.astype(data.dtype)
+    return _ps_result(data, out, grad, grad_out)
 
 
 def psroi_align_forward(data, rois, pooled_size, output_dim, spatial_scale, sample_ratio=-1,

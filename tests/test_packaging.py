@@ -1,5 +1,6 @@
 """The built wheel works on its own: kernels, CUDA sources and ops ship inside it."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,3 +149,17 @@ def test_wheel_installs_and_runs_in_fresh_venv(wheel, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ROIPooling (1, 4, 2, 2)" in res.stdout
     assert "ROIAlign (1, 4, 2, 2)" in res.stdout
+
+
+def test_the_package_description_names_every_registered_op():
+    """setup.py reads no module of mx_roi (it would import mxnet), so its description
+    names the ops by hand; this keeps it true when an op is added."""
+    import ast
+    from mx_roi.registry import REGISTERED
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+               and getattr(n.func, "id", "") == "setup"]
+    (description,) = [ast.literal_eval(k.value) for k in call.keywords
+                      if k.arg == "description"]
+    for name in REGISTERED:
+        assert re.search(rf"\b{name}\b", description), name

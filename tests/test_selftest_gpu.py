@@ -250,3 +250,176 @@ def test_selftest_says_the_kernels_ran_on_cupy_arrays(monkeypatch, capsys, host_
         "ran on CuPy arrays (mx.gpu contexts need mxnet-cu112)")
     assert selftest.main(["--gpu", "--require-gpu"]) == 1
     assert "FAILED (--require-gpu): GPU setup missing: mxnet" in capsys.readouterr().out
+
+
+# ---- GPUs MXNet 1.9.1's wheels have no code for (compute capability 9.0+: H100, H200) ----
+
+H200 = ("NVIDIA H200", (9, 0))
+A100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
+CPU_WHEEL = ("mxnet", "1.9.1", False)
+CU112 = ("mxnet-cu112", "1.9.1", True)
+CU117 = ("mxnet-cu117", "1.9.1", True)
+SOURCE = ("", "1.9.1", True)               # a CUDA build pip did not install
+SOURCE_AS_MXNET = ("mxnet", "1.9.1", True)  # one installed from its python/ folder
+HOPPER_GAP = ("GPU 0 (NVIDIA H200, sm_90): MXNet 1.9.1's CUDA wheels (mxnet-cu112, "
+              "mxnet-cu117) carry machine code for sm_50/60/70/80/86 only, and no PTX, so "
+              "MXNet's own GPU operators cannot run there")
+
+
+class MachineProbe(FakeProbe):
+    """:class:`FakeProbe` with given GPUs ``(name, (major, minor))`` and MXNet build
+    ``(distribution, version, has CUDA)`` (None: MXNet does not import)."""
+
+    def __init__(self, devices, build, missing=(), broken=()):
+        super().__init__(missing, broken)
+        self._devices, self._build = list(devices), build
+
+    def devices(self):
+        if "devices" in self.broken:
+            raise RuntimeError("probe devices crashed")
+        return self._devices
+
+    def mxnet_build(self):
+        return self._build
+
+    def mxnet_gpus(self):
+        return len(self._devices)
+
+
+@pytest.mark.parametrize("capability, runs", [
+    ((3, 7), False), ((5, 0), True), ((5, 2), True), ((6, 1), True), ((7, 0), True),
+    ((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), True), ((9, 0), False),
+    ((10, 0), False), ((12, 0), False)])
+def test_wheel_runs_on_follows_cudas_rule_for_the_measured_archs(capability, runs):
+    assert gpucheck.MXNET_WHEEL_ARCHS == ((5, 0), (6, 0), (7, 0), (8, 0), (8, 6))
+    assert gpucheck.wheel_runs_on(capability) is runs
+
+
+def _mxnet_piece(probe):
+    return {p.name: p for p in gpucheck.diagnose(probe)}["mxnet"]
+
+
+def test_cpu_wheel_on_hopper_is_not_told_to_install_mxnet_cu112():
+    probe = MachineProbe([H200], CPU_WHEEL, missing={"mxnet"})
+    piece = _mxnet_piece(probe)
+    assert not piece.ok
+    assert piece.detail == f"{MISSING['mxnet']}, and {HOPPER_GAP}"
+    assert piece.fix == gpucheck.FIX["mxnet-arch"]
+    assert "pip install" not in piece.fix and "compute capability 5.x-8.x" in piece.fix
+    assert "cuobjdump --list-elf --list-ptx libmxnet.so" in piece.fix
+    assert gpucheck.mxnet_gpu_count(probe) == 0
+
+
+@pytest.mark.parametrize("build", [CU112, CU117], ids=["cu112", "cu117"])
+def test_cuda_wheel_on_hopper_is_flagged_and_not_used(build):
+    probe = MachineProbe([H200], build)          # MXNet itself says "CUDA, 1 GPU"
+    piece = _mxnet_piece(probe)
+    assert not piece.ok and piece.detail == f"mxnet fine; {HOPPER_GAP}"
+    assert piece.fix == gpucheck.FIX["mxnet-arch"]
+    assert gpucheck.mxnet_gpu_count(probe) == 0  # the GPU steps take CuPy arrays
+    # the kernel pieces are all there: the checklist's GPU steps still run (on CuPy)
+    assert not set(gpucheck.KERNEL_PIECES) & {p.name for p in gpucheck.diagnose(probe)
+                                              if not p.ok}
+
+
+def test_no_mxnet_on_hopper_is_flagged_too():
+    piece = _mxnet_piece(MachineProbe([H200], None, missing={"mxnet"}))
+    assert not piece.ok and piece.fix == gpucheck.FIX["mxnet-arch"]
+
+
+@pytest.mark.parametrize("devices, build, count", [
+    ([A100], CU112, 1), ([("NVIDIA L4", (8, 9))], CU117, 1), ([H200], SOURCE, 1),
+    ([H200], SOURCE_AS_MXNET, 1), ([A100], CPU_WHEEL, 0), ([], CPU_WHEEL, 0)],
+    ids=["a100-cu112", "l4-cu117", "h200-source", "h200-source-as-mxnet", "a100-cpu",
+         "no-gpu-cpu"])
+def test_no_flag_where_mxnet_has_code_for_the_gpu_or_may_have(devices, build, count):
+    missing = set() if build[2] else {"mxnet"}
+    probe = MachineProbe(devices, build, missing=missing)
+    piece = _mxnet_piece(probe)
+    assert piece.ok is build[2]
+    assert piece.fix == ("" if build[2] else gpucheck.FIX["mxnet"])
+    assert gpucheck.mxnet_gpu_gap(probe) == ""
+    assert gpucheck.mxnet_gpu_count(probe) == count
+
+
+def test_a_mixed_machine_names_the_gpu_without_code():
+    gap = gpucheck.mxnet_gpu_gap(MachineProbe([A100, ("NVIDIA H100 PCIe", (9, 0))], CU112))
+    assert gap.startswith("GPU 1 (NVIDIA H100 PCIe, sm_90): MXNet 1.9.1's CUDA wheels")
+    assert "GPU 0" not in gap
+
+
+def test_a_crashing_architecture_query_leaves_the_piece_as_it_was():
+    piece = _mxnet_piece(MachineProbe([H200], CU112, broken={"devices"}))
+    assert piece.ok and piece.fix == ""
+    assert piece.detail == ("mxnet fine (GPU architectures not checked: RuntimeError: probe "
+                            "devices crashed)")
+
+
+def test_selftest_on_hopper_says_why_and_no_pip_command(monkeypatch, capsys, host_steps):
+    monkeypatch.setattr(selftest, "run_checks", lambda **kw: [
+        ("numpy", "PASS", 0.0, "row"), ("cuda", "PASS", 0.0, "on CuPy arrays")])
+    monkeypatch.setattr(gpucheck, "diagnose", lambda probe=None: REAL_DIAGNOSE(
+        MachineProbe([H200], CPU_WHEEL, missing={"mxnet"})))
+    monkeypatch.setattr(gpucheck, "checklist", lambda pieces: host_steps)
+    assert selftest.main(["--gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "pip install mxnet-cu112" not in out
+    assert f"fix:     {gpucheck.FIX['mxnet-arch']}" in out
+    assert "sm_90" in out
+    assert out.rstrip().endswith(
+        "OK: every usable backend passed (numpy, cuda); no MXNet 1.9.1 wheel runs on this "
+        "GPU: the GPU kernels ran on CuPy arrays (mx.gpu contexts need a GPU of compute "
+        "capability 5.x-8.x or an MXNet built for this one)")
+
+
+FAKE_LIBCUDA = r"""
+#include <string.h>
+static const char *names[] = {"NVIDIA H200", "NVIDIA A100-SXM4-80GB"};
+static const int caps[][2] = {{9, 0}, {8, 0}};
+int cuInit(unsigned flags) { return 0; }
+int cuDriverGetVersion(int *v) { *v = 12040; return 0; }
+int cuDeviceGetCount(int *n) { *n = 2; return 0; }
+int cuDeviceGet(int *dev, int i) { if (i < 0 || i > 1) return 101; *dev = i; return 0; }
+int cuDeviceGetName(char *name, int len, int dev) {
+    strncpy(name, names[dev], len - 1); name[len - 1] = 0; return 0; }
+int cuDeviceGetAttribute(int *v, int attr, int dev) {
+    if (attr == 75) { *v = caps[dev][0]; return 0; }   /* ..._COMPUTE_CAPABILITY_MAJOR */
+    if (attr == 76) { *v = caps[dev][1]; return 0; }   /* ..._COMPUTE_CAPABILITY_MINOR */
+    return 1; }
+"""
+
+
+def test_real_devices_probe_reads_name_and_capability_from_the_driver(tmp_path):
+    """The ctypes calls of :meth:`Probe.devices` against a stand-in ``libcuda.so.1`` (two
+    GPUs), loaded by a child process through ``LD_LIBRARY_PATH``."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("cc")
+    if cxx is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "fake.c").write_text(FAKE_LIBCUDA)
+    subprocess.run([cxx, "-x", "c", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(tmp_path / "fake.c")], check=True)
+    code = ("import json; from mx_roi import gpucheck; p = gpucheck.Probe(); "
+            "print(json.dumps([p.devices(), p.driver(), gpucheck.mxnet_gpu_gap(p)]))")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(os.path.dirname(__file__)), check=True)
+    devices, driver, gap = json.loads(out.stdout.strip().splitlines()[-1])
+    assert devices == [["NVIDIA H200", [9, 0]], ["NVIDIA A100-SXM4-80GB", [8, 0]]]
+    assert driver == [True, "driver for CUDA 12.4, 2 GPU(s)"]
+    assert gap == HOPPER_GAP  # this machine's MXNet is the CPU wheel
+
+
+def test_which_distribution_holds_mxnet():
+    import mxnet as mx
+    assert gpucheck.Probe().mxnet_build() == ("mxnet", mx.__version__, False)  # cpu extra
+    pick = gpucheck.mxnet_distribution
+    assert pick({"mxnet-cu112", "numpy"}, cuda=True) == "mxnet-cu112"
+    assert pick({"mxnet", "mxnet-cu117"}, cuda=True) == "mxnet-cu117"
+    assert pick({"mxnet", "mxnet-cu117"}, cuda=False) == "mxnet"   # the CPU wheel imports
+    assert pick({"mxnet"}, cuda=True) == "mxnet"                  # a source build
+    assert pick({"numpy"}, cuda=True) == ""
