@@ -10,7 +10,12 @@
   ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too; and
   ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
   feeds one of our nodes straight from a variable makes its inputs plain first
-  (:func:`plain_block_inputs`; graph variables get no guard node).
+  (:func:`plain_block_inputs`; graph variables get no guard node).  A graph that
+  arrives whole (JSON, a file, a checkpoint, a symbol built before ``import mx_roi``)
+  gets the same guard nodes (:func:`mx_roi.onednn.guard_symbol`) where it is loaded
+  (``mx.sym.load`` / ``load_json``) and where any graph reaches MXNet's execution
+  (``Symbol.bind`` / ``simple_bind``, hence ``Module``; the ``SymbolBlock``
+  constructor, hence ``SymbolBlock.imports``): :func:`_install_graph_guard`.
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
@@ -31,7 +36,8 @@ import mxnet as mx
 import numpy as np
 
 from . import errors, onnx
-from .onednn import GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, onednn_enabled
+from .onednn import (GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, guard_symbol,
+                     onednn_enabled)
 
 __all__ = ["GUARD_BOUND", "call_custom", "install"]
 
@@ -167,6 +173,7 @@ def install(op_types) -> None:
     _install_error_translation()
     _install_custom_guard(op_types)
     _install_block_input_guard(op_types)
+    _install_graph_guard(op_types)
     onnx.install()  # mx2onnx translations of our Custom nodes (onnx itself imported lazily)
 
 
@@ -260,3 +267,64 @@ def _install_block_input_guard(op_types) -> None:
 
     _call_cached_op._mx_roi_guard = True
     HybridBlock._call_cached_op = _call_cached_op
+
+
+#: (module, attribute) -> MXNet's own function before :func:`_install_graph_guard`
+_ORIGINAL_LOADERS = {}
+
+#: the loaders of MXNet 1.9.1 that make a Symbol from JSON text or a JSON file, by module
+#: (``mx.model.load_checkpoint`` and ``SymbolBlock.imports`` call ``mxnet.symbol.load``;
+#: ``HybridBlock.load`` the name ``load_json`` in ``mxnet.gluon.block``)
+_LOADERS = (("mxnet.symbol.symbol", ("load", "load_json")),
+            ("mxnet.symbol", ("load", "load_json")),
+            ("mxnet.symbol.numpy._symbol", ("load", "load_json")),
+            ("mxnet.gluon.block", ("load_json",)))
+
+
+def _install_graph_guard(op_types) -> None:
+    """Graphs that arrive whole get the oneDNN guard of their ``Custom`` nodes of
+    ``op_types`` (:func:`mx_roi.onednn.guard_symbol`; idempotent, a no-op with oneDNN
+    off): the symbol loaders (:data:`_LOADERS`) return the guarded symbol;
+    ``Symbol.bind`` / ``simple_bind`` (every executor: ``Module``, ``BucketingModule``,
+    ``Symbol.eval``) bind the guarded symbol; the ``SymbolBlock`` constructor keeps the
+    guarded graph.  The originals stay reachable: :data:`_ORIGINAL_LOADERS`, and each
+    wrapper's ``__wrapped__``."""
+    import importlib
+    from mxnet.gluon import SymbolBlock
+    for module_name, names in _LOADERS:
+        module = importlib.import_module(module_name)
+        for attr in names:
+            original = getattr(module, attr)
+            if getattr(original, "_mx_roi_guard", False):
+                continue
+            _ORIGINAL_LOADERS[module_name, attr] = original
+
+            @functools.wraps(original)
+            def load(*args, _original=original, **kwargs):
+                return guard_symbol(_original(*args, **kwargs), op_types)
+
+            load._mx_roi_guard = True
+            setattr(module, attr, load)
+
+    for attr in ("bind", "simple_bind"):
+        original = getattr(mx.sym.Symbol, attr)
+        if getattr(original, "_mx_roi_guard", False):
+            continue
+
+        @functools.wraps(original)
+        def bind(self, *args, _original=original, **kwargs):
+            return _original(guard_symbol(self, op_types), *args, **kwargs)
+
+        bind._mx_roi_guard = True
+        setattr(mx.sym.Symbol, attr, bind)
+
+    original_init = SymbolBlock.__init__
+    if not getattr(original_init, "_mx_roi_guard", False):
+        @functools.wraps(original_init)
+        def __init__(self, outputs, inputs, params=None):
+            original_init(self, outputs, inputs, params)
+            inputs, out = self._cached_graph
+            self._cached_graph = inputs, guard_symbol(out, op_types)
+
+        __init__._mx_roi_guard = True
+        SymbolBlock.__init__ = __init__
