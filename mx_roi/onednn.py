@@ -269,7 +269,9 @@ def guard_graph(graph: dict, op_types):
     decides on the symbol built so far).  An output counts as guarded when a
     :func:`barrier` reads it; otherwise a barrier ``{name}_guard_out{k}`` is added and every
     consumer and graph head of that output reads the barrier instead.  The ``Custom``
-    node keeps its name (``get_internals()[name + '_output']`` still finds it)."""
+    node keeps its name (``get_internals()[name + '_output']`` still finds it).  Nodes
+    inside a control-flow operator's subgraph (``_foreach``, ``_while_loop``, ``_cond``)
+    are not visited."""
     nodes = graph["nodes"]
     ours = {i for i, n in enumerate(nodes)
             if n["op"] == "Custom" and n.get("attrs", {}).get("op_type") in op_types}
@@ -296,6 +298,8 @@ def guard_graph(graph: dict, op_types):
     new_id, added = {}, False
     for i, n in enumerate(nodes):
         n = dict(n, inputs=[remap(e) for e in n["inputs"]])
+        if "control_deps" in n:
+            n["control_deps"] = [new_id[c] for c in n["control_deps"]]
         if i in ours:
             for j, e in enumerate(n["inputs"]):
                 if input_needs_guard(out, e):

@@ -311,6 +311,18 @@ def test_chained_and_head_nodes_as_symbolic():
     assert "b_guard_in0" in node_names(guarded)  # a's output barrier feeds b through a guard
 
 
+def test_control_dependencies_follow_their_nodes():
+    """A node's control dependencies name the same nodes after the guard nodes moved
+    them down the node list."""
+    graph = json.loads(converted(builtin_graph().tojson()))
+    names = [n["name"] for n in graph["nodes"]]
+    graph["nodes"][names.index("fc")]["control_deps"] = [names.index("pool"),
+                                                         names.index("conv2")]
+    guarded = json.loads(mx.sym.load_json(json.dumps(graph)).tojson())["nodes"]
+    fc = [n for n in guarded if n["name"] == "fc"][0]
+    assert [guarded[i]["name"] for i in fc["control_deps"]] == ["pool", "conv2"]
+
+
 def _loaded_by_every_path(tmp_path):
     text = converted(builtin_graph().tojson())
     prefix = str(tmp_path / "m")
