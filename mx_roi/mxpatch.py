@@ -15,7 +15,8 @@
   gets the same guard nodes (:func:`mx_roi.onednn.guard_symbol`) where it is loaded
   (``mx.sym.load`` / ``load_json``) and where any graph reaches MXNet's execution
   (``Symbol.bind`` / ``simple_bind``, hence ``Module``; the ``SymbolBlock``
-  constructor, hence ``SymbolBlock.imports``): :func:`_install_graph_guard`.
+  constructor, hence ``SymbolBlock.imports``; the graph of every hybridized block):
+  :func:`_install_graph_guard`.
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
@@ -287,10 +288,12 @@ def _install_graph_guard(op_types) -> None:
     off): the symbol loaders (:data:`_LOADERS`) return the guarded symbol;
     ``Symbol.bind`` / ``simple_bind`` (every executor: ``Module``, ``BucketingModule``,
     ``Symbol.eval``) bind the guarded symbol; the ``SymbolBlock`` constructor keeps the
-    guarded graph.  The originals stay reachable: :data:`_ORIGINAL_LOADERS`, and each
+    guarded graph, and so does ``HybridBlock._get_graph`` (the graph a hybridized block's
+    ``CachedOp`` is built from, traced or imported: e.g. a ``Custom`` name imported from
+    ``mxnet.symbol`` before ``import mx_roi``).  The originals stay reachable: :data:`_ORIGINAL_LOADERS`, and each
     wrapper's ``__wrapped__``."""
     import importlib
-    from mxnet.gluon import SymbolBlock
+    from mxnet.gluon import HybridBlock, SymbolBlock
     for module_name, names in _LOADERS:
         module = importlib.import_module(module_name)
         for attr in names:
@@ -318,13 +321,29 @@ def _install_graph_guard(op_types) -> None:
         bind._mx_roi_guard = True
         setattr(mx.sym.Symbol, attr, bind)
 
+    def guard_cached_graph(block):
+        inputs, out = block._cached_graph
+        guarded = guard_symbol(out, op_types)
+        if guarded is not out:
+            block._cached_graph = inputs, guarded
+
     original_init = SymbolBlock.__init__
     if not getattr(original_init, "_mx_roi_guard", False):
         @functools.wraps(original_init)
         def __init__(self, outputs, inputs, params=None):
             original_init(self, outputs, inputs, params)
-            inputs, out = self._cached_graph
-            self._cached_graph = inputs, guard_symbol(out, op_types)
+            guard_cached_graph(self)
 
         __init__._mx_roi_guard = True
         SymbolBlock.__init__ = __init__
+
+    original_get_graph = HybridBlock._get_graph
+    if not getattr(original_get_graph, "_mx_roi_guard", False):
+        @functools.wraps(original_get_graph)
+        def _get_graph(self, *args):
+            original_get_graph(self, *args)
+            guard_cached_graph(self)
+            return self._cached_graph
+
+        _get_graph._mx_roi_guard = True
+        HybridBlock._get_graph = _get_graph

@@ -30,15 +30,16 @@ INPUTS = ("data", "rois")
 
 
 # --------------------------------------------------------------------------- the model
-def model(roi_node, loss=False):
+def model(roi_node, loss=False, inputs=None):
     """Conv -> ``roi_node(y, rois)`` -> Conv -> FC ('fc'); with ``loss`` grouped as
-    ``[BlockGrad(fc), MakeLoss(sum(fc**2))]`` (the executor / Module form)."""
-    data, rois = mx.sym.var("data"), mx.sym.var("rois")
-    y = mx.sym.Convolution(data, kernel=(3, 3), pad=(1, 1), num_filter=C, no_bias=True,
-                           name="conv1")
-    z = mx.sym.Convolution(roi_node(y, rois), kernel=(3, 3), pad=(1, 1), num_filter=C2,
-                           no_bias=True, name="conv2")
-    out = mx.sym.FullyConnected(z, num_hidden=NH, no_bias=True, name="fc")
+    ``[BlockGrad(fc), MakeLoss(sum(fc**2))]`` (the executor / Module form).  ``inputs``:
+    symbols for :data:`INPUTS` and :data:`WEIGHTS` (default: variables of those names)."""
+    v = {k: mx.sym.var(k) for k in INPUTS + WEIGHTS} if inputs is None else inputs
+    y = mx.sym.Convolution(v["data"], v["conv1_weight"], kernel=(3, 3), pad=(1, 1),
+                           num_filter=C, no_bias=True, name="conv1")
+    z = mx.sym.Convolution(roi_node(y, v["rois"]), v["conv2_weight"], kernel=(3, 3),
+                           pad=(1, 1), num_filter=C2, no_bias=True, name="conv2")
+    out = mx.sym.FullyConnected(z, v["fc_weight"], num_hidden=NH, no_bias=True, name="fc")
     if loss:
         out = mx.sym.Group([mx.sym.BlockGrad(out), mx.sym.MakeLoss(mx.sym.sum(out * out))])
     return out
@@ -84,12 +85,14 @@ def ops_of(sym):
 
 
 # ------------------------------------------------------- the harness (child process)
+WEIGHT_SHAPES = {"conv1_weight": (C, CIN, 3, 3), "conv2_weight": (C2, C, 3, 3),
+                 "fc_weight": (NH, C2 * 9)}
+
+
 def _batches(steps, seed=0):
     rng = np.random.RandomState(seed)
-    weights = {"conv1_weight": rng.randn(C, CIN, 3, 3) * 0.1,
-               "conv2_weight": rng.randn(C2, C, 3, 3) * 0.1,
-               "fc_weight": rng.randn(NH, C2 * 9) * 0.1}
-    weights = {k: v.astype(np.float32) for k, v in weights.items()}
+    weights = {k: (rng.randn(*shape) * 0.1).astype(np.float32)
+               for k, shape in WEIGHT_SHAPES.items()}
     batches = [(rng.randn(N, CIN, H, W).astype(np.float32), real_rois(rng))
                for _ in range(steps)]
     return weights, batches
@@ -142,10 +145,28 @@ def _block_steps(net, weights, batches, static):
         yield [o, x.grad] + [params[k].grad() for k in WEIGHTS]
 
 
-def _block(sym):
-    net = mx.gluon.SymbolBlock(sym, [mx.sym.var(k) for k in INPUTS])
-    net.initialize()  # deferred: the weights are set before the first call
+def _initialized(net):
+    net.initialize()  # the weights are set before the first call
     return net
+
+
+def _block(sym):
+    return _initialized(mx.gluon.SymbolBlock(sym, [mx.sym.var(k) for k in INPUTS]))
+
+
+class RawCustomNet(mx.gluon.HybridBlock):
+    """The model as a Gluon block whose code calls MXNet's own ``Custom`` (as one that
+    did ``from mxnet.symbol import Custom`` before ``import mx_roi``)."""
+
+    def __init__(self):
+        super().__init__(prefix="")
+        for k, shape in WEIGHT_SHAPES.items():
+            setattr(self, k, self.params.get(k, shape=shape))
+
+    def hybrid_forward(self, F, data, rois, **weights):
+        raw_custom = mxpatch._ORIGINAL_CUSTOM["mxnet.symbol"]
+        return model(lambda y, r: raw_custom(y, r, op_type="ROIAlign", name="pool", **POOL),
+                     inputs=dict(weights, data=data, rois=rois))
 
 
 def loading_paths(tmp):
@@ -183,6 +204,8 @@ def loading_paths(tmp):
         "mx_roi.gluon.imports(static)": imports(mx_roi.gluon.imports),
         "SymbolBlock(raw symbol)": lambda w, b: _block_steps(
             _block(unguarded_load_json(plain)), w, b, static=False),
+        "HybridBlock(raw Custom)": lambda w, b: _block_steps(
+            _initialized(RawCustomNet()), w, b, static=True),
         "simple_bind(load_json)": lambda w, b: _executor_steps(mx.sym.load_json(with_loss),
                                                                w, b),
         "simple_bind(raw symbol)": lambda w, b: _executor_steps(
@@ -236,12 +259,12 @@ def run_child(steps, paths, rewrite=True):
 # ------------------------------------------------------------------------------ tests
 GLUON_PATHS = ["load_json+SymbolBlock", "load+SymbolBlock(static)",
                "SymbolBlock.imports(static)", "mx_roi.gluon.imports(static)",
-               "SymbolBlock(raw symbol)"]
+               "SymbolBlock(raw symbol)", "HybridBlock(raw Custom)"]
 EXECUTOR_PATHS = ["simple_bind(load_json)", "simple_bind(raw symbol)",
                   "Module(load_checkpoint)"]
-#: steps per path (8 paths: 2,000 guarded steps, about 12 s here; unguarded, 16-150 of
-#: 250 steps were wrong in each Gluon path)
-STEPS = 250
+#: steps per path (9 paths: 1,800 guarded steps, 12-20 s here; unguarded, 16-150 of 250
+#: steps were wrong in each Gluon path)
+STEPS = 200
 
 
 def test_every_loading_path_trains_right():
@@ -361,6 +384,12 @@ def test_every_loading_path_adds_the_guard_nodes(tmp_path):
     assert "pool_guard_in0" in node_names(mod._exec_group.execs[0]._symbol)
     twice = mx.sym.load_json(mx.sym.load_json(symbolic_graph().tojson()).tojson())
     assert node_names(twice) == want
+    net = _initialized(RawCustomNet())
+    net.hybridize()
+    net(mx.nd.ones((N, CIN, H, W)), mx.nd.array(real_rois(np.random.RandomState(0))))
+    traced = node_names(net._cached_graph[1])
+    assert {"pool_guard_copy0", "pool_guard_in0", "pool_guard_out0"} <= set(traced)
+    assert ops_of(net._cached_graph[1]).count("clip") == 2
 
 
 def test_loaders_keep_other_graphs_and_originals():
