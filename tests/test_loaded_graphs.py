@@ -130,7 +130,7 @@ def _module_steps(sym, weights, batches):
 
 
 def _block_steps(net, weights, batches, static):
-    """The same through a ``SymbolBlock``, hybridized (``static``: static_alloc/shape)."""
+    """The same through a Gluon block, hybridized (``static``: static_alloc/shape)."""
     params = net.collect_params()
     for k, v in weights.items():
         params[k].set_data(mx.nd.array(v))
