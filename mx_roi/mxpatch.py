@@ -10,12 +10,13 @@
   ``mx.nd.Custom(..., op_type=<ours>)`` goes through :func:`call_custom` too; and
   ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
   feeds one of our nodes straight from a variable makes its inputs plain first
-  (:func:`plain_block_inputs`; graph variables get no guard node).  A graph that
-  arrives whole (JSON, a file, a checkpoint, a symbol built before ``import mx_roi``)
-  gets the same guard nodes (:func:`mx_roi.onednn.guard_symbol`) where it is loaded
-  (``mx.sym.load`` / ``load_json``) and where any graph reaches MXNet's execution
-  (``Symbol.bind`` / ``simple_bind``, hence ``Module``; the ``SymbolBlock``
-  constructor, hence ``SymbolBlock.imports``; the graph of every hybridized block):
+  (:func:`plain_block_inputs`; graph variables get no guard node).
+* The oneDNN guard of graphs that arrive whole (JSON, a file, a checkpoint, a symbol
+  built before ``import mx_roi``): the same guard nodes
+  (:func:`mx_roi.onednn.guard_symbol`) where a graph is loaded (``mx.sym.load`` /
+  ``load_json``) and where any graph reaches MXNet's execution (``Symbol.bind`` /
+  ``simple_bind``, hence ``Module``; the ``SymbolBlock`` constructor, hence
+  ``SymbolBlock.imports``; the graph of every hybridized block):
   :func:`_install_graph_guard`.
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
