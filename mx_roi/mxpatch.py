@@ -11,6 +11,8 @@
   ``gluon.HybridBlock._call_cached_op`` is wrapped so that a hybridized block whose graph
   feeds one of our nodes straight from a variable makes its inputs plain first
   (:func:`plain_block_inputs`; graph variables get no guard node).
+* ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
+  are replaced by ones that know our nodes (other nodes are passed on).
 * The oneDNN guard of graphs that arrive whole (JSON, a file, a checkpoint, a symbol
   built before ``import mx_roi``): the same guard nodes
   (:func:`mx_roi.onednn.guard_symbol`) where a graph is loaded (``mx.sym.load`` /
@@ -18,8 +20,6 @@
   ``simple_bind``, hence ``Module``; the ``SymbolBlock`` constructor, hence
   ``SymbolBlock.imports``; the graph of every hybridized block):
   :func:`_install_graph_guard`.
-* ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
-  are replaced by ones that know our nodes (other nodes are passed on).
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
   the guard's ``clip``, which the ops' input validation and the ONNX export also know.
 
