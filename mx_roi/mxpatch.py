@@ -15,6 +15,13 @@
   inference, :func:`_cached_op`).
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
+* The oneDNN guard of graphs that arrive whole (JSON, a file, a checkpoint, a symbol
+  built before ``import mx_roi``): the same guard nodes
+  (:func:`mx_roi.onednn.guard_symbol`) where a graph is loaded (``mx.sym.load`` /
+  ``load_json``) and where any graph reaches MXNet's execution (``Symbol.bind`` /
+  ``simple_bind``, hence ``Module``; the ``SymbolBlock`` constructor, hence
+  ``SymbolBlock.imports``; the graph of every hybridized block):
+  :func:`_install_graph_guard`.
 * :data:`GUARD_BOUND` (defined in :mod:`mx_roi.onednn`, re-exported here): the bound of
   the guard's ``clip``, which the ops' input validation and the ONNX export also know.
 
@@ -34,7 +41,8 @@ import numpy as np
 from mxnet.base import MXNetError
 
 from . import errors, onnx
-from .onednn import GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, onednn_enabled
+from .onednn import (GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, guard_symbol,
+                     onednn_enabled)
 
 __all__ = ["GUARD_BOUND", "call_custom", "install"]
 
@@ -211,6 +219,7 @@ def install(op_types) -> None:
     _install_error_translation()
     _install_custom_guard(op_types)
     _install_block_input_guard(op_types)
+    _install_graph_guard(op_types)
     onnx.install()  # mx2onnx translations of our Custom nodes (onnx itself imported lazily)
 
 
@@ -311,3 +320,82 @@ def _install_block_input_guard(op_types) -> None:
 
     _call_cached_op._mx_roi_guard = True
     HybridBlock._call_cached_op = _call_cached_op
+
+
+#: (module, attribute) -> MXNet's own function before :func:`_install_graph_guard`
+_ORIGINAL_LOADERS = {}
+
+#: the loaders of MXNet 1.9.1 that make a Symbol from JSON text or a JSON file, by module
+#: (``mx.model.load_checkpoint`` and ``SymbolBlock.imports`` call ``mxnet.symbol.load``;
+#: ``HybridBlock.load`` the name ``load_json`` in ``mxnet.gluon.block``)
+_LOADERS = (("mxnet.symbol.symbol", ("load", "load_json")),
+            ("mxnet.symbol", ("load", "load_json")),
+            ("mxnet.symbol.numpy._symbol", ("load", "load_json")),
+            ("mxnet.gluon.block", ("load_json",)))
+
+
+def _install_graph_guard(op_types) -> None:
+    """Graphs that arrive whole get the oneDNN guard of their ``Custom`` nodes of
+    ``op_types`` (:func:`mx_roi.onednn.guard_symbol`; idempotent, a no-op with oneDNN
+    off): the symbol loaders (:data:`_LOADERS`) return the guarded symbol;
+    ``Symbol.bind`` / ``simple_bind`` (every executor: ``Module``, ``BucketingModule``,
+    ``Symbol.eval``) bind the guarded symbol; the ``SymbolBlock`` constructor keeps the
+    guarded graph, and so does ``HybridBlock._get_graph`` (the graph a hybridized block's
+    ``CachedOp`` is built from, traced or imported: e.g. a ``Custom`` name imported from
+    ``mxnet.symbol`` before ``import mx_roi``).  The originals stay reachable: :data:`_ORIGINAL_LOADERS`, and each
+    wrapper's ``__wrapped__``."""
+    import importlib
+    from mxnet.gluon import HybridBlock, SymbolBlock
+    for module_name, names in _LOADERS:
+        module = importlib.import_module(module_name)
+        for attr in names:
+            original = getattr(module, attr)
+            if getattr(original, "_mx_roi_guard", False):
+                continue
+            _ORIGINAL_LOADERS[module_name, attr] = original
+
+            @functools.wraps(original)
+            def load(*args, _original=original, **kwargs):
+                return guard_symbol(_original(*args, **kwargs), op_types)
+
+            load._mx_roi_guard = True
+            setattr(module, attr, load)
+
+    for attr in ("bind", "simple_bind"):
+        original = getattr(mx.sym.Symbol, attr)
+        if getattr(original, "_mx_roi_guard", False):
+            continue
+
+        @functools.wraps(original)
+        def bind(self, *args, _original=original, **kwargs):
+            return _original(guard_symbol(self, op_types), *args, **kwargs)
+
+        bind._mx_roi_guard = True
+        setattr(mx.sym.Symbol, attr, bind)
+
+    def guard_cached_graph(block):
+        inputs, out = block._cached_graph
+        guarded = guard_symbol(out, op_types)
+        if guarded is not out:
+            block._cached_graph = inputs, guarded
+
+    original_init = SymbolBlock.__init__
+    if not getattr(original_init, "_mx_roi_guard", False):
+        @functools.wraps(original_init)
+        def __init__(self, outputs, inputs, params=None):
+            original_init(self, outputs, inputs, params)
+            guard_cached_graph(self)
+
+        __init__._mx_roi_guard = True
+        SymbolBlock.__init__ = __init__
+
+    original_get_graph = HybridBlock._get_graph
+    if not getattr(original_get_graph, "_mx_roi_guard", False):
+        @functools.wraps(original_get_graph)
+        def _get_graph(self, *args):
+            original_get_graph(self, *args)
+            guard_cached_graph(self)
+            return self._cached_graph
+
+        _get_graph._mx_roi_guard = True
+        HybridBlock._get_graph = _get_graph

@@ -14,6 +14,7 @@ recorded slice view whose backward writes a fresh plain gradient
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -23,7 +24,7 @@ import ctypes
 import numpy as np
 
 import mxnet as mx
-from mxnet.base import _LIB, check_call
+from mxnet.base import _LIB, SymbolHandle, c_str, check_call
 
 #: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
 #: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
@@ -46,7 +47,8 @@ def bounded_dtype(dtype) -> bool:
 _BOUNDED = {}
 
 __all__ = ["onednn_build", "onednn_enabled", "barrier", "guard_inputs", "guard_output",
-           "plain_grad_view", "GUARD_BOUND", "bounded_dtype"]
+           "plain_grad_view", "GUARD_BOUND", "bounded_dtype", "guard_node_names",
+           "input_needs_guard", "guard_graph", "guard_symbol"]
 
 _BUILD = None  # cached: does the loaded libmxnet have oneDNN compiled in?
 
@@ -138,12 +140,54 @@ def _producer(s) -> str:
     return graph["nodes"][graph["heads"][0][0]]["op"]
 
 
+# ------------------------------------------------------------ the guard as graph nodes
+# One truth for the symbolic path (guard_inputs/guard_output) and the rewrite of a
+# graph that arrives as JSON (guard_graph): the same decision, the same names, the same
+# nodes (guard_graph copies op and attrs from the symbols barrier() builds).
+
+def guard_node_names(name: str, i: int) -> tuple:
+    """Names of the guard nodes around input/output ``i`` of the ``Custom`` node ``name``:
+    ``({name}_guard_copy{i}, {name}_guard_in{i}, {name}_guard_out{i})``."""
+    return f"{name}_guard_copy{i}", f"{name}_guard_in{i}", f"{name}_guard_out{i}"
+
+
+def _is_barrier(node: dict) -> bool:
+    """Whether JSON graph node ``node`` is a guard ``clip`` (:func:`barrier`)."""
+    attrs = node.get("attrs", {})
+    try:
+        return node["op"] == "clip" and float(attrs["a_min"]) == -_BOUND and \
+            float(attrs["a_max"]) == _BOUND
+    except (KeyError, ValueError):
+        return False
+
+
+def input_needs_guard(nodes, entry) -> bool:
+    """Whether the array ``entry`` (``[node id, output, version]`` in the JSON node list
+    ``nodes``) needs the input guard in front of a ``Custom`` node: not when it is a
+    variable (:data:`LEAF`), the output of a :data:`PLAIN_PRODUCERS` operator, or
+    already an input guard (a :func:`barrier` of an ``identity``)."""
+    producer = nodes[entry[0]]
+    if producer["op"] == LEAF or producer["op"] in PLAIN_PRODUCERS:
+        return False
+    return not (_is_barrier(producer) and
+                nodes[producer["inputs"][0][0]]["op"] == "_copy")
+
+
+def _symbol_needs_guard(s) -> bool:
+    """:func:`input_needs_guard` for symbol ``s`` (a multi-output symbol: guarded)."""
+    if s.get_children() is None:
+        return False  # a variable, without serialising it
+    graph = json.loads(s.tojson())
+    return len(graph["heads"]) != 1 or input_needs_guard(graph["nodes"], graph["heads"][0])
+
+
 def guard_inputs(F, *arrays, name=None):
     """Return ``arrays`` (as a tuple) made safe to feed a ``Custom`` node.
 
     Imperatively (``F`` is ``mx.nd``) each array is :func:`plain_nd` (made plain in place,
-    no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless it is
-    a variable (:data:`LEAF`) or the output of an operator in :data:`PLAIN_PRODUCERS`.
+    no copy); in graphs it passes through ``identity`` and :func:`barrier`, unless
+    :func:`input_needs_guard` says not (a variable, :data:`LEAF`; the output of an
+    operator in :data:`PLAIN_PRODUCERS`; an input guard already).
     Non-array items (``None``, numbers) pass through.  With ``name`` (symbolic mode) the guard nodes
     are called ``{name}_guard_copy{i}`` / ``{name}_guard_in{i}``.  A no-op when oneDNN is
     off."""
@@ -154,12 +198,12 @@ def guard_inputs(F, *arrays, name=None):
     def guarded(i, a):
         if F is not mx.sym:
             return plain_nd(a)
-        producer = _producer(a)
-        if producer in PLAIN_PRODUCERS or producer == LEAF:
+        if not _symbol_needs_guard(a):
             return a
         if name is None:
             return barrier(F, F.identity(a))
-        return barrier(F, F.identity(a, name=f"{name}_guard_copy{i}"), f"{name}_guard_in{i}")
+        copy, clip, _ = guard_node_names(name, i)
+        return barrier(F, F.identity(a, name=copy), clip)
 
     return tuple(guarded(i, a) if _is_array(a) else a for i, a in enumerate(arrays))
 
@@ -176,7 +220,7 @@ def guard_output(F, out, name=None):
     if not onednn_enabled() or out is None:
         return out
     def nm(i):
-        return None if name is None else f"{name}_guard_out{i}"
+        return None if name is None else guard_node_names(name, i)[2]
     if isinstance(out, (list, tuple)):
         return type(out)((plain_grad_view(o) if isinstance(o, mx.nd.NDArray)
                           else barrier(F, o, nm(i))) if _is_array(o) else o
@@ -200,3 +244,95 @@ def plain_grad_view(a):
     if a.ndim == 0 or a.shape[0] == 0:
         return barrier(mx.nd, a)
     return a[0:a.shape[0]]
+
+
+# ------------------------------------------------------- graphs that arrive as JSON
+@functools.lru_cache(maxsize=None)
+def _guard_node_templates() -> tuple:
+    """(identity node, clip node) of the input guard as :func:`guard_inputs` builds them,
+    as JSON node dicts without name and inputs (op and attrs: one truth)."""
+    x = mx.sym.var("x")
+    nodes = json.loads(barrier(mx.sym, mx.sym.identity(x, name="c"), "b").tojson())["nodes"]
+    return tuple({k: v for k, v in n.items() if k not in ("name", "inputs")}
+                 for n in nodes[1:])
+
+
+def guard_graph(graph: dict, op_types):
+    """The JSON graph ``graph`` (``Symbol.tojson()`` parsed) with every ``Custom`` node of
+    ``op_types`` guarded as :func:`guard_inputs` / :func:`guard_output` guard a node
+    built through ``mx.sym`` -- the same nodes with the same names, so that the graph
+    of a model equals the one its symbolic construction gives -- or None when nothing is
+    to be added (no such node, or every one guarded already: the rewrite is idempotent).
+
+    Nodes are visited in the graph's (topological) order, each input decided by
+    :func:`input_needs_guard` on the graph as rewritten so far (as the symbolic path
+    decides on the symbol built so far).  An output counts as guarded when a
+    :func:`barrier` reads it; otherwise a barrier ``{name}_guard_out{k}`` is added and every
+    consumer and graph head of that output reads the barrier instead.  The ``Custom``
+    node keeps its name (``get_internals()[name + '_output']`` still finds it).  Nodes
+    inside a control-flow operator's subgraph (``_foreach``, ``_while_loop``, ``_cond``)
+    are not visited."""
+    nodes = graph["nodes"]
+    ours = {i for i, n in enumerate(nodes)
+            if n["op"] == "Custom" and n.get("attrs", {}).get("op_type") in op_types}
+    if not ours:
+        return None
+    read = {}  # (node, output) of ours -> its readers in the original graph
+    for n in nodes:
+        for e in n["inputs"]:
+            if e[0] in ours:
+                read.setdefault((e[0], e[1]), []).append(n)
+    for e in graph["heads"]:
+        if e[0] in ours:
+            read.setdefault((e[0], e[1]), [])
+    copy_t, clip_t = _guard_node_templates()
+    out, moved = [], {}  # moved: (old id, output) -> [new id, output]
+
+    def add(template, name, entry):
+        out.append(dict(template, name=name, inputs=[entry]))
+        return [len(out) - 1, 0, 0]
+
+    def remap(e):
+        return moved.get((e[0], e[1]), [new_id[e[0]], e[1]])[:2] + list(e[2:])
+
+    new_id, added = {}, False
+    for i, n in enumerate(nodes):
+        n = dict(n, inputs=[remap(e) for e in n["inputs"]])
+        if "control_deps" in n:
+            n["control_deps"] = [new_id[c] for c in n["control_deps"]]
+        if i in ours:
+            for j, e in enumerate(n["inputs"]):
+                if input_needs_guard(out, e):
+                    copy, clip, _ = guard_node_names(n["name"], j)
+                    n["inputs"][j] = add(clip_t, clip, add(copy_t, copy, e))
+                    added = True
+        new_id[i] = len(out)
+        out.append(n)
+        if i in ours:
+            for (src, k), readers in sorted(read.items()):
+                if src == i and not any(_is_barrier(r) for r in readers):
+                    moved[i, k] = add(clip_t, guard_node_names(n["name"], k)[2],
+                                      [new_id[i], k, 0])[:2]
+                    added = True
+    if not added:
+        return None
+    rewritten = {k: v for k, v in graph.items() if k != "node_row_ptr"}  # optional
+    rewritten.update(nodes=out, heads=[remap(e) for e in graph["heads"]],
+                     arg_nodes=[new_id[a] for a in graph["arg_nodes"]])
+    return rewritten
+
+
+def guard_symbol(sym, op_types):
+    """``sym`` with :func:`guard_graph` applied: a new symbol of the same class, or ``sym``
+    itself when nothing is to be added or oneDNN is off."""
+    if not onednn_enabled():
+        return sym
+    text = sym.tojson()
+    if '"Custom"' not in text:
+        return sym
+    graph = guard_graph(json.loads(text), op_types)
+    if graph is None:
+        return sym
+    handle = SymbolHandle()
+    check_call(_LIB.MXSymbolCreateFromJSON(c_str(json.dumps(graph)), ctypes.byref(handle)))
+    return type(sym)(handle)
