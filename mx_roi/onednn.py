@@ -129,17 +129,6 @@ PLAIN_PRODUCERS = frozenset({"Custom", "_contrib_Proposal", "_contrib_MultiPropo
 LEAF = "null"
 
 
-def _producer(s) -> str:
-    """Operator of the node producing single-output symbol ``s`` (``'null'``: a variable,
-    ``''``: unknown)."""
-    if s.get_children() is None:
-        return "null"
-    if len(s.list_outputs()) != 1:
-        return ""
-    graph = json.loads(s.tojson())
-    return graph["nodes"][graph["heads"][0][0]]["op"]
-
-
 # ------------------------------------------------------------ the guard as graph nodes
 # One truth for the symbolic path (guard_inputs/guard_output) and the rewrite of a
 # graph that arrives as JSON (guard_graph): the same decision, the same names, the same
