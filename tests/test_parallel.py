@@ -93,3 +93,35 @@ def test_errors_wait_for_all_chunks_then_raise(monkeypatch):
     with pytest.raises(ValueError, match="chunk 0 failed"):
         parallel.for_chunks(list(range(64)), run)
     assert running == [0]  # every other chunk that was taken had finished
+
+
+@pytest.mark.parametrize("entry", ("for_chunks", "sum_into"))
+def test_the_caller_returns_only_after_every_chunk_finished(entry, monkeypatch):
+    """A chunk a pool thread took and is slow to finish is waited for: when the call
+    returns, every chunk has finished (sum_into: its result holds every chunk).  The
+    caller's first chunk waits until a pool thread has started one, so the pool takes
+    part whatever the scheduling."""
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
+    caller = threading.current_thread()
+    pool_started = threading.Event()
+    finished = []
+
+    def work(chunk):
+        if threading.current_thread() is caller:
+            pool_started.wait(5)
+        else:
+            pool_started.set()
+            threading.Event().wait(0.2)  # slow: still running when the caller is done
+        finished.append(chunk[0])
+
+    items = list(range(64))
+    if entry == "for_chunks":
+        parallel.for_chunks(items, work)
+    else:
+        got = parallel.sum_into((), np.int64, items, lambda c, out: (work(c), out.__iadd__(
+            sum(c))))
+        assert got == sum(items)
+    assert pool_started.is_set()
+    _, chunks = parallel._split(items, parallel.CHUNKS_PER_THREAD if entry == "for_chunks"
+                                else parallel.SUM_CHUNKS_PER_THREAD)
+    assert sorted(finished) == [c[0] for c in chunks]
