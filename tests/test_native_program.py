@@ -519,3 +519,55 @@ def test_a_recently_used_key_survives_eviction(monkeypatch):
     assert [run(r) for r in (3, 5, 3, 7)] == [2, 2, 0, 2]
     assert sorted(k[3][0] for k in program._native.programs()) == [3, 3, 7, 7]
     assert [run(r) for r in (3, 7, 5)] == [0, 0, 2]
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[2]], ids=["ROIPooling", "avg"])
+def test_req_add_and_null_take_the_checked_path(name, params, monkeypatch):
+    """A forward or backward with req add adds to what the output / gradient held (a
+    program overwrites: never recorded); null leaves it as it was.  Garbage-filled
+    buffers; the checked path's bits; nothing recorded, no program run."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=3)
+    counts = Counts(monkeypatch)
+    for req in ("add", "null", "add"):
+        got, want = [], []
+        for backend, into in ((program, got), (checked, want)):
+            out = mx.nd.full(op.out_shape(data.shape, rois.shape), FILL)
+            dgrad = mx.nd.full(data.shape, FILL)
+            saved = backend.forward(op, req, nd(data), nd(rois), out, keep=True)
+            backend.backward(op, req, nd(grad), nd(data), nd(rois), dgrad, saved)
+            into += [out.asnumpy(), dgrad.asnumpy()]
+        identical(got[0], want[0], f"forward req {req}")
+        identical(got[1], want[1], f"backward req {req}")
+        if req == "null":
+            assert (got[0] == FILL).all() and (got[1] == FILL).all()
+        else:
+            assert not (got[0] == FILL).all()
+    assert counts.records == 0 and counts.runs == 0 and program._native.programs() == {}
+
+
+def test_a_const_array_the_binding_converts_makes_a_call_unrecordable():
+    """The recording launch refuses a read-only array that binding would copy (another
+    dtype, another layout): a copy would be fixed in the program while its source
+    changes.  The same arguments as they are: one launch recorded."""
+    from mx_roi.cuda.backend import Launch
+    module = loader.get_module("prroi_pool.cu", Kind.NATIVE)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    rois = np.array([[0, 1, 1, 4, 3], [1, 0, 0, 2, 2]], np.float32)
+    out = np.empty((2, 3, 2, 2), np.float32)
+    args = dict(C=3, H=5, W=6, P=2, Q=2, spatial_scale=1.0, out=out)
+    for name, value in (("data", np.asfortranarray(data)), ("rois", rois.astype(np.float64)),
+                        ("data", data[:, :, :, ::-1])):
+        rec = native_program._recorder_class(Launch)(module, np.float32)
+        given = {**args, "data": data, "rois": rois, name: value}
+        with pytest.raises(native_program._Unsupported, match=rf"^{name} converted for the "
+                                                               r"kernel$"):
+            rec.forward("prroi_pool_forward", out.size, **given)
+        assert rec.recorded == []
+    rec = native_program._recorder_class(Launch)(module, np.float32)
+    rec.forward("prroi_pool_forward", out.size, data=data, rois=rois, **args)
+    [(expr, n, bound)] = rec.recorded
+    assert expr.startswith("prroi_pool_forward") and n == out.size
+    assert any(a is data for a in bound) and any(a is rois for a in bound)

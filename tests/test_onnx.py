@@ -452,3 +452,16 @@ def test_opset_boundary(tmp_path, opset, monkeypatch):
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(run_onnx(sess, data, rois), ours("ROIAlign", data, rois, params),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_chained_translations_pick_the_newest_version_not_above_the_opset():
+    """A node that is not ours goes to the replaced translation registered for the
+    highest opset <= the export's (the export's own included); none: MXNet's error."""
+    import mx_roi.onnx as mo
+    table = {12: lambda node, **kw: 12, 16: lambda node, **kw: 16}
+    assert [mo._chain(table, "clip", {}, {"opset_version": v}) for v in (12, 15, 16, 19)] \
+        == [12, 12, 16, 16]
+    assert mo._chain(table, "clip", {}, {}) == 12  # (mx2onnx's default: 12)
+    with pytest.raises(AttributeError, match=r"^No conversion function registered for op "
+                                             r"type clip yet$"):
+        mo._chain(table, "clip", {}, {"opset_version": 11})
