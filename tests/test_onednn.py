@@ -675,16 +675,13 @@ def test_hybridized_block_makes_its_variable_inputs_plain():
         data.to_dlpack_for_read()
 
 
-def test_mkldnn_off_values_and_producers():
+def test_mkldnn_off_values_and_multi_output_guard_names():
     """MXNET_MKLDNN_ENABLED counts as off for 0/false/off/no in any case and spacing, on
-    otherwise; a multi-output symbol's producer is unknown ('': guarded), a variable's
-    'null' (unguarded); a multi-output node's guards are named per output."""
+    otherwise; a multi-output node's output guards are named per output."""
     for value in ("0", "false", "FALSE", " Off ", "no", "No"):
         assert onednn._env_off(value), value
     for value in ("1", "", "on", "true", "yes", "2"):
         assert not onednn._env_off(value), value
     x = mx.sym.var("x")
-    assert onednn._producer(mx.sym.split(x, num_outputs=2)) == ""
-    assert onednn._producer(x) == "null"
     out = onednn.guard_output(mx.sym, mx.sym.split(x, num_outputs=2, name="s"), name="s")
     assert out.list_outputs() == ["s_guard_out0_output", "s_guard_out1_output"]
