@@ -42,7 +42,8 @@ def empty(shape, dtype) -> np.ndarray:
         fits = [b for b in _IDLE if nbytes <= b.nbytes <= 2 * nbytes]
         if fits:
             raw = min(fits, key=lambda b: b.nbytes)
-            _IDLE.remove(raw)
+            # by identity (list.remove would compare arrays by value: a NumPy error)
+            del _IDLE[next(i for i, b in enumerate(_IDLE) if b is raw)]
     if raw is None:
         raw = np.empty(nbytes, np.uint8)
         advise_huge_pages(raw)

@@ -348,3 +348,226 @@ def test_a_large_call_keeps_no_argmax_and_its_backward_rescans(name, params, mon
         identical(g, kept_g, "rescan backward")
     assert any("rescan" in e for e in launches) and not any(
         "rescan" not in e and "backward" in e for e in launches), launches
+
+
+# ---- the double recording: a recording that depends on the rois' values ------------------
+from mx_roi.operators.prroi_pool import PrRoIPool  # noqa: E402
+
+
+class _RoisDependent(PrRoIPool):
+    """PrRoIPool whose launches depend on the rois' values through the host -- what the
+    second recording exists to catch (a program would fix the first call's choice):
+
+    * ``array``: the kernels read a host copy of the rois (an array that is neither a role
+      nor the recording's own: fixed in a program while the rois change);
+    * ``scalar``: a spatial scale computed from the first roi's x1;
+    * ``items``: the forward runs again over a number of items computed from it (the same
+      values written twice: no change in the output);
+    * ``launches``: that extra launch only when the first roi's x1 is past 4.
+
+    The checked path runs the same code each call, so its bits are the oracle; a program
+    recorded from the first call would give other bits for ``array`` and ``scalar``."""
+
+    how = None
+
+    def _x1(self, geo):
+        return abs(float(geo.rois[0, 1]))
+
+    def _args(self, geo):
+        args = super()._args(geo)
+        if self.how == "array":
+            args["rois"] = np.array(geo.rois)
+        elif self.how == "scalar":
+            args["spatial_scale"] = self.param.spatial_scale * (1 + 1 / (8 + self._x1(geo)))
+        return args
+
+    def forward_cuda(self, launch, geo, data):
+        out, saved = super().forward_cuda(launch, geo, data)
+        x1 = self._x1(geo)
+        if self.how == "items" or (self.how == "launches" and x1 > 4):
+            _, C, H, W = data.shape
+            n = 1 + int(x1) % out.size if self.how == "items" else out.size
+            launch.forward("prroi_pool_forward", n, data=data, C=C, H=H, W=W, out=out,
+                           **self._args(geo))
+        return out, saved
+
+
+def _rois_dependent_problem(op, seed, x1):
+    """A PrRoIPool problem whose first roi starts at ``x1`` (the second recording moves
+    it to 1.5 * x1 + 3: other scalars, item counts, launches and copied bytes)."""
+    data, rois, grad = lazy_problem(op, np.float32, seed)
+    rois[0, 1] = x1
+    return data, rois, grad
+
+
+@pytest.mark.parametrize("how", ("array", "scalar", "items", "launches"))
+def test_a_recording_that_depends_on_the_rois_values_is_not_recorded(how, monkeypatch):
+    """A call whose two recordings (the call's rois, then other rois of the same shape)
+    differ in a copied array's bytes, a scalar, a launch's item count or the number of
+    launches is unrecordable: the verdict is kept (no new recording) and every call
+    gives the checked path's bits -- also a later call with other rois, where a program
+    recorded from the first call's values would be wrong."""
+    op = _RoisDependent(PrRoIPool.param_cls.from_kwargs(pooled_size=(2, 3),
+                                                        spatial_scale=0.5))
+    op.how = how
+    assert op.kernels_read_rois()
+    program, checked = _backends()
+    counts = Counts(monkeypatch)
+    tries = []
+    real = program._native._recorder
+    monkeypatch.setattr(program._native, "_recorder", lambda *a: (tries.append(1), real(*a))[1])
+    first = _rois_dependent_problem(op, 0, 2.25)
+    other = _rois_dependent_problem(op, 1, 1.5)
+    for i, p in enumerate((first, other, first)):
+        # (inference forwards: the backward, handed nothing, is recorded on its own)
+        out, g = step(program, op, *p, keep=False)
+        want_out, want_g = step(checked, op, *p, keep=False)
+        identical(out, want_out, f"{how}: call {i}: forward")
+        identical(g, want_g, f"{how}: call {i}: backward")
+        if i == 0:
+            tried = len(tries)
+    assert len(tries) == tried, "the unrecordable verdict is kept"
+    forward = {k: v for k, v in program._native.programs().items() if k[0] == "fwd"}
+    assert list(forward.values()) == [None], forward
+    backward = [v for k, v in program._native.programs().items() if k[0] == "bwd"]
+    if how in ("array", "scalar"):  # the backward reads them too: not recorded either
+        assert backward == [None] and counts.records == 0
+    else:  # a forward-only dependence: the backward is a program
+        assert len(backward) == 1 and len(backward[0]) == 1 and counts.records == 1
+
+
+# ---- what a recorded forward keeps, and for which backward --------------------------------
+MAX_CASES = [CASES[0], CASES[5]]
+
+
+@pytest.mark.parametrize("name,params", MAX_CASES, ids=["ROIPooling", "max"])
+def test_the_argmax_of_a_forward_on_another_map_size_is_not_read(name, params):
+    """A ProgramSaved kept by a forward on an HxW map, handed to a backward on another
+    map size with the same rois (and other data): the backward must not route the
+    gradient through that argmax -- it equals a step on the new map."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=0, H=9, W=10)
+    data2 = inside_problem(op, np.float32, seed=1, H=12, W=11)[0]
+    out = mx.nd.full(op.out_shape(data.shape, rois.shape), FILL)
+    saved = program.forward(op, "write", nd(data), nd(rois), out, keep=True)
+    assert isinstance(saved, native_program.ProgramSaved) and saved.value is not None
+    dgrad = mx.nd.full(data2.shape, FILL)
+    program.backward(op, "write", nd(grad), nd(data2), nd(rois), dgrad, saved)
+    _, want = step(checked, op, data2, rois, grad)
+    identical(dgrad.asnumpy(), want, "backward on another map size")
+
+
+@pytest.mark.parametrize("change", ("last row", "last value"))
+@pytest.mark.parametrize("name,params", MAX_CASES, ids=["ROIPooling", "max"])
+def test_the_rois_comparison_covers_every_byte(name, params, change):
+    """rois that differ from the forward's only in the last row (or only in its last
+    value) are other rois: the backward does not read the forward's argmax."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=2)
+    assert rois[-1, 0] >= 0  # a live roi
+    rois_b = rois.copy()
+    if change == "last row":
+        rois_b[-1, 1:] = rois[1, 1:]
+    else:
+        rois_b[-1, -1] = rois[-1, 2] + 0.55 * (rois[-1, -1] - rois[-1, 2])
+    _, want = step(checked, op, data, rois_b, grad)
+    assert not np.array_equal(want, step(checked, op, data, rois, grad)[1])  # can fail
+    _, g = step(program, op, data, rois, grad, bwd_rois=rois_b)
+    identical(g, want, f"backward with the {change} changed")
+
+
+def test_the_call_after_a_rejected_one_is_replayed(monkeypatch):
+    """A bad roi sets the program's status word; the next good call zeroes it again and
+    is replayed (one compiled call per direction, nothing launched from Python), not sent
+    to the checked path by the stale status."""
+    op = make_op(*CASES[2])
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=0)
+    step(program, op, data, rois, grad)  # recorded
+    counts = Counts(monkeypatch)
+    for _ in range(2):
+        broken = rois.copy()
+        broken[5, 2] = np.nan
+        with pytest.raises(ValueError, match=r"ROIAlign: rois\[5\] has a NaN"):
+            program.forward(op, "write", nd(data), nd(broken),
+                            mx.nd.zeros(op.out_shape(data.shape, rois.shape)), keep=True)
+        counts.reset()
+        out, g = step(program, op, data, rois, grad)
+        assert (counts.runs, counts.launches, counts.records) == (2, 0, 0)
+        want_out, want_g = step(checked, op, data, rois, grad)
+        identical(out, want_out, "forward after the rejected call")
+        identical(g, want_g, "backward after the rejected call")
+
+
+def test_a_recently_used_key_survives_eviction(monkeypatch):
+    """The keys are dropped least recently used first: with room for two shapes (four
+    keys), shapes A, B, A, C keep A and C (no new recording when they run again) and drop
+    B (recorded again)."""
+    monkeypatch.setattr(native_program, "MAX_PROGRAMS", 4)
+    op = make_op(*CASES[2])
+    program, _ = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=0)
+    counts = Counts(monkeypatch)
+
+    def run(r):
+        counts.reset()
+        step(program, op, data, rois[:r], grad[:r])
+        return counts.records
+
+    assert [run(r) for r in (3, 5, 3, 7)] == [2, 2, 0, 2]
+    assert sorted(k[3][0] for k in program._native.programs()) == [3, 3, 7, 7]
+    assert [run(r) for r in (3, 7, 5)] == [0, 0, 2]
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[2]], ids=["ROIPooling", "avg"])
+def test_req_add_and_null_take_the_checked_path(name, params, monkeypatch):
+    """A forward or backward with req add adds to what the output / gradient held (a
+    program overwrites: never recorded); null leaves it as it was.  Garbage-filled
+    buffers; the checked path's bits; nothing recorded, no program run."""
+    op = make_op(name, params)
+    program, checked = _backends()
+    data, rois, grad = inside_problem(op, np.float32, seed=3)
+    counts = Counts(monkeypatch)
+    for req in ("add", "null", "add"):
+        got, want = [], []
+        for backend, into in ((program, got), (checked, want)):
+            out = mx.nd.full(op.out_shape(data.shape, rois.shape), FILL)
+            dgrad = mx.nd.full(data.shape, FILL)
+            saved = backend.forward(op, req, nd(data), nd(rois), out, keep=True)
+            backend.backward(op, req, nd(grad), nd(data), nd(rois), dgrad, saved)
+            into += [out.asnumpy(), dgrad.asnumpy()]
+        identical(got[0], want[0], f"forward req {req}")
+        identical(got[1], want[1], f"backward req {req}")
+        if req == "null":
+            assert (got[0] == FILL).all() and (got[1] == FILL).all()
+        else:
+            assert not (got[0] == FILL).all()
+    assert counts.records == 0 and counts.runs == 0 and program._native.programs() == {}
+
+
+def test_a_const_array_the_binding_converts_makes_a_call_unrecordable():
+    """The recording launch refuses a read-only array that binding would copy (another
+    dtype, another layout): a copy would be fixed in the program while its source
+    changes.  The same arguments as they are: one launch recorded."""
+    from mx_roi.cuda.backend import Launch
+    module = loader.get_module("prroi_pool.cu", Kind.NATIVE)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    rois = np.array([[0, 1, 1, 4, 3], [1, 0, 0, 2, 2]], np.float32)
+    out = np.empty((2, 3, 2, 2), np.float32)
+    args = dict(C=3, H=5, W=6, P=2, Q=2, spatial_scale=1.0, out=out)
+    for name, value in (("data", np.asfortranarray(data)), ("rois", rois.astype(np.float64)),
+                        ("data", data[:, :, :, ::-1])):
+        rec = native_program._recorder_class(Launch)(module, np.float32)
+        given = {**args, "data": data, "rois": rois, name: value}
+        with pytest.raises(native_program._Unsupported, match=rf"^{name} converted for the "
+                                                               r"kernel$"):
+            rec.forward("prroi_pool_forward", out.size, **given)
+        assert rec.recorded == []
+    rec = native_program._recorder_class(Launch)(module, np.float32)
+    rec.forward("prroi_pool_forward", out.size, data=data, rois=rois, **args)
+    [(expr, n, bound)] = rec.recorded
+    assert expr.startswith("prroi_pool_forward") and n == out.size
+    assert any(a is data for a in bound) and any(a is rois for a in bound)

@@ -9,6 +9,7 @@ Without the guard the same loops had 1-37 bad iterations per 100 in each configu
 (the convfc configurations: 6-37); ``test_unguarded_custom_is_corrupted`` shows it in a
 subprocess.
 """
+import json
 import os
 import subprocess
 import sys
@@ -414,6 +415,78 @@ def test_grad_req_add_through_the_guard():
     np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ("sym", "gluon_hybrid"))
+def test_grad_req_add_through_a_guarded_non_leaf_input(mode):
+    """A Convolution output (not a variable: guarded) into ROIAlign, ``grad_req='add'`` on
+    the Convolution's input x, in a graph and in a hybridized block: the guard's copy node
+    (the identity in front of the clip, ``{name}_guard_copy0`` in a graph) is there, and
+    each backward adds its gradient to x's: x.grad == previous + this step's gradient
+    (from a grad_req='write' twin given the same values)."""
+    rng = np.random.RandomState(5)
+    params = dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=2)
+    xv = rng.rand(1, 2, 6, 6).astype(np.float32)
+    wv = rng.rand(3, 2, 1, 1).astype(np.float32)
+    rois = mx.nd.array([[0, 0.5, 0.5, 4.5, 4.5], [0, 1, 1, 3, 5]])
+    heads = [rng.rand(2, 3, 2, 2).astype(np.float32) for _ in range(3)]
+    if mode == "sym":
+        x, r = mx.sym.var("x"), mx.sym.var("r")
+        feat = mx.sym.Convolution(x, num_filter=3, kernel=(1, 1), no_bias=True, name="c")
+        sym = mx_roi.sym.ROIAlign(feat, r, name="pool", **params)
+        nodes = json.loads(sym.tojson())["nodes"]
+        copy = [n for n in nodes if n["name"] == "pool_guard_copy0"]
+        assert [n["op"] for n in copy] == ["_copy"]
+        exes = [sym.simple_bind(mx.cpu(), x=xv.shape, r=(2, 5), grad_req={
+            "x": req, "r": "null", "c_weight": "null"}) for req in ("add", "write")]
+        for e in exes:
+            e.arg_dict["x"][:] = xv
+            e.arg_dict["r"][:] = rois
+            e.arg_dict["c_weight"][:] = wv
+        exes[0].grad_dict["x"][:] = 0.5  # what it held before: kept and added to
+
+        def grads(head):
+            for e in exes:
+                e.forward(is_train=True)
+                e.backward(mx.nd.array(head))
+            return [e.grad_dict["x"].asnumpy() for e in exes]
+    else:
+        class Head(gluon.HybridBlock):
+            def __init__(self):
+                super().__init__()
+                self.pool = mx_roi.gluon.ROIAlign(**params)
+
+            def hybrid_forward(self, F, x, r, w):
+                feat = F.Convolution(x, w, num_filter=3, kernel=(1, 1), no_bias=True)
+                return self.pool(feat, r)
+
+        block = Head()
+        block.hybridize()
+        xs = [mx.nd.array(xv) for _ in range(2)]
+        for a, req in zip(xs, ("add", "write")):
+            a.attach_grad(grad_req=req)
+        xs[0].grad[:] = 0.5
+        w = mx.nd.array(wv)
+        block(xs[0], rois, w)
+        graph = json.loads(block._cached_graph[1].tojson())["nodes"]
+        clips = [n for n in graph if n["op"] == "clip"]
+        assert any(graph[n["inputs"][0][0]]["op"] == "_copy" and
+                   graph[graph[n["inputs"][0][0]]["inputs"][0][0]]["op"] == "Convolution"
+                   for n in clips), [n["op"] for n in graph]
+
+        def grads(head):
+            for a in xs:
+                with autograd.record():
+                    y = block(a, rois, w)
+                y.backward(mx.nd.array(head))
+            return [a.grad.asnumpy() for a in xs]
+
+    total = np.full(xv.shape, 0.5, np.float32)
+    for i, head in enumerate(heads):
+        added, step = grads(head)
+        assert np.abs(step).sum() > 0
+        total = total + step
+        np.testing.assert_allclose(added, total, rtol=1e-5, atol=1e-6, err_msg=f"step {i}")
+
+
 def _data_pointer(a):
     import ctypes
     from mxnet.base import _LIB, check_call
@@ -601,3 +674,15 @@ def test_hybridized_block_makes_its_variable_inputs_plain():
     other(data).wait_to_read()
     with pytest.raises(mx.base.MXNetError, match="MKLDNN"):
         data.to_dlpack_for_read()
+
+
+def test_mkldnn_off_values_and_multi_output_guard_names():
+    """MXNET_MKLDNN_ENABLED counts as off for 0/false/off/no in any case and spacing, on
+    otherwise; a multi-output node's output guards are named per output."""
+    for value in ("0", "false", "FALSE", " Off ", "no", "No"):
+        assert onednn._env_off(value), value
+    for value in ("1", "", "on", "true", "yes", "2"):
+        assert not onednn._env_off(value), value
+    x = mx.sym.var("x")
+    out = onednn.guard_output(mx.sym, mx.sym.split(x, num_outputs=2, name="s"), name="s")
+    assert out.list_outputs() == ["s_guard_out0_output", "s_guard_out1_output"]

@@ -417,3 +417,51 @@ def test_example_rcnn_head_exports_with_same_detections(tmp_path, roi_op):
     assert res["detections"] > 0
     assert res["same_detections"], res
     assert res["max_abs_diff"] < 1e-4, res
+
+
+@pytest.mark.parametrize("opset", [15, 16, "newest"])
+def test_opset_boundary(tmp_path, opset, monkeypatch):
+    """MIN_OPSET (16, RoiAlign's coordinate_transformation_mode) is the first opset
+    exported -- with our numbers in ONNX Runtime, as is the newest one onnx knows --
+    and opset 15 is refused at export time, naming the op, the node and why.
+    (``export_model`` takes the opset from ``onnx.defs.onnx_opset_version()``.)"""
+    import onnx.defs
+    from mx_roi.onnx import MIN_OPSET
+    assert MIN_OPSET == 16
+    version = onnx.defs.onnx_opset_version() if opset == "newest" else opset
+    monkeypatch.setattr(onnx.defs, "onnx_opset_version", lambda: version)
+    params = dict(pooled_size=(2, 3), spatial_scale=0.5, sample_ratio=2, aligned=True)
+    data, rois = problem(0, "ROIAlign", params, np.dtype(np.float32))
+    sym = mx.sym.Custom(mx.sym.var("data"), mx.sym.var("rois"), op_type="ROIAlign",
+                        name="pool", **params)
+    path = tmp_path / "o.onnx"
+
+    def export_at():
+        mx.onnx.export_model(sym, {}, [data.shape, rois.shape], [np.float32, np.float32],
+                             str(path))
+
+    if version < 16:
+        with pytest.raises(ExportError, match=r"^ROIAlign \(node 'pool'\): cannot export "
+                                              r"opset 15 to ONNX: needs opset >= 16 "):
+            export_at()
+        assert not path.exists()
+        return
+    export_at()
+    import onnx
+    assert onnx.load(str(path)).opset_import[0].version == version
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(run_onnx(sess, data, rois), ours("ROIAlign", data, rois, params),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_chained_translations_pick_the_newest_version_not_above_the_opset():
+    """A node that is not ours goes to the replaced translation registered for the
+    highest opset <= the export's (the export's own included); none: MXNet's error."""
+    import mx_roi.onnx as mo
+    table = {12: lambda node, **kw: 12, 16: lambda node, **kw: 16}
+    assert [mo._chain(table, "clip", {}, {"opset_version": v}) for v in (12, 15, 16, 19)] \
+        == [12, 12, 16, 16]
+    assert mo._chain(table, "clip", {}, {}) == 12  # (mx2onnx's default: 12)
+    with pytest.raises(AttributeError, match=r"^No conversion function registered for op "
+                                             r"type clip yet$"):
+        mo._chain(table, "clip", {}, {"opset_version": 11})
