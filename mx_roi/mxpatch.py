@@ -217,21 +217,23 @@ def _check_custom_inputs(F, op_type, args, kwargs) -> None:
     parameters (:meth:`mx_roi.registry.RoIOp.order_inputs`: mx_roi.nd's TypeError, not
     MXNet's count); parameters that do not parse are left to the call (MXNet raises their
     error from the op's ``list_arguments``)."""
-    from .registry import REGISTERED
+    from .registry import REGISTERED, RoIOp
     op_cls = REGISTERED[op_type]
-    arrays = (mx.nd.NDArray, mx.sym.Symbol)
-    params = {k: v for k, v in kwargs.items()
-              if k not in ("op_type", "name", "attr") and not isinstance(v, arrays)}
-    try:
-        op = op_cls(op_cls.param_cls.from_kwargs(**params))
-    except Exception:  # noqa: BLE001 - the call reports it
-        return
     names = op_cls.inputs
     if len(args) > len(names):
         raise TypeError(f"{op_type}(): takes at most {len(names)} inputs ({', '.join(names)}), "
                         f"got {len(args)}")
-    given = dict(zip(names, args), **{k: v for k, v in kwargs.items() if isinstance(v, arrays)})
-    op.order_inputs(given, symbolic=F is mx.sym)
+    arrays = (mx.nd.NDArray, mx.sym.Symbol)
+    named = {k: v for k, v in kwargs.items() if isinstance(v, arrays)}
+    if len(args) == len(names) and not named and op_cls.input_names is RoIOp.input_names:
+        return  # every input given, to an op that takes all of them whatever its parameters
+    params = {k: v for k, v in kwargs.items()
+              if k not in ("op_type", "name", "attr") and k not in named}
+    try:
+        op = op_cls(op_cls.param_cls.from_kwargs(**params))
+    except Exception:  # noqa: BLE001 - the call reports it
+        return
+    op.order_inputs(dict(zip(names, args), **named), symbolic=F is mx.sym)
 
 
 def _reads_a_variable(graph, op_types) -> bool:
