@@ -342,6 +342,18 @@ class ROIPoolingParam(ParamBase):
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
+def _check_axis_samples(param, name) -> None:
+    """A fixed sampling ratio ``name`` (> 0) puts ratio * P sample points along an axis of
+    P bins: refuse more than the sample tables hold (``geometry.MAX_SAMPLES_PER_AXIS``),
+    naming the parameter (the tables would refuse them later, blaming the rois)."""
+    ratio, side = getattr(param, name), max(param.pooled_size)
+    most = geometry.MAX_SAMPLES_PER_AXIS // side
+    if ratio > most:
+        raise _fail(name, ratio, f"at most {most} with pooled_size {tuple(param.pooled_size)} "
+                                 f"({geometry.MAX_SAMPLES_PER_AXIS} sample points along an "
+                                 "axis)")
+
+
 def sample_ratio_field(doc="samples per bin side; <=0 adaptive"):
     """A sampling ratio where <= 0 means an adaptive grid (default -1)."""
     return param_field(parse_int, -1, doc, invalid=INVALID_ADAPTIVE_SAMPLES,
@@ -360,6 +372,11 @@ class ROIAlignParam(ParamBase):
     pool_mode: str = param_field(_mode, "avg", "'avg' or 'max' over the sample points")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
     legacy: str = param_field(_legacy("caffe"), "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.legacy != "caffe":  # the Caffe grid ignores sample_ratio
+            _check_axis_samples(self, "sample_ratio")
 
 
 @dataclass(frozen=True)
@@ -429,3 +446,7 @@ class PSROIAlignParam(_GroupGrid):
                                   bounds=SAMPLES_BOUNDS)
 
     _positive = _GroupGrid._positive + ("sample_num",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_axis_samples(self, "sample_num" if self.legacy == "rfcn" else "sample_ratio")

@@ -71,16 +71,17 @@ def test_every_int_parameter_is_bounded_and_declares_its_edges(op_type, f):
         assert (2, high + 1) in declared
     if low is not None:
         assert low - 1 in declared
+    # a fixed sample_ratio bounds pooled_size further (the next test): adaptive here
+    base = {k: v for k, v in _valid(op_type).items()
+            if not (f.name == "pooled_size" and k == "sample_ratio")}
     for edge in [high] + ([low] if low is not None else []):
-        value = getattr(param_cls.from_kwargs(**dict(_valid(op_type), **{f.name: edge})),
-                        f.name)
+        value = getattr(param_cls.from_kwargs(**dict(base, **{f.name: edge})), f.name)
         assert value == ((edge, edge) if pair else edge)
         # as MXNet passes it: a string
-        param_cls.from_kwargs(**{k: str(v) for k, v in
-                                 dict(_valid(op_type), **{f.name: edge}).items()})
+        param_cls.from_kwargs(**{k: str(v) for k, v in dict(base, **{f.name: edge}).items()})
     with pytest.raises(ValueError, match=rf"^{op_type}: parameter '{f.name}': expected at "
                                          rf"most {high} \({re.escape(why)}\), got "):
-        param_cls.from_kwargs(**dict(_valid(op_type), **{f.name: high + 1}))
+        param_cls.from_kwargs(**dict(base, **{f.name: high + 1}))
 
 
 def test_sampling_ratio_bound_keeps_adaptive_values():
@@ -90,6 +91,28 @@ def test_sampling_ratio_bound_keeps_adaptive_values():
                           ("PSROIAlign", "sample_ratio")):
         cls = REGISTERED[op_type].param_cls
         assert getattr(cls.from_kwargs(**dict(_valid(op_type), **{name: -1025})), name) == -1025
+
+
+@pytest.mark.parametrize("op_type,name,extra", [
+    ("ROIAlign", "sample_ratio", {}), ("PSROIAlign", "sample_ratio", dict(output_dim=1)),
+    ("PSROIAlign", "sample_num", dict(output_dim=1, legacy="rfcn"))])
+def test_fixed_sampling_ratio_times_pooled_size_is_bounded(op_type, name, extra):
+    """A fixed ratio puts ratio * P samples along an axis of P bins: at most
+    geometry.MAX_SAMPLES_PER_AXIS (2^22), refused naming the parameter (the sample tables
+    refused it later with 'rois: a box needs ... sample points', blaming the rois)."""
+    from mx_roi import geometry
+    assert geometry.MAX_SAMPLES_PER_AXIS == 4096 * 1024
+    cls = REGISTERED[op_type].param_cls
+    for pooled, ratio in (((4096, 2), 1024), ((2, 4096), 1024), ((4097, 2), 1023)):
+        cls.from_kwargs(pooled_size=pooled, spatial_scale=1.0, **{name: ratio}, **extra)
+    for pooled in ((4097, 2), (3, 4097)):
+        with pytest.raises(ValueError, match=rf"^{op_type}: parameter '{name}': expected at "
+                           rf"most 1023 with pooled_size {re.escape(str(pooled))} \(4194304 "
+                           rf"sample points along an axis\), got 1024$"):
+            cls.from_kwargs(pooled_size=pooled, spatial_scale=1.0, **{name: 1024}, **extra)
+    if op_type == "ROIAlign":  # the Caffe grid ignores sample_ratio
+        cls.from_kwargs(pooled_size=(4097, 2), spatial_scale=1.0, sample_ratio=1024,
+                        legacy="caffe")
 
 
 def _high(op_type, name):
@@ -104,12 +127,12 @@ def _at_limit(op_type):
     cases = {
         "ROIPooling": lambda: dict(pooled_size=(1, top("pooled_size")), spatial_scale=1.0),
         "ROIAlign": lambda: dict(pooled_size=(top("pooled_size"), 1), spatial_scale=1.0,
-                                 sample_ratio=top("sample_ratio")),
+                                 sample_ratio=-2 ** 31),
         "PSROIPooling": lambda: dict(pooled_size=(1, top("pooled_size")), spatial_scale=1.0,
                                      output_dim=1, group_size=(1, top("group_size"))),
         "PSROIAlign": lambda: dict(pooled_size=(1, 1), spatial_scale=1.0,
                                    output_dim=top("output_dim"), group_size=1,
-                                   sample_ratio=-2 ** 31),
+                                   sample_ratio=top("sample_ratio")),
         "RROIAlign": lambda: dict(pooled_size=(1, top("pooled_size")), spatial_scale=1.0,
                                   sampling_ratio=top("sampling_ratio")),
         "PrRoIPool": lambda: dict(pooled_size=(top("pooled_size"), 1), spatial_scale=1.0),
