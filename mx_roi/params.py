@@ -287,8 +287,7 @@ INVALID_SIZE_PAIR = INVALID_POSITIVE_PAIR + (MAX_ELEMENTS + 1, 2 ** 31, (2, MAX_
 #: ``bounds`` of a positive sampling ratio (samples per bin side)
 SAMPLES_BOUNDS = (None, MAX_SAMPLES_PER_SIDE, "samples per bin side")
 #: ``bounds`` of a sampling ratio where <= 0 means adaptive (and in C int range)
-ADAPTIVE_SAMPLES_BOUNDS = (-2 ** 31, MAX_SAMPLES_PER_SIDE,
-                           "samples per bin side; <= 0: adaptive")
+ADAPTIVE_SAMPLES_BOUNDS = (-2 ** 31, MAX_SAMPLES_PER_SIDE, "samples per bin side")
 INVALID_SAMPLES = (MAX_SAMPLES_PER_SIDE + 1, 2 ** 31)
 INVALID_ADAPTIVE_SAMPLES = INVALID_SAMPLES + (-2 ** 31 - 1,)
 _GROUP_INVALID = (-1, (2, -1), (0, 3), (3, 0), MAX_ELEMENTS + 1, 2 ** 31,
