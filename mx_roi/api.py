@@ -163,7 +163,7 @@ def make_function(F, op_cls):
                     raise TypeError(f"{op_cls.name}() got multiple values for input '{key}'")
                 given[key] = kwargs.pop(key)
         param = bind_params(op_cls, args[len(names):], kwargs)
-        inputs = _inputs(F, op_cls, op_cls(param).input_names(), given)
+        inputs = _inputs(F, op_cls(param), given)
         extra = {"name": name} if name is not None else {}
         return mxpatch.call_custom(F, op_cls.name, inputs, **param.to_kwargs(), **extra)
 
@@ -179,25 +179,12 @@ def make_function(F, op_cls):
     return fn
 
 
-def _inputs(F, op_cls, needed, given) -> list:
-    """The inputs of the call in ``needed`` order (the op's ``input_names()`` for its
-    parameters); TypeError for a missing one or one these parameters do not take.  A
-    symbol may leave trailing inputs out: MXNet then makes variables for them, as for
-    its built-ins."""
+def _inputs(F, op, given) -> list:
+    """The inputs of the call in the op's ``input_names()`` order
+    (:meth:`~mx_roi.registry.RoIOp.order_inputs`); both ``data`` and ``rois`` given."""
     if given.get("data") is None or given.get("rois") is None:
-        raise TypeError(f"{op_cls.name}() needs both 'data' and 'rois'")
-    unused = [k for k, v in given.items() if v is not None and k not in needed]
-    if unused:
-        raise TypeError(f"{op_cls.name}(): input(s) {', '.join(map(repr, unused))} not taken "
-                        f"with these parameters (inputs: {', '.join(needed)})")
-    inputs = [given.get(k) for k in needed]
-    while F is mx.sym and inputs and inputs[-1] is None:
-        inputs.pop()
-    missing = [k for k, v in zip(needed, inputs) if v is None]
-    if missing:
-        raise TypeError(f"{op_cls.name}() needs input(s) {', '.join(map(repr, missing))} "
-                        f"with these parameters (inputs: {', '.join(needed)})")
-    return inputs
+        raise TypeError(f"{op.name}() needs both 'data' and 'rois'")
+    return op.order_inputs(given, symbolic=F is mx.sym)
 
 
 def populate(namespace: dict, F) -> None:

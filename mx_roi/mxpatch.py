@@ -256,12 +256,37 @@ def _install_custom_guard(op_types) -> None:
         def custom(*args, _original=original, _F=F, **kwargs):
             if kwargs.get("op_type") in op_types and kwargs.get("out") is None:
                 kwargs.pop("out", None)
+                _check_custom_inputs(_F, kwargs["op_type"], args, kwargs)
                 return call_custom(_F, kwargs.pop("op_type"), list(args), **kwargs)
             return _original(*args, **kwargs)
 
         custom.__name__, custom.__doc__ = original.__name__, original.__doc__
         custom._mx_roi_guard = True
         F.Custom = custom
+
+
+def _check_custom_inputs(F, op_type, args, kwargs) -> None:
+    """The inputs of ``F.Custom(*args, op_type=op_type, **kwargs)`` against the op's for its
+    parameters (:meth:`mx_roi.registry.RoIOp.order_inputs`: mx_roi.nd's TypeError, not
+    MXNet's count); parameters that do not parse are left to the call (MXNet raises their
+    error from the op's ``list_arguments``)."""
+    from .registry import REGISTERED, RoIOp
+    op_cls = REGISTERED[op_type]
+    names = op_cls.inputs
+    if len(args) > len(names):
+        raise TypeError(f"{op_type}(): takes at most {len(names)} inputs ({', '.join(names)}), "
+                        f"got {len(args)}")
+    arrays = (mx.nd.NDArray, mx.sym.Symbol)
+    named = {k: v for k, v in kwargs.items() if isinstance(v, arrays)}
+    if len(args) == len(names) and not named and op_cls.input_names is RoIOp.input_names:
+        return  # every input given, to an op that takes all of them whatever its parameters
+    params = {k: v for k, v in kwargs.items()
+              if k not in ("op_type", "name", "attr") and k not in named}
+    try:
+        op = op_cls(op_cls.param_cls.from_kwargs(**params))
+    except Exception:  # noqa: BLE001 - the call reports it
+        return
+    op.order_inputs(dict(zip(names, args), **named), symbolic=F is mx.sym)
 
 
 def _reads_a_variable(graph, op_types) -> bool:

@@ -1,4 +1,5 @@
-"""Typed parameter structs for the four RoI operators.
+"""Typed parameter structs of the RoI operators (the four here, the newer ops' in their
+modules in ``operators/``), and the limits every struct shares.
 
 MXNet hands a ``CustomOpProp`` every keyword argument as a *string* (``"(7, 7)"``,
 ``"0.0625"``, ``"False"``), and ``bool("False")`` is ``True``.  Each struct here is a
@@ -12,6 +13,10 @@ the field's out-of-domain values (``param_field(..., invalid=...)``, e.g. 0 for 
 positive field).  ``tests/ops/test_bad_inputs.py`` feeds each of them to every
 registered op and expects the parameter's name in the error, so a new op's parameters
 are covered without editing the test -- and a field that declares none fails it.
+
+Every integer field is bounded (``param_field(bounds=...)``): a size by :data:`MAX_ELEMENTS`,
+a sampling ratio by :data:`MAX_SAMPLES_PER_SIDE`; the tests check that each bound is
+declared, accepted at its limit and refused just beyond it.
 """
 from __future__ import annotations
 
@@ -21,10 +26,28 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
+from . import geometry
+
 __all__ = ["ParamBase", "param_field", "invalid_examples", "ROIPoolingParam", "ROIAlignParam",
            "PSROIPoolingParam", "PSROIAlignParam",
            "parse_bool", "parse_int", "parse_float", "parse_size2", "parse_group",
-           "parse_choice", "INVALID_POSITIVE", "INVALID_POSITIVE_PAIR"]
+           "parse_choice", "pooled_size_field", "spatial_scale_field", "sample_ratio_field",
+           "INVALID_POSITIVE", "INVALID_POSITIVE_PAIR", "INVALID_SIZE", "INVALID_SIZE_PAIR",
+           "INVALID_SAMPLES", "INVALID_ADAPTIVE_SAMPLES", "SIZE_BOUNDS", "SAMPLES_BOUNDS",
+           "ADAPTIVE_SAMPLES_BOUNDS", "MAX_ELEMENTS", "MAX_SAMPLES_PER_SIDE"]
+
+#: the most elements of one array in MXNet 1.9.1 built without USE_INT64_TENSOR_SIZE (the
+#: pip wheels): it allocates an array only if ``size < 2^31 - 1`` (``CHECK_LT`` in
+#: ``c_api.cc``, ``ndarray.cc``, ``imperative_utils.h``: "larger than 2^31 elements").
+#: It bounds every size parameter (a dimension of the output or of an input: pooled
+#: sizes, output_dim, group and part grids; a larger one also overflows the C ints in
+#: which MXNet hands a custom op its shapes, ``array('i', ...)`` in
+#: ``mxnet/operator.py``, in an error naming neither the op nor the parameter), and the
+#: shape rule refuses a larger output (:meth:`mx_roi.registry.RoIOp.check_out_size`)
+MAX_ELEMENTS = 2 ** 31 - 2
+#: the most samples per bin side of a sampling ratio: 2^20 samples per bin
+#: (``geometry.MAX_ROTATED_SAMPLES``), a kernel's loop in reasonable time and int range
+MAX_SAMPLES_PER_SIDE = math.isqrt(geometry.MAX_ROTATED_SAMPLES)
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -134,13 +157,16 @@ def parse_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
     return text
 
 
-def param_field(parser, default=dataclasses.MISSING, doc="", invalid=()):
+def param_field(parser, default=dataclasses.MISSING, doc="", invalid=(), bounds=None):
     """A dataclass field carrying the string parser used by ``from_kwargs``.
 
     ``invalid``: values that parse but are out of the field's domain (0 for a positive
-    size, ...), declared for the tests (:func:`invalid_examples`), not for validation."""
+    size, ...), declared for the tests (:func:`invalid_examples`), not for validation.
+    ``bounds``: ``(low, high, why)``, the inclusive range of the value (of each value of
+    a pair; ``None``: no bound on that side), which :class:`ParamBase` checks; ``why``
+    says what the limit is in the message (e.g. :data:`SIZE_BOUNDS`)."""
     return field(default=default, metadata={"parser": parser, "doc": doc,
-                                            "invalid": tuple(invalid)})
+                                            "invalid": tuple(invalid), "bounds": bounds})
 
 
 def invalid_examples(param_cls, name: str) -> Tuple[Any, ...]:
@@ -227,21 +253,60 @@ class ParamBase:
     def __post_init__(self):
         for name in self._positive:
             values = getattr(self, name)
-            for v in (values if isinstance(values, tuple) else (values,)):
+            for v in _each(values):
                 if v <= 0:
                     raise _fail(name, values, "positive value(s)")
+        for f in dataclasses.fields(self):
+            if f.metadata.get("bounds"):
+                _check_bounds(f.name, getattr(self, f.name), *f.metadata["bounds"])
+
+
+def _each(values):
+    """The values of a pair, or a single value as a 1-tuple."""
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
+def _check_bounds(name, values, low, high, why):
+    for v in _each(values):
+        if high is not None and v > high:
+            raise _fail(name, values, f"at most {high} ({why})")
+        if low is not None and v < low:
+            raise _fail(name, values, f"at least {low} ({why})")
 
 
 #: out-of-domain examples of the fields (``param_field(invalid=...)``); the public two are
 #: also declared by the ops' own structs in ``operators/``
 INVALID_POSITIVE = (0, -1)
 INVALID_POSITIVE_PAIR = (0, -2, (0, 2), (2, -1))
-_GROUP_INVALID = (-1, (2, -1), (0, 3), (3, 0))
+
+#: ``bounds`` of a size (one value or both of a pair): :data:`MAX_ELEMENTS`
+SIZE_BOUNDS = (None, MAX_ELEMENTS, "2^31 - 2, the most elements of an MXNet array")
+#: a size's out-of-domain examples: not positive, one past :data:`MAX_ELEMENTS`, 2^31
+INVALID_SIZE = INVALID_POSITIVE + (MAX_ELEMENTS + 1, 2 ** 31)
+INVALID_SIZE_PAIR = INVALID_POSITIVE_PAIR + (MAX_ELEMENTS + 1, 2 ** 31, (2, MAX_ELEMENTS + 1))
+#: ``bounds`` of a positive sampling ratio (samples per bin side)
+SAMPLES_BOUNDS = (None, MAX_SAMPLES_PER_SIDE, "samples per bin side")
+#: ``bounds`` of a sampling ratio where <= 0 means adaptive (and in C int range)
+ADAPTIVE_SAMPLES_BOUNDS = (-2 ** 31, MAX_SAMPLES_PER_SIDE, "samples per bin side")
+INVALID_SAMPLES = (MAX_SAMPLES_PER_SIDE + 1, 2 ** 31)
+INVALID_ADAPTIVE_SAMPLES = INVALID_SAMPLES + (-2 ** 31 - 1,)
+_GROUP_INVALID = (-1, (2, -1), (0, 3), (3, 0), MAX_ELEMENTS + 1, 2 ** 31,
+                  (2, MAX_ELEMENTS + 1))
 
 
 @_rejects(*parse_size2.invalid)
 def _size2(name, value):
     return parse_size2(name, value)
+
+
+def pooled_size_field(doc="(h, w) of the output"):
+    """The ``pooled_size`` field of an op with a (P, Q) output grid (an int or a pair)."""
+    return param_field(_size2, doc=doc, invalid=INVALID_SIZE_PAIR, bounds=SIZE_BOUNDS)
+
+
+def spatial_scale_field(doc="image -> feature map scale"):
+    """The ``spatial_scale`` field (the box coordinates' scale onto the feature map)."""
+    return param_field(parse_float, doc=doc, invalid=INVALID_POSITIVE)
 
 
 @_rejects("median", "", 1)
@@ -271,11 +336,27 @@ class ROIPoolingParam(ParamBase):
     """Parameters of ``ROIPooling`` (Fast R-CNN max pooling over quantised bins)."""
 
     op_name = "ROIPooling"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale, e.g. 1/16",
-                                       invalid=INVALID_POSITIVE)
+    pooled_size: Tuple[int, int] = pooled_size_field()
+    spatial_scale: float = spatial_scale_field("image -> feature map scale, e.g. 1/16")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
+
+
+def _check_axis_samples(param, name) -> None:
+    """A fixed sampling ratio ``name`` (> 0) puts ratio * P sample points along an axis of
+    P bins: refuse more than the sample tables hold (``geometry.MAX_SAMPLES_PER_AXIS``),
+    naming the parameter (the tables would refuse them later, blaming the rois)."""
+    ratio, side = getattr(param, name), max(param.pooled_size)
+    most = geometry.MAX_SAMPLES_PER_AXIS // side
+    if ratio > most:
+        raise _fail(name, ratio, f"at most {most} with pooled_size {tuple(param.pooled_size)} "
+                                 f"({geometry.MAX_SAMPLES_PER_AXIS} sample points along an "
+                                 "axis)")
+
+
+def sample_ratio_field(doc="samples per bin side; <=0 adaptive"):
+    """A sampling ratio where <= 0 means an adaptive grid (default -1)."""
+    return param_field(parse_int, -1, doc, invalid=INVALID_ADAPTIVE_SAMPLES,
+                       bounds=ADAPTIVE_SAMPLES_BOUNDS)
 
 
 @dataclass(frozen=True)
@@ -283,24 +364,35 @@ class ROIAlignParam(ParamBase):
     """Parameters of ``ROIAlign`` (bilinear sampling, average or max per bin)."""
 
     op_name = "ROIAlign"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="(h, w) of the output",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
-    sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
+    pooled_size: Tuple[int, int] = pooled_size_field()
+    spatial_scale: float = spatial_scale_field()
+    sample_ratio: int = sample_ratio_field()
     aligned: bool = param_field(parse_bool, False, "half-pixel offset (Detectron2 'aligned')")
     pool_mode: str = param_field(_mode, "avg", "'avg' or 'max' over the sample points")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
     legacy: str = param_field(_legacy("caffe"), "", "'' (MXNet/Detectron) or 'caffe' (old max ROIAlign)")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.legacy != "caffe":  # the Caffe grid ignores sample_ratio
+            _check_axis_samples(self, "sample_ratio")
 
-class _GroupGrid:
-    """``group_size`` of the position-sensitive ops: ``(gh, gw)``, ``(0, 0)`` = pooled grid.
+
+@dataclass(frozen=True)
+class _GroupGrid(ParamBase):
+    """The position-sensitive ops' leading fields and their ``group_size`` rule: ``(gh,
+    gw)``, ``(0, 0)`` = pooled grid (each subclass declares ``group_size`` with
+    :func:`_group_size_field`, in its own field order).
 
     Output channel ``c`` at bin ``(p, q)`` reads input channel ``(c*gh + i)*gw + j`` with
     ``i = floor(p*gh/P)``, ``j = floor(q*gw/Q)`` (R-FCN's rule, per axis).
     ``mx.nd.contrib.ROIAlign(position_sensitive=True)`` always uses the pooled grid.
     """
+
+    pooled_size: Tuple[int, int] = pooled_size_field("output bins per side")
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_SIZE,
+                                  bounds=SIZE_BOUNDS)
+    spatial_scale: float = spatial_scale_field()
 
     _positive = ("pooled_size", "output_dim", "spatial_scale")
 
@@ -324,40 +416,36 @@ class _GroupGrid:
         return self.output_dim * gh * gw
 
 
+def _group_size_field():
+    return param_field(parse_group, (0, 0), "position-sensitive (gh, gw) grid; 0 = pooled_size",
+                       invalid=_GROUP_INVALID, bounds=SIZE_BOUNDS)
+
+
 @dataclass(frozen=True)
-class PSROIPoolingParam(_GroupGrid, ParamBase):
+class PSROIPoolingParam(_GroupGrid):
     """Parameters of ``PSROIPooling`` (R-FCN position-sensitive average pooling)."""
 
     op_name = "PSROIPooling"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
-    group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
-                                         "position-sensitive (gh, gw) grid; 0 = pooled_size",
-                                         invalid=_GROUP_INVALID)
+    group_size: Tuple[int, int] = _group_size_field()
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 
 @dataclass(frozen=True)
-class PSROIAlignParam(_GroupGrid, ParamBase):
+class PSROIAlignParam(_GroupGrid):
     """Parameters of ``PSROIAlign`` (position-sensitive ROIAlign, average)."""
 
     op_name = "PSROIAlign"
-    pooled_size: Tuple[int, int] = param_field(_size2, doc="output bins per side",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
-    sample_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive")
+    sample_ratio: int = sample_ratio_field()
     aligned: bool = param_field(parse_bool, False, "half-pixel offset")
-    group_size: Tuple[int, int] = param_field(parse_group, (0, 0),
-                                         "position-sensitive (gh, gw) grid; 0 = pooled_size",
-                                         invalid=_GROUP_INVALID)
+    group_size: Tuple[int, int] = _group_size_field()
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
     legacy: str = param_field(_legacy("rfcn"), "", "'' (MXNet) or 'rfcn' (R-FCN-PSROIAlign layer)")
     sample_num: int = param_field(parse_int, 2, "legacy='rfcn': interior samples per bin side",
-                                  invalid=INVALID_POSITIVE)
+                                  invalid=INVALID_POSITIVE + INVALID_SAMPLES,
+                                  bounds=SAMPLES_BOUNDS)
 
     _positive = _GroupGrid._positive + ("sample_num",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_axis_samples(self, "sample_num" if self.legacy == "rfcn" else "sample_ratio")

@@ -9,6 +9,7 @@ dispatch, ``req`` handling and saving what the backward needs.
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 from typing import Dict, Tuple, Type
 
@@ -19,6 +20,7 @@ from . import backends, error_slot, errors, ndio
 from .cuda import source as kernel_sources
 from .errors import issuer, recording
 from .onednn import GUARD_BOUND, bounded_dtype
+from .params import MAX_ELEMENTS
 
 __all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
 
@@ -74,6 +76,26 @@ class RoIOp:
         """The inputs of a call with these parameters (MXNet's ``list_arguments``)."""
         return tuple(self.inputs)
 
+    def order_inputs(self, given: dict, symbolic: bool = False) -> list:
+        """The inputs of a call in :meth:`input_names` order, from ``given`` (input name ->
+        array, symbol or None); TypeError naming a missing input or one these parameters
+        do not take (every entry point: ``mx_roi.nd``/``sym``, the Gluon blocks,
+        ``mx.nd.Custom``/``mx.sym.Custom``).  A ``symbolic`` call may leave trailing
+        inputs out: MXNet then makes variables for them, as for its built-ins."""
+        needed = self.input_names()
+        unused = [k for k, v in given.items() if v is not None and k not in needed]
+        if unused:
+            raise TypeError(f"{self.name}(): input(s) {', '.join(map(repr, unused))} not "
+                            f"taken with these parameters (inputs: {', '.join(needed)})")
+        inputs = [given.get(k) for k in needed]
+        while symbolic and inputs and inputs[-1] is None:
+            inputs.pop()
+        missing = [k for k, v in zip(needed, inputs) if v is None]
+        if missing:
+            raise TypeError(f"{self.name}() needs input(s) {', '.join(map(repr, missing))} "
+                            f"with these parameters (inputs: {', '.join(needed)})")
+        return inputs
+
     # ---- shapes -------------------------------------------------------------------
     def check_extra_shapes(self, data_shape, rois_shape, extra_shapes) -> None:
         """ValueError naming the problem if the extra inputs' shapes (in
@@ -95,6 +117,27 @@ class RoIOp:
                              f"got {tuple(rois_shape)}")
         ph, pw = self.param.pooled_size
         return (rois_shape[0], self.out_channels(data_shape[1]), ph, pw)
+
+    def check_out_size(self, shape) -> None:
+        """ValueError if an output of ``shape`` (:meth:`out_shape`) has more elements than
+        MXNet allocates (:data:`mx_roi.params.MAX_ELEMENTS`), naming what sizes it.  An
+        empty dimension (no rois, no channels) or an unknown one (-1: a partial inference)
+        counts as 1: parameters that no call could use are refused in an empty call too
+        (whose arrays NumPy could not even view).
+        The registry's shape inference calls it for every op; what a call keeps or
+        allocates beside the output (an argmax, the output's gradient) has at most its
+        elements."""
+        size = math.prod(max(int(d), 1) for d in shape)
+        if size <= MAX_ELEMENTS:
+            return
+        fields = self.param_cls.field_names()
+        channels = "output_dim" if "output_dim" in fields else "data channels"
+        reduce = "pooled_size, output_dim or the number of rois" if "output_dim" in fields \
+            else "pooled_size, the number of rois or the data's channels"
+        has = "has" if min(shape) > 0 else "would have (empty or unknown dimensions at 1)"
+        raise ValueError(f"{self.name}: output shape {tuple(shape)} (rois, {channels}, "
+                         f"pooled_size) {has} {size} elements, more than {MAX_ELEMENTS} (2^31 "
+                         f"- 2, the most elements of an MXNet array): reduce {reduce}")
 
     def cpu_backend(self) -> str:
         """The CPU backend used when ``MX_ROI_BACKEND`` is unset (``'numpy'`` or
@@ -381,6 +424,7 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
             data_shape, rois_shape = in_shape[:2]
             out = self.op.out_shape(data_shape, rois_shape)
             self.op.check_extra_shapes(data_shape, rois_shape, in_shape[2:])
+            self.op.check_out_size(out)
             return list(in_shape), [out], []
 
         @recording

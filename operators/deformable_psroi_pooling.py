@@ -2,6 +2,7 @@
 in the class docstring."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,14 +11,15 @@ import numpy as np
 from mx_roi import geometry
 from mx_roi.geometry import compute_dtype
 from mx_roi.onednn import GUARD_BOUND
-from mx_roi.params import INVALID_POSITIVE, ParamBase, param_field, parse_bool, parse_float, \
-    parse_int
+from mx_roi.params import INVALID_POSITIVE, INVALID_SAMPLES, INVALID_SIZE, MAX_ELEMENTS, \
+    SAMPLES_BOUNDS, SIZE_BOUNDS, ParamBase, param_field, parse_bool, parse_float, parse_int, \
+    spatial_scale_field
 from mx_roi.registry import RoIOp, register
 
-
-#: most samples per bin side: 2^20 per bin, RROIAlign's bound (a kernel's loop, in
-#: reasonable time and in int range)
-MAX_SAMPLE_PER_PART = int(geometry.MAX_ROTATED_SAMPLES ** 0.5)
+#: the largest square grids an MXNet array holds: pooled_size^2 bins of one roi and
+#: channel, 2 * part_size^2 offsets of one roi (one class)
+MAX_POOLED = math.isqrt(MAX_ELEMENTS)
+MAX_PART = math.isqrt(MAX_ELEMENTS // 2)
 
 
 @dataclass(frozen=True)
@@ -25,17 +27,22 @@ class DeformablePSROIPoolingParam(ParamBase):
     """Parameters of ``DeformablePSROIPooling`` (``contrib.DeformablePSROIPooling``'s)."""
 
     op_name = "DeformablePSROIPooling"
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
-    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_POSITIVE)
+    spatial_scale: float = spatial_scale_field()
+    output_dim: int = param_field(parse_int, doc="output channels", invalid=INVALID_SIZE,
+                                  bounds=SIZE_BOUNDS)
     group_size: int = param_field(parse_int, doc="position-sensitive G x G grid",
-                                  invalid=INVALID_POSITIVE + ((2, 2),))
+                                  invalid=INVALID_SIZE + ((2, 2),), bounds=SIZE_BOUNDS)
     pooled_size: int = param_field(parse_int, doc="output bins per side",
-                                   invalid=INVALID_POSITIVE + ((3, 3),))
+                                   invalid=INVALID_POSITIVE + (MAX_POOLED + 1, 2 ** 31, (3, 3)),
+                                   bounds=(None, MAX_POOLED, "pooled_size^2 bins of one roi "
+                                           "and channel in an MXNet array"))
     part_size: int = param_field(parse_int, 0, "offset cells per side; 0 = pooled_size",
-                                 invalid=(-1,))
+                                 invalid=(-1, MAX_PART + 1, 2 ** 31),
+                                 bounds=(None, MAX_PART, "2 * part_size^2 offsets of one roi "
+                                         "in an MXNet array"))
     sample_per_part: int = param_field(parse_int, 1, "samples per bin side",
-                                       invalid=INVALID_POSITIVE + (MAX_SAMPLE_PER_PART + 1,))
+                                       invalid=INVALID_POSITIVE + INVALID_SAMPLES,
+                                       bounds=SAMPLES_BOUNDS)
     trans_std: float = param_field(parse_float, 0.0, "offset scale (trans * trans_std)",
                                    invalid=(-0.1,))
     no_trans: bool = param_field(parse_bool, False, "no offsets: inputs data, rois only")
@@ -49,10 +56,6 @@ class DeformablePSROIPoolingParam(ParamBase):
         if self.part_size < 0:
             raise ValueError(f"parameter 'part_size': expected 0 (= pooled_size) or a "
                              f"positive int, got {self.part_size!r}")
-        if self.sample_per_part > MAX_SAMPLE_PER_PART:
-            raise ValueError(f"parameter 'sample_per_part': expected at most "
-                             f"{MAX_SAMPLE_PER_PART} (samples per bin side), got "
-                             f"{self.sample_per_part}")
         if self.trans_std < 0:
             raise ValueError(f"parameter 'trans_std': expected a value >= 0, got "
                              f"{self.trans_std!r}")

@@ -7,8 +7,8 @@ from typing import Tuple
 import numpy as np
 
 from mx_roi import geometry
-from mx_roi.params import INVALID_POSITIVE, INVALID_POSITIVE_PAIR, ParamBase, param_field, \
-    parse_bool, parse_float, parse_size2
+from mx_roi.params import ParamBase, param_field, parse_bool, pooled_size_field, \
+    spatial_scale_field
 from mx_roi.registry import RoIOp, register
 
 
@@ -17,10 +17,8 @@ class PrRoIPoolParam(ParamBase):
     """Parameters of ``PrRoIPool`` (mmcv's ``output_size`` is ``pooled_size``)."""
 
     op_name = "PrRoIPool"
-    pooled_size: Tuple[int, int] = param_field(parse_size2, doc="(h, w) of the output",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
+    pooled_size: Tuple[int, int] = pooled_size_field()
+    spatial_scale: float = spatial_scale_field()
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
 
 

@@ -7,8 +7,8 @@ from typing import Tuple
 import numpy as np
 
 from mx_roi import geometry
-from mx_roi.params import INVALID_POSITIVE, INVALID_POSITIVE_PAIR, ParamBase, param_field, \
-    parse_bool, parse_float, parse_int, parse_size2
+from mx_roi.params import ParamBase, param_field, parse_bool, pooled_size_field, \
+    sample_ratio_field, spatial_scale_field
 from mx_roi.registry import RoIOp, register
 
 
@@ -17,23 +17,13 @@ class RROIAlignParam(ParamBase):
     """Parameters of ``RROIAlign`` (rotated boxes, average of bilinear samples)."""
 
     op_name = "RROIAlign"
-    pooled_size: Tuple[int, int] = param_field(parse_size2, doc="(h, w) of the output",
-                                               invalid=INVALID_POSITIVE_PAIR)
-    spatial_scale: float = param_field(parse_float, doc="image -> feature map scale",
-                                       invalid=INVALID_POSITIVE)
-    sampling_ratio: int = param_field(parse_int, -1, "samples per bin side; <=0 adaptive",
-                                      invalid=(1025, 1 << 31))
+    pooled_size: Tuple[int, int] = pooled_size_field()
+    spatial_scale: float = spatial_scale_field()
+    sampling_ratio: int = sample_ratio_field()
     aligned: bool = param_field(parse_bool, False,
                                 "half-pixel offset, no 1x1 floor (Detectron2)")
     clockwise: bool = param_field(parse_bool, False, "angles clockwise (mmcv)")
     deterministic: bool = param_field(parse_bool, False, "bit-identical GPU backward")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.sampling_ratio ** 2 > geometry.MAX_ROTATED_SAMPLES:  # samples per bin
-            raise ValueError(f"parameter 'sampling_ratio': expected at most "
-                             f"{int(geometry.MAX_ROTATED_SAMPLES ** 0.5)} (samples per bin "
-                             f"side), got {self.sampling_ratio}")
 
 
 def _bin_values(data, grid, k):

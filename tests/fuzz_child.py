@@ -57,6 +57,7 @@ DEFECTS = {
     "rank3": (lambda r, g: r[None], "rois must have shape"),
     "dtype": (lambda r, g: r.astype(np.float64), "same dtype"),
     "pooled0": (None, "pooled_size"),
+    "pooled2^31": (None, "pooled_size"),
     "scale-neg": (None, "spatial_scale"),
     "scale-str": (None, "spatial_scale"),
 }
@@ -67,7 +68,8 @@ VALID = {
     "batch frac<N": lambda r, g: _set(r, (0, 0), 0.7),
     "1e30": lambda r, g: _set(r, (2, g.integers(1, 5)), 1e30),
 }
-BAD_PARAMS = {"pooled0": dict(pooled_size=0), "scale-neg": dict(spatial_scale=-1.0),
+BAD_PARAMS = {"pooled0": dict(pooled_size=0), "pooled2^31": dict(pooled_size=2 ** 31),
+              "scale-neg": dict(spatial_scale=-1.0),
               "scale-str": dict(spatial_scale="abc")}
 
 
