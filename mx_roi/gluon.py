@@ -91,11 +91,11 @@ class RoIBlock(HybridBlock):
         return self._param.to_kwargs()
 
     def hybrid_forward(self, F, data, rois, *extra):  # pylint: disable=arguments-differ
-        names = self.op_cls(self._param).input_names()
-        if len(extra) != len(names) - 2:
-            raise TypeError(f"{self.op_cls.name} block: takes inputs {', '.join(names)} with "
-                            f"these parameters, got {2 + len(extra)} input(s)")
-        return mxpatch.call_custom(F, self.op_cls.name, [data, rois, *extra],
+        given = [data, rois, *extra]
+        self.op_cls.check_input_count(len(given))
+        # every input the parameters take, also in a graph (no variable made for one left out)
+        inputs = self.op_cls(self._param).order_inputs(dict(zip(self.op_cls.inputs, given)))
+        return mxpatch.call_custom(F, self.op_cls.name, inputs,
                                    **self._param.to_kwargs())
 
     def __repr__(self):

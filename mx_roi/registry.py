@@ -76,12 +76,20 @@ class RoIOp:
         """The inputs of a call with these parameters (MXNet's ``list_arguments``)."""
         return tuple(self.inputs)
 
+    @classmethod
+    def check_input_count(cls, n: int) -> None:
+        """TypeError naming the op when ``n`` inputs are more than it can take."""
+        if n > len(cls.inputs):
+            raise TypeError(f"{cls.name}(): takes at most {len(cls.inputs)} inputs "
+                            f"({', '.join(cls.inputs)}), got {n}")
+
     def order_inputs(self, given: dict, symbolic: bool = False) -> list:
         """The inputs of a call in :meth:`input_names` order, from ``given`` (input name ->
         array, symbol or None); TypeError naming a missing input or one these parameters
         do not take (every entry point: ``mx_roi.nd``/``sym``, the Gluon blocks,
         ``mx.nd.Custom``/``mx.sym.Custom``).  A ``symbolic`` call may leave trailing
         inputs out: MXNet then makes variables for them, as for its built-ins."""
+        self.check_input_count(len(given))
         needed = self.input_names()
         unused = [k for k, v in given.items() if v is not None and k not in needed]
         if unused:

@@ -85,10 +85,10 @@ def _bad(op_type, kind):
             rf"ValueError: {name}: data must be 4-D \(N, C, H, W\), got shape "
             rf"\({data.shape[1]}, {H}, {W}\)")
     if kind == "input count":
-        names = ", ".join(op.input_names())
+        names = ", ".join(op.inputs)
         return params, arrays + [data], (
-            rf"TypeError: {name}( block)?: takes inputs {names} with these parameters, "
-            rf"got {len(arrays) + 1} input\(s\)")
+            rf"TypeError: {name}\(\): takes at most {len(op.inputs)} inputs \({names}\), "
+            rf"got {len(op.inputs) + 1}")
     if kind == "dtype":
         return params, [data, rois.astype(np.float64), *extra], (
             rf"TypeError: {name}: data and rois must have the same dtype, got data float32 "
