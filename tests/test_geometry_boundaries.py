@@ -174,13 +174,13 @@ def test_points_on_the_edges_bit_equal(config, dtype):
         _device_equals_host(kind, spec, rois, got)
 
 
-def _device_equals_host(kind, spec, rois, host, flagged=()):
+def _device_equals_host(kind, spec, rois, host, flagged=(), shape=(H, W)):
     """The device geometry kernel's tables of ``rois`` (shape-derived widths) against the
     host tables ``host``: a row not in ``flagged`` has the host's values in its first
     columns and zero padding after them; a row in ``flagged`` is padding (batch -1) and
     status[1] is set exactly when ``flagged`` is not empty.  Returns the status."""
     launch = Launch.on_host("roi_align.cu", kind, rois.dtype)
-    dev = DG.build(launch, spec, rois, N, H, W)
+    dev = DG.build(launch, spec, rois, N, *shape)
     status = np.asarray(dev.status)
     assert int(status[0]) == 0, status
     assert int(status[1]) == (1 if len(flagged) else 0), (spec, flagged, status)
@@ -245,3 +245,204 @@ def test_ops_on_the_edges_match_the_references(config, kind):
         out = nd(np.full(op.out_shape(data.shape, rois.shape), -7.25, dtype))
         backend.forward(op, "write", nd(data), nd(rois), out)
         close(out.asnumpy(), want, dtype, what=f"{config[:2]} {kind} call {call}")
+
+
+# ---- the device geometry's shape-derived tables: the largest roi they hold -------------
+def _grid_widths_formula(P, Q, h, w):
+    """device_geometry's documented padded counts: ceil((H + 1) / P) + 1 per bin side."""
+    return -(-(h + 1) // P) + 1, -(-(w + 1) // Q) + 1
+
+
+def test_grid_widths_and_bin_cells_are_the_documented_bounds():
+    """Adaptive ROIAlign and the Caffe grid: ceil((H + 1) / P) + 1 (any box inside the map,
+    a cell to spare); fixed sampling: the count; integer bins: the largest bin of a box
+    inside the map, at most H * W (PSROIPooling: no bound, H * W); None over
+    MAX_SAMPLES_PER_AXIS (at it: the widths)."""
+    for P, Q, h, w in ((2, 3, 10, 13), (1, 1, 1, 1), (7, 7, 50, 68), (3, 2, 4, 30)):
+        want = _grid_widths_formula(P, Q, h, w)
+        for spec in (CG.Spec("align_grid", (P, Q), 1.0, 0, False),
+                     CG.Spec("align_grid", (P, Q), 1.0, -1, True),
+                     CG.Spec("caffe_grid", (P, Q), 1.0)):
+            assert DG.grid_widths(spec, h, w) == want, (spec, h, w)
+            assert DG.may_overflow(spec) and DG.supported(spec, h, w)
+        for spec in (CG.Spec("align_grid", (P, Q), 1.0, 3, False),
+                     CG.Spec("rfcn_grid", (P, Q), 1.0, 3)):
+            assert DG.grid_widths(spec, h, w) == (3, 3), spec
+            assert not DG.may_overflow(spec)
+        assert DG.grid_widths(CG.Spec("pool_bins", (P, Q), 1.0), h, w) is None
+        cells = DG.bin_cells(CG.Spec("pool_bins", (P, Q), 1.0), h, w)
+        assert cells == min(h * w, want[0] * want[1]), (P, Q, h, w)
+        assert DG.bin_cells(CG.Spec("ps_pool_bins", (P, Q), 1.0), h, w) == h * w
+    assert DG.bin_cells(CG.Spec("pool_bins", (2, 3), 1.0), 10, 13) == 42  # 7 x 6 < 130
+    assert DG.bin_cells(CG.Spec("pool_bins", (1, 1), 1.0), 10, 13) == 130  # the map
+    assert DG.grid_widths(CG.Spec("rfcn_grid", (2, 2), 1.0, 0), 5, 5) is None
+    M = G.MAX_SAMPLES_PER_AXIS
+    assert DG.grid_widths(CG.Spec("align_grid", (1, 1), 1.0, 0), M - 2, 3) == (M, 5)
+    assert DG.grid_widths(CG.Spec("align_grid", (1, 1), 1.0, 0), M - 1, 3) is None
+    assert DG.grid_widths(CG.Spec("align_grid", (1, 1), 1.0, 0), 3, M - 1) is None
+    assert DG.grid_widths(CG.Spec("align_grid", (4, 2), 1.0, M // 2), 3, 3) is None
+    assert DG.grid_widths(CG.Spec("align_grid", (2, 4), 1.0, M // 2), 3, 3) is None
+    assert DG.grid_widths(CG.Spec("align_grid", (4, 4), 1.0, M // 4), 3, 3) == (M // 4,) * 2
+    assert DG.grid_widths(CG.Spec("align_grid", (4, 4), 1.0, M // 4 + 1), 3, 3) is None
+
+
+BH, BW = 10, 13  # (2, 3) bins: Gy = 7 (y size up to 14), Gx = 6 (x size up to 18)
+
+
+def _fit_rois(mode, aligned, dtype):
+    """Rows: 0 the largest box the widths hold along y, 1 one ulp more, 2 the largest
+    along x, 3 one ulp more, 4 both largest, 5 a box covering the map; a (2, 3) pool on a
+    10 x 13 map.  ROIAlign adaptive: ceil(size / pooled) <= G; Caffe: its first bin's
+    points 0, 1, ... < size / pooled <= G (size = x2 - x1 + 1)."""
+    up = lambda v: _step(v, dtype, 1)  # noqa: E731
+    y_end, x_end = (12.0, 16.0) if mode == "align_grid" else (13.0, 17.0)
+    y0 = -2.0 if mode == "align_grid" else 0.0
+    x0 = -2.0 if mode == "align_grid" else 0.0
+    rows = [[0, 1, y0, 3, y_end], [1, 1, y0, 3, up(y_end)],
+            [0, x0, 1, x_end, 3], [1, x0, 1, up(x_end), 3],
+            [0, x0, y0, x_end, y_end], [1, 0, 0, BW, BH]]
+    return np.array(rows, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("mode,aligned", [("align_grid", False), ("align_grid", True),
+                                          ("caffe_grid", False)])
+def test_largest_roi_the_device_tables_hold_is_not_flagged_one_ulp_more_is(mode, aligned,
+                                                                          dtype, kind):
+    """A roi needing exactly Gy (Gx) points per bin side fills the device tables (its rows
+    the host's, not padding, status[1] clear); one ulp longer needs one more: padding
+    (batch -1) and status[1] set (the call then reruns on host tables).  Each alone, so
+    the status of one is not the other's."""
+    spec = CG.Spec(mode, (2, 3), 1.0, 0, aligned)
+    assert DG.grid_widths(spec, BH, BW) == (7, 6)
+    rois = _fit_rois(mode, aligned, dtype)
+    host = _compiled(kind).build(spec, rois, BH, BW)
+    ref = _numpy_grid_on(spec, rois, BH, BW)
+    _compare(ref, host, f"{spec} {np.dtype(dtype).name}")
+    # (the boxes need what the rows say)
+    assert host.y.count[[0, 4], 0].tolist() == [7, 7] and host.y.count[1, 0] == 8
+    assert host.x.count[[2, 4], 0].tolist() == [6, 6] and host.x.count[3, 0] == 7
+    for rows, flagged in (([0, 2, 4, 5], ()), ([1], (0,)), ([3], (0,)),
+                          ([0, 1, 2, 3, 4, 5], (1, 3))):
+        sub = np.ascontiguousarray(rois[rows])
+        _device_equals_host(kind, spec, sub, _compiled(kind).build(spec, sub, BH, BW),
+                            flagged, (BH, BW))
+
+
+def _numpy_grid_on(spec, rois, h, w):
+    P, Q = spec.pooled_size
+    if spec.mode == "align_grid":
+        return G.roi_align_grid(rois, (P, Q), 1.0, spec.sample, spec.aligned, h, w)
+    return G.caffe_align_grid(rois, (P, Q), 1.0, h, w)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_largest_bin_the_argmax_type_holds_is_not_flagged_one_cell_more_is(dtype, kind):
+    """ROIPooling on the device: a roi whose largest bin has exactly ``cells`` cells
+    (h x w = 7 x 6 = 42 on a 10 x 13 map, (2, 3) bins: bin_cells) is kept; the next larger
+    bin (8 x 6) is padding and sets status[1]; and the kernel's own test, with ``cells``
+    set one below and at a bin's size; PSROIPooling (no argmax) flags no box."""
+    spec = CG.Spec("pool_bins", (2, 3), 1.0)
+    assert DG.bin_cells(spec, BH, BW) == 42
+    # y 0..13: bins [0, 7), [7, 10); x 0..17: [0, 6), [6, 12), [12, 13); y 0..14: [0, 8)
+    rois = np.array([[0, 0, 0, 17, 13], [1, 0, 0, 17, 14], [0, 0, 0, 13, 6],
+                     [1, 0, 0, BW, BH]], dtype)
+    launch = Launch.on_host("roi_align.cu", kind, dtype)
+    host = _compiled(kind).build(spec, rois, BH, BW)
+    cells = ((host.hend - host.hstart).max(1) * (host.wend - host.wstart).max(1)).tolist()
+    assert cells == [42, 48, 24, 36], cells
+    for rows, flagged in (([0, 2, 3], ()), ([1], (0,)), ([0, 1, 2, 3], (1,))):
+        sub = np.ascontiguousarray(rois[rows])
+        dev = DG.build(launch, spec, sub, N, BH, BW)
+        _bins_verdict(dev, sub, host, rows, flagged)
+    for limit, flagged in ((42, (1,)), (41, (0, 1)), (48, ())):  # the kernel's comparison
+        dev = _bins_kernel(launch, spec, rois[:2], limit)
+        _bins_verdict(dev, rois[:2], host, [0, 1], flagged)
+    ps = CG.Spec("ps_pool_bins", (2, 3), 1.0)
+    huge = np.array([[0, -500, -400, 900, 700], [1, 0, 0, BW, BH]], dtype)
+    dev = DG.build(launch, ps, huge, N, BH, BW)
+    _bins_verdict(dev, huge, _compiled(kind).build(ps, huge, BH, BW), [0, 1], ())
+
+
+def _bins_kernel(launch, spec, rois, cells):
+    """roi_bins_geometry with its ``cells`` bound given (as device_geometry.build calls it)."""
+    R, (P, Q) = rois.shape[0], spec.pooled_size
+    t = [np.full(s, -99, np.int32) for s in ((R,), (R, P), (R, P), (R, Q), (R, Q))]
+    status = np.zeros(2, np.uint64)
+    launch.forward("roi_bins_geometry", R, rois=rois, mode=CG.MODES[spec.mode], P=P, Q=Q,
+                   H=BH, W=BW, spatial_scale=1.0, N=N, bound=1e30, use_bound=0,
+                   status=status, cells=cells, batch=t[0], hstart=t[1], hend=t[2],
+                   wstart=t[3], wend=t[4])
+    return DG.DeviceGeometry(G.IntBins(*t), status, rois, N, True)
+
+
+def _bins_verdict(dev, rois, host, rows, flagged):
+    status = np.asarray(dev.status)
+    assert int(status[0]) == 0 and int(status[1]) == (1 if flagged else 0), (flagged, status)
+    want = host.batch[rows].copy()
+    want[list(flagged)] = -1
+    np.testing.assert_array_equal(dev.geo.batch, want)
+    for f in ("hstart", "hend", "wstart", "wend"):
+        np.testing.assert_array_equal(getattr(dev.geo, f), getattr(host, f)[rows], err_msg=f)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["pool_bins", "ps_pool_bins", "align_adaptive",
+                                  "align_adaptive_aligned", "align_fixed", "caffe_grid",
+                                  "rfcn_grid"])
+def test_a_box_inside_the_map_never_sets_the_overflow_status(mode, kind):
+    """Boxes with corners anywhere in [0, H] x [0, W] (map cells; corners exactly on 0, H,
+    W and one ulp inside), every pool 1..7 x 1..7, maps 1..24, scales: no roi is padding,
+    status[1] stays clear, the tables are the host ones -- and with the spare cell, no
+    such box needs the widths' last column (Gy - 1, Gx - 1 suffice)."""
+    rng = np.random.default_rng([CG.MODES.get(mode, 5), 41])
+    seen_max = 0
+    for i in range(150):
+        h, w = int(rng.integers(1, 25)), int(rng.integers(1, 25))
+        P, Q = int(rng.integers(1, 8)), int(rng.integers(1, 8))
+        scale = float(rng.choice([1.0, 0.5, 0.25, 1 / 16]))
+        dtype = DTYPES[i % 3]
+        spec = _inside_spec(mode, (P, Q), scale)
+        R = 12
+        ys = rng.uniform(0, h, (R, 2))
+        xs = rng.uniform(0, w, (R, 2))
+        ys[:4] = [[0, h], [h, 0], [0, 0], [h, h]]
+        xs[:4] = [[0, w], [w, w], [0, 0], [0, w]]
+        ys[4:6] = np.floor(ys[4:6])
+        xs[4:6] = np.ceil(xs[4:6])
+        rois = np.empty((R, 5), dtype)
+        rois[:, 0] = rng.integers(0, N, R)
+        rois[:, [2, 4]] = (ys / np.float32(scale)).astype(dtype)
+        rois[:, [1, 3]] = (xs / np.float32(scale)).astype(dtype)
+        # (the corners as the geometry reads them: inside [0, h] x [0, w] after the scale)
+        cdt = G.compute_dtype(dtype)
+        s = cdt.type(np.float32(scale))
+        y_map = rois[:, [2, 4]].astype(cdt) * s
+        x_map = rois[:, [1, 3]].astype(cdt) * s
+        rois[(y_map > h).any(1) | (x_map > w).any(1), 1:] = 0
+        host = _compiled(kind).build(spec, rois, h, w)
+        launch = Launch.on_host("roi_align.cu", kind, dtype)
+        dev = DG.build(launch, spec, rois, N, h, w)
+        status = np.asarray(dev.status)
+        assert status.tolist() == [0, 0], (spec, h, w, np.dtype(dtype).name)
+        np.testing.assert_array_equal(dev.geo.batch, rois[:, 0].astype(np.int32))
+        if spec.mode in CG.INT_BINS_MODES:
+            seen_max = max(seen_max, int(((host.hend - host.hstart).max(1)
+                                          * (host.wend - host.wstart).max(1)).max()))
+            continue
+        gy, gx = DG.grid_widths(spec, h, w)
+        if DG.may_overflow(spec):
+            assert host.y.count.max() <= gy - 1 and host.x.count.max() <= gx - 1, (spec, h, w)
+        seen_max = max(seen_max, int(host.y.count.max()), int(host.x.count.max()))
+    assert seen_max > (8 if mode not in ("align_fixed", "rfcn_grid") else 1)  # (large boxes)
+
+
+def _inside_spec(mode, pooled, scale):
+    if mode in ("pool_bins", "ps_pool_bins", "caffe_grid"):
+        return CG.Spec(mode, pooled, scale)
+    if mode == "rfcn_grid":
+        return CG.Spec(mode, pooled, scale, 2)
+    return CG.Spec("align_grid", pooled, scale, 2 if mode == "align_fixed" else 0,
+                   mode == "align_adaptive_aligned")
