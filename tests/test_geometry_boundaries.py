@@ -446,3 +446,176 @@ def _inside_spec(mode, pooled, scale):
         return CG.Spec(mode, pooled, scale, 2)
     return CG.Spec("align_grid", pooled, scale, 2 if mode == "align_fixed" else 0,
                    mode == "align_adaptive_aligned")
+
+
+# ---- MAX_SAMPLES_PER_AXIS: at the limit, one over, the axes built together or not -------
+def _too_many(n):
+    return (f"rois: a box needs {n} sample points along one axis (more than "
+            f"{G.MAX_SAMPLES_PER_AXIS}); check the coordinates and spatial_scale")
+
+
+def _align_outcome(build):
+    try:
+        build()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pooled", [(1, 1), (2, 2), (1, 2), (2, 1)], ids=str)
+def test_too_many_samples_named_as_geometry_py_names_it(pooled, kind):
+    """Adaptive ROIAlign, both axes over MAX_SAMPLES_PER_AXIS: geometry.py builds the two
+    axes together (the larger count reported) when P == Q and the padded counts differ by
+    at most 8, else y first; the compiled build reports the same count at |gy - gx| = 0,
+    7, 8, 9 (either axis the larger) and at exactly the limit along y (gy * P = M: no
+    error) against one more."""
+    M = G.MAX_SAMPLES_PER_AXIS
+    P, Q = pooled
+    cg = _compiled(kind)
+    base = M // P + 1  # gy * P > M
+    seen = set()
+    for d in (0, 7, 8, 9, -7, -8, -9):
+        gy, gx = (base, base + d) if d >= 0 else (base - d, base)
+        # float32 rois: integers exact (< 2^24); adaptive count = ceil(size / pooled)
+        rois = np.array([[0, 0, 0, gx * Q, gy * P]], np.float32)
+        spec = CG.Spec("align_grid", pooled, 1.0, 0, False)
+        want = _align_outcome(lambda: G.roi_align_grid(rois, pooled, 1.0, 0, False, 5, 5))
+        got = _align_outcome(lambda: cg.build(spec, rois, 5, 5))
+        assert got == want, (pooled, gy, gx)
+        together = P == Q and abs(gy - gx) <= 8
+        assert want == _too_many(max(gy, gx) * P if together else gy * P), (pooled, d)
+        assert CG.align_samples_problem(gy, gx, P, Q) == (max(gy, gx) * P if together
+                                                          else gy * P)
+        seen.add(together)
+    assert seen == ({True, False} if P == Q else {False})
+    # only x over: reported whichever way the axes are built
+    bx = M // Q + 1
+    assert CG.align_samples_problem(1, bx, P, Q) == bx * Q
+    assert CG.align_samples_problem(1, bx - 1, P, Q) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_exactly_at_the_limit_build_one_more_is_refused(kind):
+    """gy * P == MAX_SAMPLES_PER_AXIS builds (compiled == geometry.py, bit for bit);
+    gy * P == MAX + 1 is refused with geometry.py's message; along x alike."""
+    M = G.MAX_SAMPLES_PER_AXIS
+    cg = _compiled(kind)
+    spec = CG.Spec("align_grid", (1, 1), 1.0, 0, False)
+    assert CG.align_samples_problem(M, 1, 1, 1) == 0
+    assert CG.align_samples_problem(M, M - 8, 1, 1) == 0
+    assert CG.align_samples_problem(M + 1, M - 7, 1, 1) == M + 1
+    assert CG.align_samples_problem(1, M + 1, 1, 1) == M + 1
+    rois = np.array([[0, 0, 0, 2, M]], np.float32)
+    ref = G.roi_align_grid(rois, (1, 1), 1.0, 0, False, 5, 5)
+    assert ref.y.low.shape == (1, 1, M)
+    _compare(ref, cg.build(spec, rois, 5, 5), "at the limit")
+    del ref
+    for over in (np.array([[0, 0, 0, 2, M + 1]], np.float32),
+                 np.array([[0, 0, 0, M + 1, 2]], np.float32)):
+        want = _align_outcome(lambda: G.roi_align_grid(over, (1, 1), 1.0, 0, False, 5, 5))
+        assert want == _too_many(M + 1)
+        assert _align_outcome(lambda: cg.build(spec, over, 5, 5)) == want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_caffe_bin_of_exactly_the_limit_builds_one_more_is_refused(kind):
+    """The Caffe grid counts a bin's points up to MAX_SAMPLES_PER_AXIS + 1 (the compiled
+    cap): a bin of exactly M points (a map M cells high, the box covering it) builds
+    with count M; M + 1 points is refused with geometry.py's message.  (geometry.py's
+    point-by-point loop would take minutes here; its rule: _check_samples per point.)"""
+    M = G.MAX_SAMPLES_PER_AXIS
+    cg = _compiled(kind)
+    spec = CG.Spec("caffe_grid", (1, 1), 1.0)
+    rois = np.array([[0, 0, 0, 1, M - 1]], np.float32)  # points 0, 1, ..., M - 1 < M
+    got = cg.build(spec, rois, M + 5, 3)
+    assert got.y.count.tolist() == [[M]] and got.y.low.shape == (1, 1, M)
+    assert got.y.coord[0, 0, -1] == M - 1
+    over = np.array([[0, 0, 0, 1, M]], np.float32)
+    assert _align_outcome(lambda: cg.build(spec, over, M + 5, 3)) == _too_many(M + 1)
+    # (geometry.py's own rule, at a small map: the count is the points < hend)
+    small = np.array([[0, 0, 0, 1, 6]], np.float32)
+    _compare(G.caffe_align_grid(small, (1, 1), 1.0, 9, 3), cg.build(spec, small, 9, 3), "")
+
+
+# ---- RROIAlign: samples per bin at the limit and one over -------------------------------
+def _rroi(**params):
+    return make_op("RROIAlign", dict(dict(pooled_size=(1, 1), spatial_scale=1.0,
+                                          sampling_ratio=-1), **params))
+
+
+def test_rroi_sampling_ratio_at_the_limit_accepted_one_over_refused():
+    cls = make_op("RROIAlign", dict(pooled_size=(1, 1), spatial_scale=1.0)).param_cls
+    side = int(G.MAX_ROTATED_SAMPLES ** 0.5)
+    assert side * side == G.MAX_ROTATED_SAMPLES
+    assert cls.from_kwargs(pooled_size=(1, 1), spatial_scale=1.0,
+                           sampling_ratio=side).sampling_ratio == side
+    with pytest.raises(ValueError, match=rf"RROIAlign: .*'sampling_ratio': expected at most "
+                                         rf"{side} \(samples per bin side\), got {side + 1}"):
+        cls.from_kwargs(pooled_size=(1, 1), spatial_scale=1.0, sampling_ratio=side + 1)
+
+
+def test_rroi_adaptive_samples_per_bin_at_the_limit_accepted_one_over_refused():
+    """check_inputs: ceil(h * s / P) * ceil(w * s / Q) == MAX_ROTATED_SAMPLES (16 x 65536,
+    a width one ulp under 65536 rounds up to it) passes; MAX + 1 (17 x 61681) and one ulp
+    wider than 65536 are refused, naming the roi; a (2, 4) pool scales the sides."""
+    M = G.MAX_ROTATED_SAMPLES
+    assert 16 * 65536 == M and 17 * 61681 == M + 1
+    ok = [[0, 5, 5, 65536, 16, 30], [0, 5, 5, np.float32(65535.5), 16, 0],
+          [0, 5, 5, 16, 65536, -90], [0, 5, 5, 1, M, 0]]
+    wider = np.nextafter(np.float32(65536), np.float32(np.inf))
+    bad = [[0, 5, 5, 61681, 17, 0], [0, 5, 5, wider, 16, 0], [0, 5, 5, 1, M + 1, 0]]
+    op = _rroi()
+    rois = np.array(ok, np.float32)
+    op.check_inputs((1, 1, 4, 4), np.float32, rois, np)
+    for row in bad:
+        rois = np.array(ok + [row], np.float32)
+        with pytest.raises(ValueError, match=rf"RROIAlign: rois\[4\] is a box of .*: "
+                                             rf".* samples per bin with sampling_ratio <= 0, "
+                                             rf"more than {M}"):
+            op.check_inputs((1, 1, 4, 4), np.float32, rois, np)
+    op2 = _rroi(pooled_size=(2, 4), spatial_scale=0.5)  # ceil(64*.5/2) * ceil(524288*.5/4)
+    op2.check_inputs((1, 1, 4, 4), np.float32, np.array([[0, 1, 1, 524288, 64, 0]],
+                                                        np.float32), np)
+    with pytest.raises(ValueError, match=r"RROIAlign: rois\[0\]"):
+        op2.check_inputs((1, 1, 4, 4), np.float32, np.array([[0, 1, 1, 524289, 64, 0]],
+                                                            np.float32), np)
+
+
+@pytest.mark.parametrize("kind", ["native", "emulated-cuda"])
+def test_rroi_grid_at_the_sample_limit_bit_equal(kind):
+    """The kernels' sample count per side (rotated_grid_side, clamped to
+    MAX_ROTATED_SAMPLES) equals geometry.rotated_boxes' at the limit and past it."""
+    from mx_roi.operators.rroi_align import compiled_grid
+    M = G.MAX_ROTATED_SAMPLES
+    for h in (M - 1, M, M + 1, 4 * M):
+        op = _rroi()
+        rois = np.array([[0, 2, 2, 0.5, h, 0]], np.float32)
+        want = G.rotated_grid(rois, (1, 1), 1.0, -1, False, False, 4, 4)
+        got = compiled_grid(op, rois, 4, 4, kind)
+        assert int(want.count[0]) == min(h, M)
+        for name in G.RotatedGrid.__dataclass_fields__:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert a.tobytes() == b.tobytes(), (h, name)
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+def test_rroi_forward_at_the_sample_limit_runs_one_over_raises_next_works(kind):
+    """A box needing exactly MAX_ROTATED_SAMPLES samples in its bin (16 x 65536 inside a
+    16 x 65536 map of ones): the average is exactly 1; one more (17 rows) raises the
+    op's message; the next call works."""
+    op = _rroi()
+    backend = CudaBackend(kind)
+    data = np.ones((1, 1, 17, 65536), np.float32)
+    good = np.array([[0, 32768, 8, 65536, 16, 0]], np.float32)
+    bad = np.array([[0, 32768, 8.5, 65536, 17, 0]], np.float32)
+    for rois, fails in ((good, False), (bad, True), (good, False)):
+        out = nd(np.full((1, 1, 1, 1), -3.5, np.float32))
+        if fails:
+            with pytest.raises(ValueError, match=r"RROIAlign: rois\[0\] is a box of 65536 x "
+                                                 r"17: 1.11e\+06 samples per bin"):
+                backend.forward(op, "write", nd(data), nd(rois), out)
+        else:
+            backend.forward(op, "write", nd(data), nd(rois), out)
+            assert out.asnumpy().tolist() == [[[[1.0]]]]
