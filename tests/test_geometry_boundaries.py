@@ -422,7 +422,10 @@ def test_a_box_inside_the_map_never_sets_the_overflow_status(mode, kind):
         y_map = rois[:, [2, 4]].astype(cdt) * s
         x_map = rois[:, [1, 3]].astype(cdt) * s
         rois[(y_map > h).any(1) | (x_map > w).any(1), 1:] = 0
+        rois[6:8, 1:] = rois[6:8, [3, 4, 1, 2]]  # reversed (aligned: no samples)
+        rois[8, 3:] = rois[8, 1:3]  # zero size
         host = _compiled(kind).build(spec, rois, h, w)
+        _compare(_numpy_of(spec, rois, h, w), host, f"{spec} {h}x{w}")
         launch = Launch.on_host("roi_align.cu", kind, dtype)
         dev = DG.build(launch, spec, rois, N, h, w)
         status = np.asarray(dev.status)
@@ -437,6 +440,42 @@ def test_a_box_inside_the_map_never_sets_the_overflow_status(mode, kind):
             assert host.y.count.max() <= gy - 1 and host.x.count.max() <= gx - 1, (spec, h, w)
         seen_max = max(seen_max, int(host.y.count.max()), int(host.x.count.max()))
     assert seen_max > (8 if mode not in ("align_fixed", "rfcn_grid") else 1)  # (large boxes)
+
+
+def _numpy_of(spec, rois, h, w):
+    """geometry.py's tables of ``spec`` (any mode) on an h x w map."""
+    P, Q = spec.pooled_size
+    s = spec.spatial_scale
+    if spec.mode == "pool_bins":
+        return G.roi_pooling_bins(rois, (P, Q), s, h, w)
+    if spec.mode == "ps_pool_bins":
+        return G.psroi_pooling_bins(rois, (P, Q), s, h, w)
+    if spec.mode == "align_grid":
+        return G.roi_align_grid(rois, (P, Q), s, spec.sample, spec.aligned, h, w)
+    if spec.mode == "caffe_grid":
+        return G.caffe_align_grid(rois, (P, Q), s, h, w)
+    return G.rfcn_align_grid(rois, (P, Q), s, spec.sample, h, w)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_empty_grids_have_one_padded_column(dtype, kind):
+    """No rois, or only boxes with no sample point (reversed or zero-size, aligned;
+    Caffe bins clipped away): every sample grid is one padded column wide (geometry.py's
+    floor of 1), its counts 0; the same bits compiled."""
+    cg = _compiled(kind)
+    reversed_ = np.array([[0, 4, 4, 1, 1], [1, 3, 2, 3, 2]], dtype)
+    off_map = np.array([[0, -40, -30, -20, -10], [1, 50, 60, 70, 80]], dtype)
+    for spec, rois in ((CG.Spec("align_grid", (2, 3), 1.0, 0, True), reversed_),
+                       (CG.Spec("align_grid", (2, 3), 1.0, 0, True), reversed_[:0]),
+                       (CG.Spec("align_grid", (2, 3), 1.0, 2, False), reversed_[:0]),
+                       (CG.Spec("caffe_grid", (2, 3), 1.0), off_map),
+                       (CG.Spec("caffe_grid", (2, 3), 1.0), off_map[:0])):
+        ref = _numpy_of(spec, rois, H, W)
+        assert ref.y.low.shape[2] == ref.x.low.shape[2] == 1, spec
+        if spec.sample <= 0:
+            assert not ref.y.count.any() and not ref.x.count.any()
+        _compare(ref, cg.build(spec, rois, H, W), f"{spec} R={rois.shape[0]}")
 
 
 def _inside_spec(mode, pooled, scale):
@@ -557,14 +596,17 @@ def test_rroi_sampling_ratio_at_the_limit_accepted_one_over_refused():
 
 def test_rroi_adaptive_samples_per_bin_at_the_limit_accepted_one_over_refused():
     """check_inputs: ceil(h * s / P) * ceil(w * s / Q) == MAX_ROTATED_SAMPLES (16 x 65536,
-    a width one ulp under 65536 rounds up to it) passes; MAX + 1 (17 x 61681) and one ulp
-    wider than 65536 are refused, naming the roi; a (2, 4) pool scales the sides."""
+    a width one ulp under 65536 rounds up to it) passes; MAX + 1 (17 x 61681), one ulp
+    wider than 65536 and sides whose product is under MAX but whose ceilings' is not are
+    refused, naming the roi; a (2, 4) pool scales the sides."""
     M = G.MAX_ROTATED_SAMPLES
     assert 16 * 65536 == M and 17 * 61681 == M + 1
     ok = [[0, 5, 5, 65536, 16, 30], [0, 5, 5, np.float32(65535.5), 16, 0],
           [0, 5, 5, 16, 65536, -90], [0, 5, 5, 1, M, 0]]
     wider = np.nextafter(np.float32(65536), np.float32(np.inf))
-    bad = [[0, 5, 5, 61681, 17, 0], [0, 5, 5, wider, 16, 0], [0, 5, 5, 1, M + 1, 0]]
+    # (15 x 69905.05: the product is under M, the sides' ceilings are not)
+    bad = [[0, 5, 5, 61681, 17, 0], [0, 5, 5, wider, 16, 0], [0, 5, 5, 1, M + 1, 0],
+           [0, 5, 5, 69905.05, 15, 0], [0, 5, 5, 15, 69905.05, 0]]
     op = _rroi()
     rois = np.array(ok, np.float32)
     op.check_inputs((1, 1, 4, 4), np.float32, rois, np)
@@ -619,3 +661,53 @@ def test_rroi_forward_at_the_sample_limit_runs_one_over_raises_next_works(kind):
         else:
             backend.forward(op, "write", nd(data), nd(rois), out)
             assert out.asnumpy().tolist() == [[[[1.0]]]]
+
+
+# ---- the compiled entry points' own guards -----------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_build_refuses_what_geometry_py_refuses(kind):
+    """sample_num 0 of the R-FCN grid (geometry.py's message), and rois the compiled code
+    must not read: not (R, 5) -- 6 or 4 columns, one dimension -- or an integer dtype."""
+    cg = _compiled(kind)
+    rois = np.array([[0, 1, 1, 4, 4]], np.float32)
+    for n in (0, -1):
+        with pytest.raises(ValueError) as want:
+            G.rfcn_align_grid(rois, (2, 2), 1.0, n, 5, 5)
+        with pytest.raises(ValueError) as got:
+            cg.build(CG.Spec("rfcn_grid", (2, 2), 1.0, n), rois, 5, 5)
+        assert str(got.value) == str(want.value) == f"sample_num must be >= 1, got {n}"
+    _compare(G.rfcn_align_grid(rois, (2, 2), 1.0, 1, 5, 5),
+             cg.build(CG.Spec("rfcn_grid", (2, 2), 1.0, 1), rois, 5, 5), "sample_num 1")
+    spec = CG.Spec("align_grid", (2, 2), 1.0, 2)
+    for bad in (np.zeros((2, 6), np.float32), np.zeros((2, 4), np.float32),
+                np.zeros(5, np.float32), np.zeros((2, 5), np.int32)):
+        for call in (lambda: cg.build(spec, bad, 5, 5), lambda: cg.check(bad, 1, 1e30, False)):
+            with pytest.raises(ValueError, match=r"rois must be an \(R, 5\) float16/32/64 "
+                                                 r"array, got "):
+                call()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", ["batch", "nan"])
+@pytest.mark.parametrize("mode", ["pool_bins", "align_grid"])
+def test_device_status_names_a_bad_first_roi(mode, bad, kind):
+    """The status word's key of roi 0 (a batch error: key exactly STATUS_BATCH_KEY; a NaN:
+    key 0, the word all ones) decodes to check_inputs' message for rois[0]; the row is
+    padding, the others are not."""
+    from mx_roi.onednn import GUARD_BOUND
+    op = make_op("ROIAlign" if mode == "align_grid" else "ROIPooling",
+                 dict(pooled_size=(2, 2), spatial_scale=1.0))
+    rois = np.array([[0, 1, 1, 4, 4], [1, 0, 0, 3, 3], [0, 2, 2, 5, 5]], np.float32)
+    rois[0, 0 if bad == "batch" else 3] = N if bad == "batch" else np.nan
+    spec = CG.Spec(mode, (2, 2), 1.0, 0)
+    dev = DG.build(Launch.on_host("roi_align.cu", kind, np.float32), spec, rois, N, H, W)
+    status = np.asarray(dev.status)
+    assert int(status[0]) == ((1 << 64) - 1 if bad == "nan" else
+                              (~DG.STATUS_BATCH_KEY) & ((1 << 64) - 1))
+    with pytest.raises(ValueError) as want:
+        op.check_inputs((N, 1, H, W), np.float32, rois, np)
+    assert "rois[0]" in str(want.value)
+    assert str(dev.error(op, status, np)) == str(want.value)
+    assert dev.geo.batch.tolist() == [-1, 1, 0]
+    assert not DG.DeviceGeometry.overflowed(status)
+    assert DG.DeviceGeometry.overflowed(np.array([0, 1], np.uint64))
