@@ -597,244 +597,120 @@ __global__ void roi_align_backward_max_rescan(
 #include "ext_launch.h"
 
 namespace mx_roi_ext {
-namespace roi_align {
 
-const char* const OP = "ROIAlign";
+struct ROIAlignOp {
+  static constexpr const char* OP = "ROIAlign";
 
-struct Params {
-  long long P = 0, Q = 0;
-  double spatial_scale = 0;
-  long long sample_ratio = -1;
-  bool aligned = false, deterministic = false;
-  std::string pool_mode = "avg", legacy = "";
-  bool is_max() const { return pool_mode == "max" || legacy == "caffe"; }
-};
+  struct Params {
+    long long P = 0, Q = 0;
+    double spatial_scale = 0;
+    long long sample_ratio = -1;
+    bool aligned = false, deterministic = false;
+    std::string pool_mode = "avg", legacy = "";
+    bool is_max() const { return pool_mode == "max" || legacy == "caffe"; }
+    bool caffe() const { return legacy == "caffe"; }
+  };
 
-// ROIAlignParam.from_kwargs (plus contrib.ROIAlign's position_sensitive, api.py's rule)
-Params parse(const std::unordered_map<std::string, std::string>& attrs) {
-  static const char* const known[] = {"pooled_size", "spatial_scale", "sample_ratio", "aligned",
-                                      "pool_mode", "deterministic", "legacy"};
-  std::map<std::string, std::string> given;  // (sorted: a deterministic first error)
-  for (const auto& kv : attrs)
-    if (!is_hidden_attr(kv.first)) given.insert(kv);
-  const auto ps = given.find("position_sensitive");
-  if (ps != given.end()) {
-    if (ps->second != "False" && ps->second != "false" && ps->second != "0")
+  // ROIAlignParam.from_kwargs (plus contrib.ROIAlign's position_sensitive, api.py's rule)
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    const auto ps = attrs.find("position_sensitive");
+    if (ps != attrs.end() && ps->second != "False" && ps->second != "false" && ps->second != "0")
       throw OpError(std::string(OP) + ": parameter 'position_sensitive': use PSROIAlign (with "
                     "output_dim) instead of ROIAlign(position_sensitive=True)");
-    given.erase(ps);
+    Kwargs kw(OP, attrs, {"pooled_size", "spatial_scale", "sample_ratio", "aligned",
+                          "pool_mode", "deterministic", "legacy"},
+              {"pooled_size", "spatial_scale"}, {"position_sensitive"});
+    Params p;
+    std::tie(p.P, p.Q) = kw.size2("pooled_size");
+    p.spatial_scale = kw.real("spatial_scale", 0);
+    p.sample_ratio = kw.integer("sample_ratio", -1);
+    p.aligned = kw.boolean("aligned", false);
+    p.pool_mode = kw.choice("pool_mode", "avg", {"avg", "max"});
+    p.deterministic = kw.boolean("deterministic", false);
+    p.legacy = kw.legacy("legacy", {"caffe"});
+    kw.finish();
+    kw.positive("pooled_size", p.P > 0 && p.Q > 0, py_pair_repr(p.P, p.Q));
+    kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
+    return p;
   }
-  for (const auto& kv : given) {
-    bool ok = false;
-    for (const char* k : known) ok = ok || kv.first == k;
-    if (!ok) {
-      std::string names;
-      for (const char* k : known) names += (names.empty() ? "" : ", ") + std::string(k);
-      throw OpError(std::string(OP) + ": unknown parameter '" + kv.first + "' (= " +
-                    py_str_repr(kv.second) + "); known parameters: " + names);
+
+  // ROIAlignParam.to_kwargs, "name=value;..." (the tests compare it with params.py)
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    const Params p = parse(attrs);
+    return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+           ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+           ";sample_ratio=" + std::to_string(p.sample_ratio) +
+           ";aligned=" + (p.aligned ? "True" : "False") + ";pool_mode=" + p.pool_mode +
+           ";deterministic=" + (p.deterministic ? "True" : "False") + ";legacy=" + p.legacy;
+  }
+
+  static long long out_channels(const Params&, long long C) { return C; }
+
+  // the geometry of the call (Spec: the Caffe grid takes neither sample nor aligned)
+  template <typename T, typename A>
+  static Grid<A> geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    return grid_geometry<T, A>(OP, p.caffe() ? MODE_CAFFE_GRID : MODE_ALIGN_GRID, (int)p.P,
+                               (int)p.Q, (int)data.shape[2], (int)data.shape[3],
+                               p.caffe() ? 0 : (int)p.sample_ratio, p.caffe() ? 0 : p.aligned,
+                               (float)p.spatial_scale, (const T*)rois.data_ptr,
+                               rois.shape[0], data.shape[0]);
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
+                      MXTensor& out) {
+    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
+    const int P = (int)p.P, Q = (int)p.Q;
+    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Grid<A> g = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
+    const T* x = (const T*)data.data_ptr;
+    T* y = (T*)out.data_ptr;
+    if (p.is_max()) {
+      unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_forward_max<T, A, unsigned char>(
+            x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
+            g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx, y, &no_argmax, 0, n);
+      });
+    } else {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_forward_avg<T, A>(x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh,
+                                    g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, g.divisor, C,
+                                    H, W, P, Q, g.Gy, g.Gx, y, n);
+      });
     }
   }
-  Params p;
-  try {
-    auto at = [&](const char* k) { return given.find(k); };
-    if (at("pooled_size") != given.end()) {
-      auto s = parse_size2("pooled_size", at("pooled_size")->second);
-      p.P = s.first;
-      p.Q = s.second;
-    }
-    if (at("spatial_scale") != given.end())
-      p.spatial_scale = parse_float("spatial_scale", at("spatial_scale")->second);
-    if (at("sample_ratio") != given.end())
-      p.sample_ratio = parse_int("sample_ratio", at("sample_ratio")->second);
-    if (at("aligned") != given.end()) p.aligned = parse_bool("aligned", at("aligned")->second);
-    if (at("pool_mode") != given.end()) {
-      const std::string& raw = at("pool_mode")->second;
-      p.pool_mode = parse_choice("pool_mode", raw, {"avg", "max"}, py_str_repr(raw));
-    }
-    if (at("deterministic") != given.end())
-      p.deterministic = parse_bool("deterministic", at("deterministic")->second);
-    if (at("legacy") != given.end()) p.legacy = parse_legacy("legacy", at("legacy")->second, {"caffe"});
-    std::string missing;
-    for (const char* k : {"pooled_size", "spatial_scale"})
-      if (!given.count(k)) missing += (missing.empty() ? "'" : ", '") + std::string(k) + "'";
-    if (!missing.empty()) throw OpError("missing required parameter(s) " + missing);
-    if (p.P <= 0 || p.Q <= 0)
-      throw param_fail("pooled_size", py_pair_repr(p.P, p.Q), "positive value(s)");
-    if (p.spatial_scale <= 0)
-      throw param_fail("spatial_scale", py_float_repr(p.spatial_scale), "positive value(s)");
-  } catch (const OpError& e) {
-    throw OpError(std::string(OP) + ": " + e.what());
-  }
-  return p;
-}
 
-std::string format(const std::unordered_map<std::string, std::string>& attrs) {
-  const Params p = parse(attrs);
-  return "pooled_size=" + py_pair_repr(p.P, p.Q) +
-         ";spatial_scale=" + py_float_repr(p.spatial_scale) +
-         ";sample_ratio=" + std::to_string(p.sample_ratio) +
-         ";aligned=" + (p.aligned ? "True" : "False") + ";pool_mode=" + p.pool_mode +
-         ";deterministic=" + (p.deterministic ? "True" : "False") + ";legacy=" + p.legacy;
-}
-const RegisterParams registered("ROIAlign", format);
-
-int mode_of(const Params& p) { return p.legacy == "caffe" ? MODE_CAFFE_GRID : MODE_ALIGN_GRID; }
-
-// the geometry's sample / aligned (Spec: the Caffe grid takes neither)
-int sample_of(const Params& p) { return p.legacy == "caffe" ? 0 : (int)p.sample_ratio; }
-int aligned_of(const Params& p) { return p.legacy == "caffe" ? 0 : (int)p.aligned; }
-
-void check_inputs(const MXTensor& data, const MXTensor& rois) {
-  if (data.shape.size() != 4)
-    throw OpError(std::string(OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                  shape_repr(data.shape));
-  if (rois.shape.size() != 2 || rois.shape[1] != 5)
-    throw OpError(std::string(OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, y2), "
-                  "got shape " + shape_repr(rois.shape));
-  if (rois.dtype != data.dtype)
-    throw OpError(std::string(OP) + ": rois must have the data's dtype");
-}
-
-template <typename T, typename A>
-void forward(const Params& p, const MXTensor& data, const MXTensor& rois, MXTensor& out) {
-  const long long N = data.shape[0], C = data.shape[1], H = data.shape[2], W = data.shape[3];
-  const long long R = rois.shape[0], P = p.P, Q = p.Q;
-  const long long n = R * C * P * Q;
-  if (R <= 0) return;
-  const T* x = (const T*)data.data_ptr;
-  T* y = (T*)out.data_ptr;
-  const Grid<A> g = grid_geometry<T, A>(OP, mode_of(p), (int)P, (int)Q, (int)H, (int)W,
-                                        sample_of(p), aligned_of(p), (float)p.spatial_scale,
-                                        (const T*)rois.data_ptr, R, N);
-  if (n <= 0) return;
-  if (p.is_max()) {
-    unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
-    mx_roi_launch_channels((int)C, native_threads(n), [&]() {
-      roi_align_forward_max<T, A, unsigned char>(
-          x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
-          g.x_high, g.x_wl, g.x_wh, (int)C, (int)H, (int)W, (int)P, (int)Q, g.Gy, g.Gx, y,
-          &no_argmax, 0, n);
-    });
-  } else {
-    mx_roi_launch_channels((int)C, native_threads(n), [&]() {
-      roi_align_forward_avg<T, A>(x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh,
-                                  g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, g.divisor,
-                                  (int)C, (int)H, (int)W, (int)P, (int)Q, g.Gy, g.Gx, y, n);
-    });
-  }
-}
-
-// The input gradient written (req write: MXNet's extension dispatcher passes no req; see
-// mx_roi.ext for 'add'), the rois' gradient zero.
-template <typename T, typename A>
-void backward(const Params& p, const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
-              MXTensor& data_grad, MXTensor& rois_grad) {
-  const long long N = data.shape[0], C = data.shape[1], H = data.shape[2], W = data.shape[3];
-  const long long R = rois.shape[0], P = p.P, Q = p.Q;
-  const long long n = R * C * P * Q, size = N * C * H * W;
-  std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
-  const bool direct = std::is_same<T, A>::value;  // float16: a float32 accumulator
-  A* bottom = direct ? (A*)data_grad.data_ptr : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
-  std::memset(bottom, 0, (size_t)size * sizeof(A));
-  if (R > 0) {
-    const Grid<A> g = grid_geometry<T, A>(OP, mode_of(p), (int)P, (int)Q, (int)H, (int)W,
-                                          sample_of(p), aligned_of(p), (float)p.spatial_scale,
-                                          (const T*)rois.data_ptr, R, N);
+  template <typename T, typename A>
+  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
+                       const MXTensor& rois, A* bottom) {
+    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
+    const int P = (int)p.P, Q = (int)p.Q;
+    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Grid<A> g = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
     const T* dy = (const T*)grad.data_ptr;
-    if (n > 0 && p.is_max()) {
-      mx_roi_launch_channels((int)C, native_threads(n), [&]() {
+    if (p.is_max()) {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
         roi_align_backward_max_rescan<T, A, A>(
             (const T*)data.data_ptr, dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
-            g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, (int)C, (int)H, (int)W,
-            (int)P, (int)Q, g.Gy, g.Gx, bottom, 1.0, n);
+            g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx,
+            bottom, 1.0, n);
       });
-    } else if (n > 0) {
-      mx_roi_launch_channels((int)C, native_threads(n), [&]() {
+    } else {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
         roi_align_backward_avg<T, A, A>(dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
                                         g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
-                                        g.divisor, (int)C, (int)H, (int)W, (int)P, (int)Q,
-                                        g.Gy, g.Gx, bottom, 1.0, n);
+                                        g.divisor, C, H, W, P, Q, g.Gy, g.Gx, bottom, 1.0, n);
       });
     }
   }
-  if (!direct) {
-    T* out = (T*)data_grad.data_ptr;
-    for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
-  }
-}
+};
 
-MXReturnValue ext_parse(const std::unordered_map<std::string, std::string>& attrs, int* num_in,
-                        int* num_out) {
-  MX_ROI_EXT_CALL(parse(attrs); *num_in = 2; *num_out = 1;)
-}
+const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
 
-MXReturnValue ext_type(const std::unordered_map<std::string, std::string>& attrs,
-                       std::vector<int>* in_types, std::vector<int>* out_types) {
-  MX_ROI_EXT_CALL({
-    int& d = (*in_types)[0];
-    int& r = (*in_types)[1];
-    if (d < 0 || d == kUNSET) d = r;
-    if (r < 0 || r == kUNSET) r = d;
-    if (d != r) throw OpError(std::string(OP) + ": rois must have the data's dtype");
-    (*out_types)[0] = d;
-  })
-}
-
-MXReturnValue ext_shape(const std::unordered_map<std::string, std::string>& attrs,
-                        std::vector<std::vector<unsigned int>>* in_shapes,
-                        std::vector<std::vector<unsigned int>>* out_shapes) {
-  MX_ROI_EXT_CALL({
-    const Params p = parse(attrs);
-    const auto& d = (*in_shapes)[0];
-    const auto& r = (*in_shapes)[1];
-    if (d.size() != 4)
-      throw OpError(std::string(OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                    shape_repr(d));
-    if (r.size() != 2 || r[1] != 5)
-      throw OpError(std::string(OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, y2), "
-                    "got shape " + shape_repr(r));
-    (*out_shapes)[0] = {r[0], d[1], (unsigned int)p.P, (unsigned int)p.Q};
-  })
-}
-
-MXReturnValue ext_forward(const std::unordered_map<std::string, std::string>& attrs,
-                          std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
-                          const OpResource& res) {
-  MX_ROI_EXT_CALL({
-    const Params p = parse(attrs);
-    const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
-    check_inputs(data, rois);
-    dispatch_dtype(OP, data.dtype, [&](auto* t, auto* a) {
-      typedef typename std::remove_pointer<decltype(t)>::type T;
-      typedef typename std::remove_pointer<decltype(a)>::type A;
-      forward<T, A>(p, data, rois, (*outputs)[0]);
-    });
-  })
-}
-
-// inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
-MXReturnValue ext_backward(const std::unordered_map<std::string, std::string>& attrs,
-                           std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
-                           const OpResource& res) {
-  MX_ROI_EXT_CALL({
-    const Params p = parse(attrs);
-    const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
-    check_inputs(data, rois);
-    dispatch_dtype(OP, data.dtype, [&](auto* t, auto* a) {
-      typedef typename std::remove_pointer<decltype(t)>::type T;
-      typedef typename std::remove_pointer<decltype(a)>::type A;
-      backward<T, A>(p, grad, data, rois, (*outputs)[0], (*outputs)[1]);
-    });
-  })
-}
-
-}  // namespace roi_align
 }  // namespace mx_roi_ext
 
-REGISTER_OP(mx_roi_ROIAlign)
-    .setForward(mx_roi_ext::roi_align::ext_forward, "cpu")
-    .setBackward(mx_roi_ext::roi_align::ext_backward, "cpu")
-    .setParseAttrs(mx_roi_ext::roi_align::ext_parse)
-    .setInferType(mx_roi_ext::roi_align::ext_type)
-    .setInferShape(mx_roi_ext::roi_align::ext_shape);
+MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_ext::ROIAlignOp);
 #endif  // MX_ROI_EXT_LAUNCHER

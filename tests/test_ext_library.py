@@ -53,12 +53,12 @@ def _rois(R, N, rng, dtype=np.float32, size=600.0):
     return r.astype(dtype)
 
 
-def _ext(data, rois, **kw):
-    return mx.nd.mx_roi_ROIAlign(data, rois, **kw)
+def _ext(data, rois, op="ROIAlign", out=None, **kw):
+    return getattr(mx.nd, "mx_roi_" + op)(data, rois, out=out, **kw)
 
 
-def _custom(data, rois, **kw):
-    return mx.nd.Custom(data, rois, op_type="ROIAlign", **kw)
+def _custom(data, rois, op="ROIAlign", out=None, **kw):
+    return mx.nd.Custom(data, rois, op_type=op, out=out, **kw)
 
 
 def _run(fn, data_np, rois_np, grad_np, kw, garbage):
@@ -73,10 +73,7 @@ def _run(fn, data_np, rois_np, grad_np, kw, garbage):
     out.backward(mx.nd.array(grad_np, dtype=grad_np.dtype))
     # an inference call into a garbage-filled output
     inf = mx.nd.full(out.shape, garbage, dtype=out.dtype)
-    if fn is _ext:
-        mx.nd.mx_roi_ROIAlign(data, rois, out=inf, **kw)
-    else:
-        mx.nd.Custom(data, rois, op_type="ROIAlign", out=inf, **kw)
+    fn(data, rois, out=inf, **kw)
     return out.asnumpy(), data.grad.asnumpy(), inf.asnumpy()
 
 
@@ -161,33 +158,60 @@ def test_import_does_not_load_the_library():
                    env={**os.environ, "PYTHONPATH": ROOT})
 
 
+# ---- the extension sections leave the other builds as they were -------------------------
+@pytest.mark.parametrize("filename", ext.op_sources())
+def test_extension_section_changes_nothing_the_other_builds_see(filename, tmp_path):
+    """The parsed kernel signatures (name expressions, launch checks) and the native
+    build's preprocessed text are those of the file without its MX_ROI_EXT_LAUNCHER
+    section (a stray ``*/`` in it once closed a ``/*`` of roi_common.cuh for the
+    signature parser and hid every kernel)."""
+    from mx_roi.cuda import source as S
+    text = S.read_source(filename)
+    head, sep, _ = text.partition(f"#ifdef {ext.LAUNCHER_MACRO}")
+    assert sep
+
+    def signatures(t):
+        return [m.groups() for m in S._KERNEL_RE.finditer(S._strip_comments(t))]
+    assert signatures(text) == signatures(head) != []
+    flags = loader._host_flags(True)
+
+    def preprocessed(t, name):
+        src = tmp_path / name
+        src.write_text(t)
+        return subprocess.run([loader.host_compiler(), *flags, "-E", "-P", "-include",
+                               loader.SHIM, "-x", "c++", str(src)], capture_output=True,
+                              text=True, check=True).stdout
+    assert preprocessed(text, "full.cpp") == preprocessed(head, "head.cpp")
+
+
 # ---- parameters: the C++ parser against params.py ------------------------------------
-def _python_parse(**kwargs):
+def _python_parse(param_cls=ROIAlignParam, **kwargs):
     try:
         return True, ";".join(f"{k}={v}" for k, v in
-                              ROIAlignParam.from_kwargs(**kwargs).to_kwargs().items())
+                              param_cls.from_kwargs(**kwargs).to_kwargs().items())
     except ValueError as exc:
         return False, str(exc)
 
 
 def _invalid_cases():
     base = dict(pooled_size="(7, 7)", spatial_scale="0.0625")
-    for name in ROIAlignParam.field_names():
-        for value in invalid_examples(ROIAlignParam, name):
-            yield {**base, name: str(value)}
-    yield dict(pooled_size="7")                                 # missing spatial_scale
-    yield dict(spatial_scale="1")                               # missing pooled_size
-    yield {**base, "bogus": "1"}                                # unknown
-    yield {**base, "spatial_scale": "1e-400"}                   # 0.0 after parsing
+    for param_cls in (ROIAlignParam,):
+        for name in param_cls.field_names():
+            for value in invalid_examples(param_cls, name):
+                yield param_cls, {**base, name: str(value)}
+        yield param_cls, dict(pooled_size="7")                  # missing spatial_scale
+        yield param_cls, dict(spatial_scale="1")                # missing pooled_size
+        yield param_cls, {**base, "bogus": "1"}                 # unknown
+        yield param_cls, {**base, "spatial_scale": "1e-400"}    # 0.0 after parsing
 
 
 def test_every_declared_invalid_value_gives_the_same_message():
     cases = list(_invalid_cases())
     assert len(cases) > 25
-    for kwargs in cases:
-        py = _python_parse(**kwargs)
+    for param_cls, kwargs in cases:
+        py = _python_parse(param_cls, **kwargs)
         assert py[0] is False, kwargs
-        assert ext.parse_params("ROIAlign", **kwargs) == py, kwargs
+        assert ext.parse_params(param_cls.op_name, **kwargs) == py, kwargs
 
 
 def test_valid_values_parse_the_same():

@@ -93,7 +93,9 @@ def _plan():
     ops = op_sources()
     for f in ops:
         files[os.path.splitext(f)[0] + ".cpp"] = S.read_source(f)
+    # (this file too: it is the build recipe -- the units, the flags, the symbol rules)
     key = S.source_hash(*(f"{n}\0{t}" for n, t in sorted(files.items())), _read(loader.SHIM),
+                        _read(os.path.abspath(__file__)),
                         _read(os.path.join(include, "mxnet", "lib_api.h")), _read(lib_api),
                         loader._compiler_id(cxx), " ".join(flags + LINK_FLAGS), mx_version, str(lib_version),
                         sys.platform)
@@ -125,6 +127,8 @@ def _compile(lib_path, files, include, lib_api, flags, ops):
         for cmd, obj in units:
             out = os.path.join(tmpdir, obj)
             _run(cmd + ["-o", out])
+            if LAUNCHER_MACRO in " ".join(cmd):
+                _localize_op_object(out)
             objects.append(out)
         lib = os.path.join(tmpdir, "lib.so")
         _run([cxx, *LINK_FLAGS, *objects, "-o", lib])
@@ -132,6 +136,29 @@ def _compile(lib_path, files, include, lib_api, flags, ops):
         os.replace(lib, lib_path)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _localize_op_object(obj):
+    """Make the C entry points that every op's unit defines (roi_common.cuh's
+    ``mx_roi_geometry_counts`` ..., host_shim.h's ``mx_roi_run_program``,
+    ``mx_roi_float_vector_width``) local to ``obj``: the library needs none of them
+    from outside the unit, and two ops' units would clash on them.
+
+    Not enough for a second op yet (docs/native_ops.md): the units' *inline* C++
+    functions (roi_common.cuh's, the kernels of roi_common.cuh) are merged across units by
+    the linker (COMDAT), although they read the shim's per-unit ``static thread_local``
+    state -- linked with roi_align's unit, ROIPooling read roi_align's channel range and
+    wrote zeros.  Localizing those is not possible (the linker discards the duplicate
+    COMDAT group the local symbol lives in)."""
+    nm, objcopy = shutil.which("nm"), shutil.which("objcopy")
+    if not nm or not objcopy:
+        raise ExtLibraryError("building mx_roi's extension library needs nm and objcopy "
+                              "(binutils) beside the compiler")
+    res = subprocess.run([nm, "-g", "--defined-only", obj], capture_output=True, text=True)
+    names = sorted({line.split()[-1] for line in res.stdout.splitlines()
+                    if line.split() and line.split()[-1].startswith("mx_roi_")})
+    if names:
+        _run([objcopy, *(f"--localize-symbol={n}" for n in names), obj])
 
 
 def _run(cmd):

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <tuple>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -347,6 +348,85 @@ inline bool is_hidden_attr(const std::string& key) {
   return key.size() >= 4 && key.compare(0, 2, "__") == 0 &&
          key.compare(key.size() - 2, 2, "__") == 0;
 }
+
+// An op's keyword arguments as ParamBase._parse reads them: ``fields`` in the struct's
+// order; MXNet's hidden attributes and ``extras`` (built-in parameters the op handles
+// itself) skipped; an unknown key first, then each field's parse as its getter is
+// called (in field order), then finish(): the missing required ones.  Every message
+// starts with the op's name, as params.py's.
+class Kwargs {
+ public:
+  Kwargs(const std::string& op, const std::unordered_map<std::string, std::string>& attrs,
+         std::vector<std::string> fields, std::vector<std::string> required,
+         std::vector<std::string> extras = {})
+      : op_(op), fields_(std::move(fields)), required_(std::move(required)) {
+    for (const auto& kv : attrs) {
+      if (is_hidden_attr(kv.first)) continue;
+      bool extra = false;
+      for (const auto& e : extras) extra = extra || kv.first == e;
+      if (!extra) given_.insert(kv);  // (sorted: a deterministic first error)
+    }
+    for (const auto& kv : given_) {
+      bool ok = false;
+      for (const auto& f : fields_) ok = ok || kv.first == f;
+      if (!ok) {
+        std::string names;
+        for (const auto& f : fields_) names += (names.empty() ? "" : ", ") + f;
+        throw OpError(op_ + ": unknown parameter '" + kv.first + "' (= " +
+                      py_str_repr(kv.second) + "); known parameters: " + names);
+      }
+    }
+  }
+
+  std::pair<long long, long long> size2(const char* name) {
+    return get(name, std::pair<long long, long long>(0, 0), parse_size2);
+  }
+  double real(const char* name, double fallback) { return get(name, fallback, parse_float); }
+  long long integer(const char* name, long long fallback) {
+    return get(name, fallback, parse_int);
+  }
+  bool boolean(const char* name, bool fallback) { return get(name, fallback, parse_bool); }
+  std::string choice(const char* name, const std::string& fallback,
+                     const std::vector<std::string>& choices) {
+    return get(name, fallback, [&](const std::string& n, const std::string& raw) {
+      return parse_choice(n, raw, choices, py_str_repr(raw));
+    });
+  }
+  std::string legacy(const char* name, const std::vector<std::string>& kernels) {
+    return get(name, std::string(), [&](const std::string& n, const std::string& raw) {
+      return parse_legacy(n, raw, kernels);
+    });
+  }
+
+  // the missing required parameters (after every getter)
+  void finish() const {
+    std::string missing;
+    for (const auto& k : required_)
+      if (!given_.count(k)) missing += (missing.empty() ? "'" : ", '") + k + "'";
+    if (!missing.empty()) throw OpError(op_ + ": missing required parameter(s) " + missing);
+  }
+
+  // ParamBase.__post_init__'s rule for a positive field
+  void positive(const char* name, bool ok, const std::string& got_repr) const {
+    if (!ok) throw OpError(op_ + ": " + param_fail(name, got_repr, "positive value(s)").what());
+  }
+
+ private:
+  template <typename V, typename F>
+  V get(const char* name, V fallback, F&& parse) {
+    auto it = given_.find(name);
+    if (it == given_.end()) return fallback;
+    try {
+      return parse(name, it->second);
+    } catch (const OpError& e) {
+      throw OpError(op_ + ": " + e.what());
+    }
+  }
+
+  std::string op_;
+  std::vector<std::string> fields_, required_;
+  std::map<std::string, std::string> given_;
+};
 
 // ---- threads of a native launch (mx_roi.parallel.num_threads, loader.native_threads) --
 inline int num_threads() {

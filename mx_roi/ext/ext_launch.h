@@ -25,7 +25,8 @@ using mx_roi::geo::STATUS_BATCH_KEY;
 const long long MAX_SAMPLES_PER_AXIS = 1LL << 22;
 const double GUARD_BOUND = 3.0e38;
 // compiled_geometry.MODES
-enum { MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3, MODE_RFCN_GRID = 4 };
+enum { MODE_POOL_BINS = 0, MODE_PS_POOL_BINS = 1, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3,
+       MODE_RFCN_GRID = 4 };
 
 // A per-thread scratch buffer (slot: tables 0, a float16 backward's float32 gradient 1).
 inline unsigned char* scratch(int slot, size_t bytes) {
@@ -216,4 +217,141 @@ void dispatch_dtype(const std::string& op, int dtype, F&& f) {
   }
 }
 
+// The integer bins (geometry.IntBins) of R >= 1 rois through roi_bins_geometry, checked
+// into the status word.  ``cells`` is the device path's argmax bound; the extension ops
+// keep no argmax (their max backwards rescan the data), so none is needed: the tables'
+// values do not depend on it.
+struct Bins {
+  int *batch = nullptr, *hstart = nullptr, *hend = nullptr, *wstart = nullptr, *wend = nullptr;
+};
+
+template <typename T, typename A>
+Bins int_bins_geometry(const std::string& op, int mode, int P, int Q, int H, int W, float scale,
+                       const T* rois, long long R, long long N) {
+  Bins b;
+  const size_t ri = ((size_t)R * sizeof(int) + 15) / 16 * 16;
+  const size_t rp = ((size_t)R * P * sizeof(int) + 15) / 16 * 16;
+  const size_t rq = ((size_t)R * Q * sizeof(int) + 15) / 16 * 16;
+  unsigned char* m = scratch(0, ri + 2 * rp + 2 * rq + 16);
+  b.batch = (int*)m;
+  b.hstart = (int*)(m + ri);
+  b.hend = (int*)(m + ri + rp);
+  b.wstart = (int*)(m + ri + 2 * rp);
+  b.wend = (int*)(m + ri + 2 * rp + rq);
+  unsigned long long status[2] = {0, 0};
+  mx_roi_launch_serial(1, 1, [&]() {
+    roi_bins_geometry<T, A>(rois, mode, P, Q, H, W, scale, N, GUARD_BOUND,
+                            std::is_same<T, __half>::value ? 0 : 1, (long long)1 << 62,
+                            b.batch, b.hstart, b.hend, b.wstart, b.wend, status, R);
+  });
+  if (status[0]) throw OpError(roi_error(op, status[0], rois, N));
+  return b;
+}
+
+// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
+// and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
+// Params (with P, Q), parse(attrs), out_channels(p, C), forward<T, A>(p, data, rois, out)
+// and backward<T, A>(p, grad, data, rois, bottom) -- bottom: the zeroed accumulator of the
+// input gradient, in the compute dtype A.  The backward writes the rois' gradient as zeros
+// and, for float16, rounds the float32 accumulator into the gradient once (the Custom
+// path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
+template <typename Op>
+struct Callbacks {
+  typedef std::unordered_map<std::string, std::string> Attrs;
+
+  static void check(const MXTensor& data, const MXTensor& rois) {
+    if (data.shape.size() != 4)
+      throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
+                    shape_repr(data.shape));
+    if (rois.shape.size() != 2 || rois.shape[1] != 5)
+      throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, "
+                    "y2), got shape " + shape_repr(rois.shape));
+    if (rois.dtype != data.dtype)
+      throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+  }
+
+  static MXReturnValue parse_attrs(const Attrs& attrs, int* num_in, int* num_out) {
+    MX_ROI_EXT_CALL(Op::parse(attrs); *num_in = 2; *num_out = 1;)
+  }
+
+  static MXReturnValue infer_type(const Attrs& attrs, std::vector<int>* in_types,
+                                  std::vector<int>* out_types) {
+    MX_ROI_EXT_CALL({
+      int& d = (*in_types)[0];
+      int& r = (*in_types)[1];
+      if (d < 0 || d == kUNSET) d = r;
+      if (r < 0 || r == kUNSET) r = d;
+      if (d != r) throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+      (*out_types)[0] = d;
+    })
+  }
+
+  static MXReturnValue infer_shape(const Attrs& attrs,
+                                   std::vector<std::vector<unsigned int>>* in_shapes,
+                                   std::vector<std::vector<unsigned int>>* out_shapes) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = Op::parse(attrs);
+      const auto& d = (*in_shapes)[0];
+      const auto& r = (*in_shapes)[1];
+      if (d.size() != 4)
+        throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
+                      shape_repr(d));
+      if (r.size() != 2 || r[1] != 5)
+        throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, "
+                      "x2, y2), got shape " + shape_repr(r));
+      (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
+                          (unsigned int)p.Q};
+    })
+  }
+
+  static MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                               std::vector<MXTensor>* outputs, const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = Op::parse(attrs);
+      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+      check(data, rois);
+      dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
+        typedef typename std::remove_pointer<decltype(t)>::type T;
+        typedef typename std::remove_pointer<decltype(a)>::type A;
+        if (rois.shape[0] > 0) Op::template forward<T, A>(p, data, rois, (*outputs)[0]);
+      });
+    })
+  }
+
+  // inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
+  static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                std::vector<MXTensor>* outputs, const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = Op::parse(attrs);
+      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      check(data, rois);
+      dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
+        typedef typename std::remove_pointer<decltype(t)>::type T;
+        typedef typename std::remove_pointer<decltype(a)>::type A;
+        MXTensor &data_grad = (*outputs)[0], &rois_grad = (*outputs)[1];
+        std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
+        const long long size = numel(data.shape);
+        const bool direct = std::is_same<T, A>::value;  // float16: a float32 accumulator
+        A* bottom = direct ? (A*)data_grad.data_ptr
+                           : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
+        std::memset(bottom, 0, (size_t)size * sizeof(A));
+        if (rois.shape[0] > 0) Op::template backward<T, A>(p, grad, data, rois, bottom);
+        if (!direct) {
+          T* out = (T*)data_grad.data_ptr;
+          for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
+        }
+      });
+    })
+  }
+};
+
 }  // namespace mx_roi_ext
+
+// Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``.
+#define MX_ROI_EXT_REGISTER(Name, Op)                                        \
+  REGISTER_OP(Name)                                                          \
+      .setForward(mx_roi_ext::Callbacks<Op>::forward, "cpu")                 \
+      .setBackward(mx_roi_ext::Callbacks<Op>::backward, "cpu")               \
+      .setParseAttrs(mx_roi_ext::Callbacks<Op>::parse_attrs)                 \
+      .setInferType(mx_roi_ext::Callbacks<Op>::infer_type)                   \
+      .setInferShape(mx_roi_ext::Callbacks<Op>::infer_shape)
