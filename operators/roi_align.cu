@@ -629,8 +629,25 @@ struct ROIAlignOp {
     p.deterministic = kw.boolean("deterministic", false);
     p.legacy = kw.legacy("legacy", {"caffe"});
     kw.finish();
-    kw.positive("pooled_size", p.P > 0 && p.Q > 0, py_pair_repr(p.P, p.Q));
+    // ParamBase.__post_init__: positive, then bounds in field order; then ROIAlignParam's
+    // samples per axis (not for the Caffe grid, which ignores sample_ratio)
+    const std::string size = py_pair_repr(p.P, p.Q);
+    kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
     kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
+    kw.check("pooled_size", p.P <= MAX_ELEMENTS && p.Q <= MAX_ELEMENTS,
+             "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
+    const std::string ratio = std::to_string(p.sample_ratio);
+    kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE,
+             "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", ratio);
+    kw.check("sample_ratio", p.sample_ratio >= -(1LL << 31),
+             "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", ratio);
+    if (!p.caffe()) {
+      const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
+      kw.check("sample_ratio", p.sample_ratio <= most,
+               "at most " + std::to_string(most) + " with pooled_size " + size + " (" +
+                   std::to_string(MAX_SAMPLES_PER_AXIS_PARAM) + " sample points along an axis)",
+               ratio);
+    }
     return p;
   }
 

@@ -224,7 +224,7 @@ inline bool parse_bool(const std::string& name, const std::string& raw) {
 inline long long parse_int(const std::string& name, const std::string& raw) {
   double v;
   if (!py_float(py_strip(raw), v) || !std::isfinite(v) || v != std::trunc(v) ||
-      std::fabs(v) > 2147483647.0)  // (Python's ints are unbounded; ours are int32)
+      std::fabs(v) >= 9.2e18)  // (Python's ints are unbounded; ours are 64-bit)
     throw param_fail(name, py_str_repr(raw), "an integer");
   return (long long)v;
 }
@@ -313,7 +313,7 @@ inline std::pair<long long, long long> parse_size2(const std::string& name, cons
     double v;
     bool is_int;
     if (!literal_number(items[k], v, is_int) || !std::isfinite(v) || v != std::trunc(v) ||
-        std::fabs(v) > 2147483647.0)
+        std::fabs(v) >= 9.2e18)
       throw bad();
     out[k] = (long long)v;
   }
@@ -406,9 +406,14 @@ class Kwargs {
     if (!missing.empty()) throw OpError(op_ + ": missing required parameter(s) " + missing);
   }
 
-  // ParamBase.__post_init__'s rule for a positive field
+  // A check of ParamBase.__post_init__ (or the struct's own): ``parameter '<name>':
+  // expected <expected>, got <got_repr>`` unless ok
+  void check(const char* name, bool ok, const std::string& expected,
+             const std::string& got_repr) const {
+    if (!ok) throw OpError(op_ + ": " + param_fail(name, got_repr, expected).what());
+  }
   void positive(const char* name, bool ok, const std::string& got_repr) const {
-    if (!ok) throw OpError(op_ + ": " + param_fail(name, got_repr, "positive value(s)").what());
+    check(name, ok, "positive value(s)", got_repr);
   }
 
  private:
@@ -427,6 +432,13 @@ class Kwargs {
   std::vector<std::string> fields_, required_;
   std::map<std::string, std::string> given_;
 };
+
+// params.py's limits: MAX_ELEMENTS (SIZE_BOUNDS), MAX_SAMPLES_PER_SIDE (SAMPLES_BOUNDS),
+// geometry.MAX_SAMPLES_PER_AXIS
+const long long MAX_ELEMENTS = (1LL << 31) - 2;
+const char* const SIZE_WHY = "2^31 - 2, the most elements of an MXNet array";
+const long long MAX_SAMPLES_PER_SIDE = 1024;  // isqrt(geometry.MAX_ROTATED_SAMPLES = 2^20)
+const long long MAX_SAMPLES_PER_AXIS_PARAM = 1LL << 22;
 
 // ---- threads of a native launch (mx_roi.parallel.num_threads, loader.native_threads) --
 inline int num_threads() {
