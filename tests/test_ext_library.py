@@ -481,3 +481,26 @@ def test_c_predict_api_runs_an_exported_symbol_without_mx_roi(tmp_path):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert tuple(got["shape"]) == expected.shape
     assert bytes.fromhex(got["hex"]) == expected.tobytes()
+
+
+def test_hybridized_gluon_block_runs_the_native_op():
+    class Head(mx.gluon.HybridBlock):
+        def hybrid_forward(self, F, data, rois):
+            return F.mx_roi_ROIAlign(ext.add_safe(data), rois, pooled_size=(3, 3),
+                                     spatial_scale=0.5, sample_ratio=2)
+
+    rng = np.random.RandomState(4)
+    data = mx.nd.array(rng.standard_normal((2, 6, 10, 12)).astype(np.float32))
+    rois = mx.nd.array(_rois(5, 2, rng, size=20.0))
+    expected = _custom(data, rois, pooled_size=(3, 3), spatial_scale=0.5,
+                       sample_ratio=2).asnumpy()
+    for static in (False, True):
+        head = Head()
+        head.hybridize(static_alloc=static, static_shape=static)
+        for _ in range(2):
+            data.attach_grad()
+            with mx.autograd.record():
+                out = head(data, rois)
+            out.backward()
+            assert out.asnumpy().tobytes() == expected.tobytes()
+        assert data.grad.asnumpy().any()
