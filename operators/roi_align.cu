@@ -596,7 +596,7 @@ __global__ void roi_align_backward_max_rescan(
 // or max found again in the data, the *_rescan kernel).
 #include "ext_launch.h"
 
-namespace mx_roi_ext {
+namespace mx_roi_op {
 
 struct ROIAlignOp {
   static constexpr const char* OP = "ROIAlign";
@@ -727,7 +727,7 @@ struct ROIAlignOp {
 
 const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
 
-}  // namespace mx_roi_ext
+}  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_ext::ROIAlignOp);
+MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp);
 #endif  // MX_ROI_EXT_LAUNCHER

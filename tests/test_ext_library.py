@@ -19,7 +19,7 @@ import mxnet as mx
 import mx_roi  # noqa: F401  (registers the Custom ops)
 from mx_roi import ext
 from mx_roi.cuda import loader
-from mx_roi.params import ROIAlignParam, invalid_examples
+from mx_roi.params import ROIAlignParam, ROIPoolingParam, invalid_examples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +84,8 @@ CASES = [
     dict(pooled_size=(3, 5), spatial_scale=0.125, sample_ratio=0, aligned=True,
          pool_mode="max"),
     dict(pooled_size=(2, 2), spatial_scale=1 / 16.0, legacy="caffe"),
+    dict(op="ROIPooling", pooled_size=(7, 7), spatial_scale=1 / 32.0),
+    dict(op="ROIPooling", pooled_size=(3, 2), spatial_scale=0.125),
 ]
 
 
@@ -195,7 +197,7 @@ def _python_parse(param_cls=ROIAlignParam, **kwargs):
 
 def _invalid_cases():
     base = dict(pooled_size="(7, 7)", spatial_scale="0.0625")
-    for param_cls in (ROIAlignParam,):
+    for param_cls in (ROIAlignParam, ROIPoolingParam):
         for name in param_cls.field_names():
             for value in invalid_examples(param_cls, name):
                 yield param_cls, {**base, name: str(value)}
@@ -207,7 +209,7 @@ def _invalid_cases():
 
 def test_every_declared_invalid_value_gives_the_same_message():
     cases = list(_invalid_cases())
-    assert len(cases) > 25
+    assert len(cases) > 40
     for param_cls, kwargs in cases:
         py = _python_parse(param_cls, **kwargs)
         assert py[0] is False, kwargs

@@ -76,6 +76,24 @@ def op_sources() -> List[str]:
     return [f for f in S.sources() if f"#ifdef {LAUNCHER_MACRO}" in S.read_source(f)]
 
 
+def _unit_source(filename) -> str:
+    """One op's translation unit: its kernel file as the native build reads it
+    (roi_common.cuh inlined), wrapped in a namespace of its own, after the headers it
+    includes (then no-ops inside the namespace), lib_api.h and ext_common.h.  Every op's
+    unit inlines roi_common.cuh and the host shim: without the namespace the linker would
+    merge their inline functions and kernels across units (COMDAT), although they read
+    the shim's per-unit ``static thread_local`` launch state -- a second op then ran the
+    first op's copies, read its channel range and wrote zeros."""
+    text = S.read_source(filename)
+    headers = dict.fromkeys(re.findall(r"^\s*#\s*include\s*<([^>]+)>", text, re.M))
+    prelude = [f"#if __has_include(<{h}>)\n#include <{h}>\n#endif" for h in headers
+               if "cuda" not in h]
+    unit = "mx_roi_unit_" + re.sub(r"\W", "_", os.path.splitext(filename)[0])
+    return "\n".join(prelude + ["#include <type_traits>", '#include "mxnet/lib_api.h"',
+                                 '#include "ext_common.h"', f"namespace {unit} {{", text,
+                                 f"}}  // namespace {unit}", ""])
+
+
 def _read(path):
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -92,7 +110,7 @@ def _plan():
     files = {name: _read(os.path.join(_HERE, name)) for name in _OWN_FILES}
     ops = op_sources()
     for f in ops:
-        files[os.path.splitext(f)[0] + ".cpp"] = S.read_source(f)
+        files[os.path.splitext(f)[0] + ".cpp"] = _unit_source(f)
     # (this file too: it is the build recipe -- the units, the flags, the symbol rules)
     key = S.source_hash(*(f"{n}\0{t}" for n, t in sorted(files.items())), _read(loader.SHIM),
                         _read(os.path.abspath(__file__)),

@@ -53,14 +53,14 @@ struct OpError : std::runtime_error {
 // first, any exception turned into the call's one message and MX_FAIL (nothing may unwind
 // into MXNet's C code).
 #define MX_ROI_EXT_CALL(...)                          \
-  mx_roi_ext::begin_call();                           \
+  ::mx_roi_ext::begin_call();                         \
   try {                                               \
     __VA_ARGS__                                       \
   } catch (const std::exception& e) {                 \
-    mx_roi_ext::set_error(e.what());                  \
+    ::mx_roi_ext::set_error(e.what());                \
     return MX_FAIL;                                   \
   } catch (...) {                                     \
-    mx_roi_ext::set_error("mx_roi: unknown error");   \
+    ::mx_roi_ext::set_error("mx_roi: unknown error"); \
     return MX_FAIL;                                   \
   }                                                   \
   return MX_SUCCESS;

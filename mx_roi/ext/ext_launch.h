@@ -1,6 +1,8 @@
 // The host launcher's common part, included by an op's MX_ROI_EXT_LAUNCHER section (the end
 // of operators/<op>.cu, compiled for the extension library: the host shim, roi_common.cuh
-// and the op's kernels are already in the translation unit).
+// and the op's kernels are already in the translation unit).  The whole unit sits in a
+// namespace of its own (mx_roi.ext._unit_source): its names, this file's namespace
+// mx_roi_op included, are the unit's alone, so several ops link into one library.
 //
 // The geometry of a sample-grid op as the native backend's recorded call builds it
 // (mx_roi.cuda.native_program / device_geometry.build): the device-geometry kernel
@@ -16,9 +18,10 @@
 #include "mxnet/lib_api.h"
 #include "ext_common.h"
 
-namespace mx_roi_ext {
+namespace mx_roi_op {
 
-using namespace mxnet::ext;
+using namespace ::mx_roi_ext;
+using namespace ::mxnet::ext;
 using mx_roi::geo::STATUS_BATCH_KEY;
 
 // geometry.MAX_SAMPLES_PER_AXIS; onednn.GUARD_BOUND
@@ -345,13 +348,13 @@ struct Callbacks {
   }
 };
 
-}  // namespace mx_roi_ext
+}  // namespace mx_roi_op
 
 // Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``.
 #define MX_ROI_EXT_REGISTER(Name, Op)                                        \
   REGISTER_OP(Name)                                                          \
-      .setForward(mx_roi_ext::Callbacks<Op>::forward, "cpu")                 \
-      .setBackward(mx_roi_ext::Callbacks<Op>::backward, "cpu")               \
-      .setParseAttrs(mx_roi_ext::Callbacks<Op>::parse_attrs)                 \
-      .setInferType(mx_roi_ext::Callbacks<Op>::infer_type)                   \
-      .setInferShape(mx_roi_ext::Callbacks<Op>::infer_shape)
+      .setForward(mx_roi_op::Callbacks<Op>::forward, "cpu")                  \
+      .setBackward(mx_roi_op::Callbacks<Op>::backward, "cpu")                \
+      .setParseAttrs(mx_roi_op::Callbacks<Op>::parse_attrs)                  \
+      .setInferType(mx_roi_op::Callbacks<Op>::infer_type)                    \
+      .setInferShape(mx_roi_op::Callbacks<Op>::infer_shape)
