@@ -160,14 +160,8 @@ def _localize_op_object(obj):
     """Make the C entry points that every op's unit defines (roi_common.cuh's
     ``mx_roi_geometry_counts`` ..., host_shim.h's ``mx_roi_run_program``,
     ``mx_roi_float_vector_width``) local to ``obj``: the library needs none of them
-    from outside the unit, and two ops' units would clash on them.
-
-    Not enough for a second op yet (docs/native_ops.md): the units' *inline* C++
-    functions (roi_common.cuh's, the kernels of roi_common.cuh) are merged across units by
-    the linker (COMDAT), although they read the shim's per-unit ``static thread_local``
-    state -- linked with roi_align's unit, ROIPooling read roi_align's channel range and
-    wrote zeros.  Localizing those is not possible (the linker discards the duplicate
-    COMDAT group the local symbol lives in)."""
+    from outside the unit, and two ops' units would clash on them (C names ignore the
+    unit's namespace, :func:`_unit_source`)."""
     nm, objcopy = shutil.which("nm"), shutil.which("objcopy")
     if not nm or not objcopy:
         raise ExtLibraryError("building mx_roi's extension library needs nm and objcopy "
