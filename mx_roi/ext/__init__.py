@@ -85,11 +85,12 @@ def _unit_source(filename) -> str:
     the shim's per-unit ``static thread_local`` launch state -- a second op then ran the
     first op's copies, read its channel range and wrote zeros."""
     text = S.read_source(filename)
-    headers = dict.fromkeys(re.findall(r"^\s*#\s*include\s*<([^>]+)>", text, re.M))
+    launcher = _read(os.path.join(_HERE, "ext_launch.h"))  # (included inside the namespace)
+    headers = dict.fromkeys(re.findall(r"^\s*#\s*include\s*<([^>]+)>", text + launcher, re.M))
     prelude = [f"#if __has_include(<{h}>)\n#include <{h}>\n#endif" for h in headers
                if "cuda" not in h]
     unit = "mx_roi_unit_" + re.sub(r"\W", "_", os.path.splitext(filename)[0])
-    return "\n".join(prelude + ["#include <type_traits>", '#include "mxnet/lib_api.h"',
+    return "\n".join(prelude + ['#include "mxnet/lib_api.h"',
                                  '#include "ext_common.h"', f"namespace {unit} {{", text,
                                  f"}}  // namespace {unit}", ""])
 
