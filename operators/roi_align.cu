@@ -631,11 +631,7 @@ struct ROIAlignOp {
     kw.finish();
     // ParamBase.__post_init__: positive, then bounds in field order; then ROIAlignParam's
     // samples per axis (not for the Caffe grid, which ignores sample_ratio)
-    const std::string size = py_pair_repr(p.P, p.Q);
-    kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
-    kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
-    kw.check("pooled_size", p.P <= MAX_ELEMENTS && p.Q <= MAX_ELEMENTS,
-             "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
+    check_pooled(kw, p.P, p.Q, p.spatial_scale);
     const std::string ratio = std::to_string(p.sample_ratio);
     kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE,
              "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", ratio);
@@ -644,7 +640,8 @@ struct ROIAlignOp {
     if (!p.caffe()) {
       const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
       kw.check("sample_ratio", p.sample_ratio <= most,
-               "at most " + std::to_string(most) + " with pooled_size " + size + " (" +
+               "at most " + std::to_string(most) + " with pooled_size " +
+                   py_pair_repr(p.P, p.Q) + " (" +
                    std::to_string(MAX_SAMPLES_PER_AXIS_PARAM) + " sample points along an axis)",
                ratio);
     }
@@ -676,9 +673,9 @@ struct ROIAlignOp {
   template <typename T, typename A>
   static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
                       MXTensor& out) {
-    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
-    const int P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
     const Grid<A> g = geometry<T, A>(p, data, rois);
     if (n <= 0) return;
     const T* x = (const T*)data.data_ptr;
@@ -702,9 +699,9 @@ struct ROIAlignOp {
   template <typename T, typename A>
   static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
                        const MXTensor& rois, A* bottom) {
-    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
-    const int P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
     const Grid<A> g = geometry<T, A>(p, data, rois);
     if (n <= 0) return;
     const T* dy = (const T*)grad.data_ptr;

@@ -311,11 +311,7 @@ struct ROIPoolingOp {
     p.spatial_scale = kw.real("spatial_scale", 0);
     p.deterministic = kw.boolean("deterministic", false);
     kw.finish();
-    const std::string size = py_pair_repr(p.P, p.Q);
-    kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
-    kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
-    kw.check("pooled_size", p.P <= MAX_ELEMENTS && p.Q <= MAX_ELEMENTS,
-             "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
+    check_pooled(kw, p.P, p.Q, p.spatial_scale);
     return p;
   }
 
@@ -338,9 +334,9 @@ struct ROIPoolingOp {
   template <typename T, typename A>
   static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
                       MXTensor& out) {
-    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
-    const int P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
     const Bins b = geometry<T, A>(p, data, rois);
     if (n <= 0) return;
     unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
@@ -354,9 +350,9 @@ struct ROIPoolingOp {
   template <typename T, typename A>
   static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
                        const MXTensor& rois, A* bottom) {
-    const int C = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
-    const int P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * C * (long long)P * Q;
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
     const Bins b = geometry<T, A>(p, data, rois);
     if (n <= 0) return;
     mx_roi_launch_channels(C, native_threads(n), [&]() {

@@ -252,6 +252,26 @@ Bins int_bins_geometry(const std::string& op, int mode, int P, int Q, int H, int
   return b;
 }
 
+// ParamBase.__post_init__'s checks of the two fields every op has (params.py's
+// pooled_size_field and spatial_scale_field): both positive, then pooled_size's bound.
+// An op's own checks follow (in its fields' order).
+inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spatial_scale) {
+  const std::string size = py_pair_repr(P, Q);
+  kw.positive("pooled_size", P > 0 && Q > 0, size);
+  kw.positive("spatial_scale", spatial_scale > 0, py_float_repr(spatial_scale));
+  kw.check("pooled_size", P <= MAX_ELEMENTS && Q <= MAX_ELEMENTS,
+           "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
+}
+
+// The sizes of a call: data (N, C, H, W), the P x Q grid, n = R * C * P * Q output items.
+struct Dims {
+  int C, H, W, P, Q;
+  long long n;
+  Dims(const MXTensor& data, const MXTensor& rois, long long P_, long long Q_)
+      : C((int)data.shape[1]), H((int)data.shape[2]), W((int)data.shape[3]), P((int)P_),
+        Q((int)Q_), n(rois.shape[0] * data.shape[1] * P_ * Q_) {}
+};
+
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
 // and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
 // Params (with P, Q), parse(attrs), out_channels(p, C), forward<T, A>(p, data, rois, out)
