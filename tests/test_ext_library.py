@@ -163,8 +163,8 @@ def test_import_does_not_load_the_library():
 # ---- the extension sections leave the other builds as they were -------------------------
 @pytest.mark.parametrize("filename", ext.op_sources())
 def test_extension_section_changes_nothing_the_other_builds_see(filename, tmp_path):
-    """The parsed kernel signatures (name expressions, launch checks) and the native
-    build's preprocessed text are those of the file without its MX_ROI_EXT_LAUNCHER
+    """The parsed kernel signatures (name expressions, launch checks) and the native and
+    emulated builds' preprocessed text are those of the file without its MX_ROI_EXT_LAUNCHER
     section (a stray ``*/`` in it once closed a ``/*`` of roi_common.cuh for the
     signature parser and hid every kernel)."""
     from mx_roi.cuda import source as S
@@ -175,15 +175,15 @@ def test_extension_section_changes_nothing_the_other_builds_see(filename, tmp_pa
     def signatures(t):
         return [m.groups() for m in S._KERNEL_RE.finditer(S._strip_comments(t))]
     assert signatures(text) == signatures(head) != []
-    flags = loader._host_flags(True)
 
-    def preprocessed(t, name):
+    def preprocessed(t, name, native):
         src = tmp_path / name
         src.write_text(t)
-        return subprocess.run([loader.host_compiler(), *flags, "-E", "-P", "-include",
-                               loader.SHIM, "-x", "c++", str(src)], capture_output=True,
-                              text=True, check=True).stdout
-    assert preprocessed(text, "full.cpp") == preprocessed(head, "head.cpp")
+        return subprocess.run([loader.host_compiler(), *loader._host_flags(native), "-E", "-P",
+                               "-include", loader.SHIM, "-x", "c++", str(src)],
+                              capture_output=True, text=True, check=True).stdout
+    for native in (True, False):  # the native and the emulated-cuda builds
+        assert preprocessed(text, "full.cpp", native) == preprocessed(head, "head.cpp", native)
 
 
 # ---- parameters: the C++ parser against params.py ------------------------------------
