@@ -585,3 +585,146 @@ __global__ void roi_align_backward_max_rescan(
                             (A)mx_roi::Traits<T>::load(grad[it.i]), scale);
   }
 }
+
+#ifdef MX_ROI_EXT_LAUNCHER
+// ==== mx_roi_ROIAlign: this op in mx_roi's MXNet extension library (mx_roi.ext) ===========
+// Compiled only into that library (g++ with -DMX_ROI_EXT_LAUNCHER, the host shim in native
+// mode): the GPU, emulated and native builds never see this section.  Parameters as
+// mx.nd.contrib.ROIAlign's and ROIAlignParam's (parsed as mx_roi/params.py parses them, with
+// its messages); the host launcher runs the native backend's recorded call: the device
+// geometry and its roi check, then this file's kernels (forward: avg or max; backward: avg,
+// or max found again in the data, the *_rescan kernel).
+#include "ext_launch.h"
+
+namespace mx_roi_op {
+
+struct ROIAlignOp {
+  static constexpr const char* OP = "ROIAlign";
+
+  struct Params {
+    long long P = 0, Q = 0;
+    double spatial_scale = 0;
+    long long sample_ratio = -1;
+    bool aligned = false, deterministic = false;
+    std::string pool_mode = "avg", legacy = "";
+    bool is_max() const { return pool_mode == "max" || legacy == "caffe"; }
+    bool caffe() const { return legacy == "caffe"; }
+  };
+
+  // ROIAlignParam.from_kwargs (plus contrib.ROIAlign's position_sensitive, api.py's rule)
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    const auto ps = attrs.find("position_sensitive");
+    if (ps != attrs.end() && ps->second != "False" && ps->second != "false" && ps->second != "0")
+      throw OpError(std::string(OP) + ": parameter 'position_sensitive': use PSROIAlign (with "
+                    "output_dim) instead of ROIAlign(position_sensitive=True)");
+    Kwargs kw(OP, attrs, {"pooled_size", "spatial_scale", "sample_ratio", "aligned",
+                          "pool_mode", "deterministic", "legacy"},
+              {"pooled_size", "spatial_scale"}, {"position_sensitive"});
+    Params p;
+    std::tie(p.P, p.Q) = kw.size2("pooled_size");
+    p.spatial_scale = kw.real("spatial_scale", 0);
+    p.sample_ratio = kw.integer("sample_ratio", -1);
+    p.aligned = kw.boolean("aligned", false);
+    p.pool_mode = kw.choice("pool_mode", "avg", {"avg", "max"});
+    p.deterministic = kw.boolean("deterministic", false);
+    p.legacy = kw.legacy("legacy", {"caffe"});
+    kw.finish();
+    // ParamBase.__post_init__: positive, then bounds in field order; then ROIAlignParam's
+    // samples per axis (not for the Caffe grid, which ignores sample_ratio)
+    check_pooled(kw, p.P, p.Q, p.spatial_scale);
+    const std::string ratio = std::to_string(p.sample_ratio);
+    kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE,
+             "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", ratio);
+    kw.check("sample_ratio", p.sample_ratio >= -(1LL << 31),
+             "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", ratio);
+    if (!p.caffe()) {
+      const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
+      kw.check("sample_ratio", p.sample_ratio <= most,
+               "at most " + std::to_string(most) + " with pooled_size " +
+                   py_pair_repr(p.P, p.Q) + " (" +
+                   std::to_string(MAX_SAMPLES_PER_AXIS_PARAM) + " sample points along an axis)",
+               ratio);
+    }
+    return p;
+  }
+
+  // ROIAlignParam.to_kwargs, "name=value;..." (the tests compare it with params.py)
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    const Params p = parse(attrs);
+    return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+           ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+           ";sample_ratio=" + std::to_string(p.sample_ratio) +
+           ";aligned=" + (p.aligned ? "True" : "False") + ";pool_mode=" + p.pool_mode +
+           ";deterministic=" + (p.deterministic ? "True" : "False") + ";legacy=" + p.legacy;
+  }
+
+  static long long out_channels(const Params&, long long C) { return C; }
+
+  // the geometry of the call (Spec: the Caffe grid takes neither sample nor aligned)
+  template <typename T, typename A>
+  static Grid<A> geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    return grid_geometry<T, A>(OP, p.caffe() ? MODE_CAFFE_GRID : MODE_ALIGN_GRID, (int)p.P,
+                               (int)p.Q, (int)data.shape[2], (int)data.shape[3],
+                               p.caffe() ? 0 : (int)p.sample_ratio, p.caffe() ? 0 : p.aligned,
+                               (float)p.spatial_scale, (const T*)rois.data_ptr,
+                               rois.shape[0], data.shape[0]);
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
+                      MXTensor& out) {
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
+    const Grid<A> g = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
+    const T* x = (const T*)data.data_ptr;
+    T* y = (T*)out.data_ptr;
+    if (p.is_max()) {
+      unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_forward_max<T, A, unsigned char>(
+            x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
+            g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx, y, &no_argmax, 0, n);
+      });
+    } else {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_forward_avg<T, A>(x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh,
+                                    g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, g.divisor, C,
+                                    H, W, P, Q, g.Gy, g.Gx, y, n);
+      });
+    }
+  }
+
+  template <typename T, typename A>
+  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
+                       const MXTensor& rois, A* bottom) {
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
+    const Grid<A> g = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
+    const T* dy = (const T*)grad.data_ptr;
+    if (p.is_max()) {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_backward_max_rescan<T, A, A>(
+            (const T*)data.data_ptr, dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
+            g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx,
+            bottom, 1.0, n);
+      });
+    } else {
+      mx_roi_launch_channels(C, native_threads(n), [&]() {
+        roi_align_backward_avg<T, A, A>(dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
+                                        g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
+                                        g.divisor, C, H, W, P, Q, g.Gy, g.Gx, bottom, 1.0, n);
+      });
+    }
+  }
+};
+
+const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
+
+}  // namespace mx_roi_op
+
+MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp);
+#endif  // MX_ROI_EXT_LAUNCHER

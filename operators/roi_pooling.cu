@@ -283,3 +283,89 @@ __global__ void roi_pooling_backward_rescan(
   }
 #endif
 }
+
+#ifdef MX_ROI_EXT_LAUNCHER
+// ==== mx_roi_ROIPooling: this op in mx_roi's MXNet extension library (mx_roi.ext) =========
+// Compiled only into that library (see roi_align.cu's section): mx.nd.ROIPooling's
+// parameters plus ROIPoolingParam's, the device geometry's integer bins and roi check,
+// then this file's kernels (the backward finds each bin's winner again in the data).
+#include "ext_launch.h"
+
+namespace mx_roi_op {
+
+struct ROIPoolingOp {
+  static constexpr const char* OP = "ROIPooling";
+
+  struct Params {
+    long long P = 0, Q = 0;
+    double spatial_scale = 0;
+    bool deterministic = false;
+  };
+
+  // ROIPoolingParam.from_kwargs
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    Kwargs kw(OP, attrs, {"pooled_size", "spatial_scale", "deterministic"},
+              {"pooled_size", "spatial_scale"});
+    Params p;
+    std::tie(p.P, p.Q) = kw.size2("pooled_size");
+    p.spatial_scale = kw.real("spatial_scale", 0);
+    p.deterministic = kw.boolean("deterministic", false);
+    kw.finish();
+    check_pooled(kw, p.P, p.Q, p.spatial_scale);
+    return p;
+  }
+
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    const Params p = parse(attrs);
+    return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+           ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+           ";deterministic=" + (p.deterministic ? "True" : "False");
+  }
+
+  static long long out_channels(const Params&, long long C) { return C; }
+
+  template <typename T, typename A>
+  static Bins geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    return int_bins_geometry<T, A>(OP, MODE_POOL_BINS, (int)p.P, (int)p.Q, (int)data.shape[2],
+                                   (int)data.shape[3], (float)p.spatial_scale,
+                                   (const T*)rois.data_ptr, rois.shape[0], data.shape[0]);
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
+                      MXTensor& out) {
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
+    const Bins b = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
+    unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
+    mx_roi_launch_channels(C, native_threads(n), [&]() {
+      roi_pooling_forward<T, A, unsigned char>((const T*)data.data_ptr, b.batch, b.hstart,
+                                               b.hend, b.wstart, b.wend, C, H, W, P, Q,
+                                               (T*)out.data_ptr, &no_argmax, 0, n);
+    });
+  }
+
+  template <typename T, typename A>
+  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
+                       const MXTensor& rois, A* bottom) {
+    const Dims d(data, rois, p.P, p.Q);
+    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
+    const long long n = d.n;
+    const Bins b = geometry<T, A>(p, data, rois);
+    if (n <= 0) return;
+    mx_roi_launch_channels(C, native_threads(n), [&]() {
+      roi_pooling_backward_rescan<T, A, A>((const T*)data.data_ptr, (const T*)grad.data_ptr,
+                                           b.batch, b.hstart, b.hend, b.wstart, b.wend, C, H,
+                                           W, P, Q, bottom, 1.0, n);
+    });
+  }
+};
+
+const RegisterParams roi_pooling_params("ROIPooling", ROIPoolingOp::format);
+
+}  // namespace mx_roi_op
+
+MX_ROI_EXT_REGISTER(mx_roi_ROIPooling, mx_roi_op::ROIPoolingOp);
+#endif  // MX_ROI_EXT_LAUNCHER

@@ -1,0 +1,404 @@
+// The host launcher's common part, included by an op's MX_ROI_EXT_LAUNCHER section (the end
+// of operators/<op>.cu, compiled for the extension library: the host shim, roi_common.cuh
+// and the op's kernels are already in the translation unit).  The whole unit sits in a
+// namespace of its own (mx_roi.ext._unit_source): its names, this file's namespace
+// mx_roi_op included, are the unit's alone, so several ops link into one library.
+//
+// The geometry of a sample-grid op as the native backend's recorded call builds it
+// (mx_roi.cuda.native_program / device_geometry.build): the device-geometry kernel
+// roi_grid_geometry over tables sized from the shapes (grid_widths), its status word
+// checked before any op kernel runs; a bad roi raises the Custom path's message
+// (registry.RoIOp.roi_error, decoded as DeviceGeometry.error decodes it); a roi needing
+// more sample points than the tables hold is built again with exact widths (the compiled
+// twin of mx_roi.geometry, as the checked path does).
+#pragma once
+
+#include <algorithm>
+#include <type_traits>
+
+#include "mxnet/lib_api.h"
+#include "ext_common.h"
+
+namespace mx_roi_op {
+
+using namespace ::mx_roi_ext;
+using namespace ::mxnet::ext;
+using mx_roi::geo::STATUS_BATCH_KEY;
+
+// geometry.MAX_SAMPLES_PER_AXIS; onednn.GUARD_BOUND
+const long long MAX_SAMPLES_PER_AXIS = 1LL << 22;
+const double GUARD_BOUND = 3.0e38;
+// compiled_geometry.MODES
+enum { MODE_POOL_BINS = 0, MODE_PS_POOL_BINS = 1, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3,
+       MODE_RFCN_GRID = 4 };
+
+// A per-thread scratch buffer (slot: tables 0, a float16 backward's float32 gradient 1).
+inline unsigned char* scratch(int slot, size_t bytes) {
+  static thread_local std::vector<unsigned char> buf[2];
+  if (buf[slot].size() < bytes) buf[slot].resize(bytes);
+  return buf[slot].data();
+}
+
+inline double to_double(float v) { return v; }
+inline double to_double(double v) { return v; }
+#if !defined(__FLT16_MAX__) || defined(MX_ROI_SOFT_HALF)
+inline double to_double(__half v) { return __half2float(v); }
+#else
+inline double to_double(_Float16 v) { return (double)(float)v; }
+#endif
+
+// registry.RoIOp.roi_error of the status word ``word`` (roi_common.cuh's roi_status key)
+template <typename T>
+std::string roi_error(const std::string& op, unsigned long long word, const T* rois,
+                      long long images, int columns = 5) {
+  const unsigned long long key = ~word;
+  const bool batch = key >= STATUS_BATCH_KEY;
+  const long long r = (long long)(batch ? key - STATUS_BATCH_KEY : key);
+  if (!batch) {
+    std::string row = "[";
+    for (int k = 0; k < columns; ++k)
+      row += (k ? ", " : "") + py_float_repr(to_double(rois[r * columns + k]));
+    return op + ": rois[" + std::to_string(r) + "] has a NaN or infinite value " + row +
+           "]; coordinates must be finite";
+  }
+  char b[64];
+  std::snprintf(b, sizeof b, "%g", to_double(rois[r * columns]));
+  return op + ": rois[" + std::to_string(r) + "] has batch index " + b +
+         " but data holds only " + std::to_string(images) + " image(s) (valid: 0.." +
+         std::to_string(images - 1) + "; a negative index marks a padding roi)";
+}
+
+// A sample grid's tables (geometry.SampleGrid; coordinates only in the exact build).
+template <typename A>
+struct Grid {
+  int Gy = 0, Gx = 0;
+  int *batch = nullptr, *y_count = nullptr, *y_low = nullptr, *y_high = nullptr;
+  int *x_count = nullptr, *x_low = nullptr, *x_high = nullptr;
+  A *y_wl = nullptr, *y_wh = nullptr, *x_wl = nullptr, *x_wh = nullptr, *divisor = nullptr;
+  A *y_coord = nullptr, *x_coord = nullptr;
+};
+
+// Lays the tables out over ``base`` (16-byte aligned, as device_geometry._carve); with
+// base == nullptr only measures.  Returns the bytes needed.
+template <typename A>
+size_t carve_grid(Grid<A>& g, unsigned char* base, long long R, int P, int Q, bool coords) {
+  size_t off = 0;
+  auto take = [&](auto*& p, long long count) {
+    typedef typename std::remove_reference<decltype(*p)>::type X;
+    p = base ? (X*)(base + off) : nullptr;
+    off += ((size_t)count * sizeof(X) + 15) / 16 * 16;
+  };
+  const long long ry = R * P * (long long)g.Gy, rx = R * Q * (long long)g.Gx;
+  take(g.batch, R);
+  take(g.y_count, R * P);
+  take(g.y_low, ry);
+  take(g.y_high, ry);
+  take(g.y_wl, ry);
+  take(g.y_wh, ry);
+  take(g.x_count, R * Q);
+  take(g.x_low, rx);
+  take(g.x_high, rx);
+  take(g.x_wl, rx);
+  take(g.x_wh, rx);
+  take(g.divisor, R * P * Q);
+  if (coords) {
+    take(g.y_coord, ry);
+    take(g.x_coord, rx);
+  }
+  return off < 16 ? 16 : off;
+}
+
+// The geometry of R >= 1 rois (see the top of this file); throws OpError for a bad roi.
+template <typename T, typename A>
+Grid<A> grid_geometry(const std::string& op, int mode, int P, int Q, int H, int W, int sample,
+                      int aligned, float scale, const T* rois, long long R, long long N) {
+  const bool use_bound = !std::is_same<T, __half>::value;  // onednn.bounded_dtype
+  Grid<A> g;
+  // device_geometry.grid_widths
+  long long gy, gx;
+  if (mode == MODE_RFCN_GRID || (mode == MODE_ALIGN_GRID && sample > 0)) {
+    gy = gx = sample;
+  } else {
+    gy = (H + 1 + P - 1) / P + 1;
+    gx = (W + 1 + Q - 1) / Q + 1;
+  }
+  const bool padded = gy >= 1 && gy * P <= MAX_SAMPLES_PER_AXIS && gx * Q <= MAX_SAMPLES_PER_AXIS;
+  if (padded) {
+    g.Gy = (int)gy;
+    g.Gx = (int)gx;
+    const size_t bytes = carve_grid(g, nullptr, R, P, Q, false);
+    carve_grid(g, scratch(0, bytes), R, P, Q, false);
+    unsigned long long status[2] = {0, 0};
+    mx_roi_launch_serial(1, 1, [&]() {
+      roi_grid_geometry<T, A>(rois, mode, P, Q, H, W, sample, aligned, scale, g.Gy, g.Gx, N,
+                              GUARD_BOUND, use_bound ? 1 : 0, g.batch, g.y_count, g.y_low,
+                              g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl,
+                              g.x_wh, g.divisor, status, R);
+    });
+    if (status[0]) throw OpError(roi_error(op, status[0], rois, N));
+    if (!status[1]) return g;
+  } else {
+    long long row = 0;
+    const int code = mx_roi::geo::check_rois<T, A>(rois, R, N, GUARD_BOUND, use_bound, &row);
+    if (code)
+      throw OpError(roi_error(op, code == 1 ? ~(unsigned long long)row
+                                            : ~(STATUS_BATCH_KEY + (unsigned long long)row),
+                              rois, N));
+  }
+  // exact widths (the checked path's tables)
+  const mx_roi::geo::Params counts_params =
+      mx_roi::geo::make_params(mode, P, Q, H, W, sample, aligned, scale, 0, 0);
+  int G[2] = {0, 0};
+  mx_roi::geo::geometry_counts<T, A>(counts_params, rois, R, G);
+  // compiled_geometry.align_samples_problem
+  long long too_many = 0;
+  if (P == Q && std::abs(G[0] - G[1]) <= 8) {
+    const long long n = (long long)(G[0] > G[1] ? G[0] : G[1]) * P;
+    if (n > MAX_SAMPLES_PER_AXIS) too_many = n;
+  } else if ((long long)G[0] * P > MAX_SAMPLES_PER_AXIS) {
+    too_many = (long long)G[0] * P;
+  } else if ((long long)G[1] * Q > MAX_SAMPLES_PER_AXIS) {
+    too_many = (long long)G[1] * Q;
+  }
+  if (too_many)
+    throw OpError(op + ": rois: a box needs " + std::to_string(too_many) +
+                  " sample points along one axis (more than " +
+                  std::to_string(MAX_SAMPLES_PER_AXIS) +
+                  "); check the coordinates and spatial_scale");
+  g = Grid<A>();
+  g.Gy = G[0];
+  g.Gx = G[1];
+  const size_t bytes = carve_grid(g, nullptr, R, P, Q, true);
+  carve_grid(g, scratch(0, bytes), R, P, Q, true);
+  const mx_roi::geo::Params params =
+      mx_roi::geo::make_params(mode, P, Q, H, W, sample, aligned, scale, g.Gy, g.Gx);
+  mx_roi::geo::Tables<A> tb = {};
+  tb.batch = g.batch;
+  tb.y_count = g.y_count;
+  tb.y_coord = g.y_coord;
+  tb.y_low = g.y_low;
+  tb.y_high = g.y_high;
+  tb.y_wl = g.y_wl;
+  tb.y_wh = g.y_wh;
+  tb.x_count = g.x_count;
+  tb.x_coord = g.x_coord;
+  tb.x_low = g.x_low;
+  tb.x_high = g.x_high;
+  tb.x_wl = g.x_wl;
+  tb.x_wh = g.x_wh;
+  tb.divisor = g.divisor;
+  for (long long r = 0; r < R; ++r) mx_roi::geo::geometry_roi<T, A>(params, rois, r, tb);
+  return g;
+}
+
+// The shape of an MXTensor as Python prints a tuple: "(2, 3)", "(5,)".
+inline std::string shape_repr(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+inline std::string shape_repr(const std::vector<unsigned int>& s) {
+  return shape_repr(std::vector<int64_t>(s.begin(), s.end()));
+}
+
+inline long long numel(const std::vector<int64_t>& s) {
+  long long n = 1;
+  for (auto v : s) n *= v;
+  return n;
+}
+
+// The element type pair (T, A) of an MXNet dtype: float32, float64, float16 (A = float).
+template <typename F>
+void dispatch_dtype(const std::string& op, int dtype, F&& f) {
+  switch (dtype) {
+    case mxnet::ext::kFloat32: f((float*)nullptr, (float*)nullptr); break;
+    case mxnet::ext::kFloat64: f((double*)nullptr, (double*)nullptr); break;
+    case mxnet::ext::kFloat16: f((__half*)nullptr, (float*)nullptr); break;
+    default:
+      throw OpError(op + ": data must be float16, float32 or float64 (MXNet dtype code " +
+                    std::to_string(dtype) + ")");
+  }
+}
+
+// The integer bins (geometry.IntBins) of R >= 1 rois through roi_bins_geometry, checked
+// into the status word.  ``cells`` is the device path's argmax bound; the extension ops
+// keep no argmax (their max backwards rescan the data), so none is needed: the tables'
+// values do not depend on it.
+struct Bins {
+  int *batch = nullptr, *hstart = nullptr, *hend = nullptr, *wstart = nullptr, *wend = nullptr;
+};
+
+template <typename T, typename A>
+Bins int_bins_geometry(const std::string& op, int mode, int P, int Q, int H, int W, float scale,
+                       const T* rois, long long R, long long N) {
+  Bins b;
+  const size_t ri = ((size_t)R * sizeof(int) + 15) / 16 * 16;
+  const size_t rp = ((size_t)R * P * sizeof(int) + 15) / 16 * 16;
+  const size_t rq = ((size_t)R * Q * sizeof(int) + 15) / 16 * 16;
+  unsigned char* m = scratch(0, ri + 2 * rp + 2 * rq + 16);
+  b.batch = (int*)m;
+  b.hstart = (int*)(m + ri);
+  b.hend = (int*)(m + ri + rp);
+  b.wstart = (int*)(m + ri + 2 * rp);
+  b.wend = (int*)(m + ri + 2 * rp + rq);
+  unsigned long long status[2] = {0, 0};
+  mx_roi_launch_serial(1, 1, [&]() {
+    roi_bins_geometry<T, A>(rois, mode, P, Q, H, W, scale, N, GUARD_BOUND,
+                            std::is_same<T, __half>::value ? 0 : 1, (long long)1 << 62,
+                            b.batch, b.hstart, b.hend, b.wstart, b.wend, status, R);
+  });
+  if (status[0]) throw OpError(roi_error(op, status[0], rois, N));
+  return b;
+}
+
+// ParamBase.__post_init__'s checks of the two fields every op has (params.py's
+// pooled_size_field and spatial_scale_field): both positive, then pooled_size's bound.
+// An op's own checks follow (in its fields' order).
+inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spatial_scale) {
+  const std::string size = py_pair_repr(P, Q);
+  kw.positive("pooled_size", P > 0 && Q > 0, size);
+  kw.positive("spatial_scale", spatial_scale > 0, py_float_repr(spatial_scale));
+  kw.check("pooled_size", P <= MAX_ELEMENTS && Q <= MAX_ELEMENTS,
+           "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
+}
+
+// The sizes of a call: data (N, C, H, W), the P x Q grid, n = R * C * P * Q output items.
+struct Dims {
+  int C, H, W, P, Q;
+  long long n;
+  Dims(const MXTensor& data, const MXTensor& rois, long long P_, long long Q_)
+      : C((int)data.shape[1]), H((int)data.shape[2]), W((int)data.shape[3]), P((int)P_),
+        Q((int)Q_), n(rois.shape[0] * data.shape[1] * P_ * Q_) {}
+};
+
+// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
+// and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
+// Params (with P, Q), parse(attrs), out_channels(p, C), forward<T, A>(p, data, rois, out)
+// and backward<T, A>(p, grad, data, rois, bottom) -- bottom: the zeroed accumulator of the
+// input gradient, in the compute dtype A.  The backward writes the rois' gradient as zeros
+// and, for float16, rounds the float32 accumulator into the gradient once (the Custom
+// path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
+template <typename Op>
+struct Callbacks {
+  typedef std::unordered_map<std::string, std::string> Attrs;
+
+  static void check(const MXTensor& data, const MXTensor& rois) {
+    if (data.shape.size() != 4)
+      throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
+                    shape_repr(data.shape));
+    if (rois.shape.size() != 2 || rois.shape[1] != 5)
+      throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, "
+                    "y2), got shape " + shape_repr(rois.shape));
+    if (rois.dtype != data.dtype)
+      throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+  }
+
+  // Op::parse(attrs), memoised per thread by the attributes' text: MXNet hands every
+  // callback of one imperative call the same string map (ParseAttrs, num_inputs,
+  // num_outputs, InferShape, InferType, FCompute: six parses of ~3 us each).  Errors
+  // are not kept: a bad value is parsed, and reported, each time.
+  static typename Op::Params params(const Attrs& attrs) {
+    std::vector<std::pair<std::string, std::string>> items(attrs.begin(), attrs.end());
+    std::sort(items.begin(), items.end());
+    std::string key;
+    for (const auto& kv : items) {
+      key += kv.first;
+      key += '\0';
+      key += kv.second;
+      key += '\0';
+    }
+    static thread_local std::map<std::string, typename Op::Params> memo;
+    auto it = memo.find(key);
+    if (it != memo.end()) return it->second;
+    const typename Op::Params p = Op::parse(attrs);
+    if (memo.size() >= 256) memo.clear();
+    memo.emplace(std::move(key), p);
+    return p;
+  }
+
+  static MXReturnValue parse_attrs(const Attrs& attrs, int* num_in, int* num_out) {
+    MX_ROI_EXT_CALL(params(attrs); *num_in = 2; *num_out = 1;)
+  }
+
+  static MXReturnValue infer_type(const Attrs& attrs, std::vector<int>* in_types,
+                                  std::vector<int>* out_types) {
+    MX_ROI_EXT_CALL({
+      int& d = (*in_types)[0];
+      int& r = (*in_types)[1];
+      if (d < 0 || d == kUNSET) d = r;
+      if (r < 0 || r == kUNSET) r = d;
+      if (d != r) throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+      (*out_types)[0] = d;
+    })
+  }
+
+  static MXReturnValue infer_shape(const Attrs& attrs,
+                                   std::vector<std::vector<unsigned int>>* in_shapes,
+                                   std::vector<std::vector<unsigned int>>* out_shapes) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = params(attrs);
+      const auto& d = (*in_shapes)[0];
+      const auto& r = (*in_shapes)[1];
+      if (d.size() != 4)
+        throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
+                      shape_repr(d));
+      if (r.size() != 2 || r[1] != 5)
+        throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, "
+                      "x2, y2), got shape " + shape_repr(r));
+      (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
+                          (unsigned int)p.Q};
+    })
+  }
+
+  static MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                               std::vector<MXTensor>* outputs, const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = params(attrs);
+      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+      check(data, rois);
+      dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
+        typedef typename std::remove_pointer<decltype(t)>::type T;
+        typedef typename std::remove_pointer<decltype(a)>::type A;
+        if (rois.shape[0] > 0) Op::template forward<T, A>(p, data, rois, (*outputs)[0]);
+      });
+    })
+  }
+
+  // inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
+  static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                std::vector<MXTensor>* outputs, const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = params(attrs);
+      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      check(data, rois);
+      dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
+        typedef typename std::remove_pointer<decltype(t)>::type T;
+        typedef typename std::remove_pointer<decltype(a)>::type A;
+        MXTensor &data_grad = (*outputs)[0], &rois_grad = (*outputs)[1];
+        std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
+        const long long size = numel(data.shape);
+        const bool direct = std::is_same<T, A>::value;  // float16: a float32 accumulator
+        A* bottom = direct ? (A*)data_grad.data_ptr
+                           : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
+        std::memset(bottom, 0, (size_t)size * sizeof(A));
+        if (rois.shape[0] > 0) Op::template backward<T, A>(p, grad, data, rois, bottom);
+        if (!direct) {
+          T* out = (T*)data_grad.data_ptr;
+          for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
+        }
+      });
+    })
+  }
+};
+
+}  // namespace mx_roi_op
+
+// Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``.
+#define MX_ROI_EXT_REGISTER(Name, Op)                                        \
+  REGISTER_OP(Name)                                                          \
+      .setForward(mx_roi_op::Callbacks<Op>::forward, "cpu")                  \
+      .setBackward(mx_roi_op::Callbacks<Op>::backward, "cpu")                \
+      .setParseAttrs(mx_roi_op::Callbacks<Op>::parse_attrs)                  \
+      .setInferType(mx_roi_op::Callbacks<Op>::infer_type)                    \
+      .setInferShape(mx_roi_op::Callbacks<Op>::infer_shape)

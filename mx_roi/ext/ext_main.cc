@@ -1,0 +1,150 @@
+// The library-wide part of mx_roi's MXNet extension library (mx_roi.ext builds it with
+// MXNet's own src/lib_api.cc and each op's operators/<op>.cu compiled with
+// -DMX_ROI_EXT_LAUNCHER): the error channel, the library's initialize(), the no-op op
+// (the floor of an extension op's call) and the entry point the tests parse parameters
+// through.
+#include <mutex>
+#include <sstream>
+
+#include "mxnet/lib_api.h"
+#include "ext_common.h"
+
+using namespace mxnet::ext;
+
+// ---- the error channel ------------------------------------------------------------------
+// MXerrorMsgs::messages is private and lib_api.cc never clears it (MXNet then repeats every
+// earlier error after each new one).  An explicit instantiation may name a private member
+// ([temp.explicit]/12): Steal hands out its pointer-to-member.
+namespace {
+struct MessagesTag {
+  typedef std::vector<std::stringstream*> MXerrorMsgs::*type;
+  friend type member(MessagesTag);
+};
+template <typename Tag, typename Tag::type M>
+struct Steal {
+  friend typename Tag::type member(Tag) { return M; }
+};
+template struct Steal<MessagesTag, &MXerrorMsgs::messages>;
+
+std::mutex error_lock;
+
+void clear_messages() {
+  auto& messages = MXerrorMsgs::get()->*member(MessagesTag());
+  for (auto* m : messages) delete m;
+  messages.clear();
+}
+}  // namespace
+
+namespace mx_roi_ext {
+void begin_call() {
+  std::lock_guard<std::mutex> lock(error_lock);
+  clear_messages();
+}
+
+// One message, without the "file[line]: " that MX_ERROR_MSG puts first.
+void set_error(const std::string& message) {
+  std::lock_guard<std::mutex> lock(error_lock);
+  clear_messages();
+  auto& messages = MXerrorMsgs::get()->*member(MessagesTag());
+  messages.push_back(new std::stringstream());
+  *messages.back() << message;
+}
+
+std::map<std::string, ParamsFormatter>& params_formatters() {
+  static std::map<std::string, ParamsFormatter> table;
+  return table;
+}
+}  // namespace mx_roi_ext
+
+// The messages MXNet would print now (tests: the list holds one message per failure).
+extern "C" int mx_roi_ext_message_count() {
+  return MXerrorMsgs::get()->size();
+}
+
+// Parses op's parameters as its extension op does: writes "name=value;..." (the parsed
+// values as params.ParamBase.to_kwargs spells them) or the error message into out;
+// returns 0 (parsed), 1 (an error), -1 (no such op), -2 (out too small).
+extern "C" int mx_roi_ext_parse_params(const char* op, int n, const char* const* keys,
+                                       const char* const* values, char* out, int out_len) {
+  auto& table = mx_roi_ext::params_formatters();
+  auto it = table.find(op);
+  if (it == table.end()) return -1;
+  std::unordered_map<std::string, std::string> attrs;
+  for (int i = 0; i < n; ++i) attrs[keys[i]] = values[i];
+  std::string text;
+  int rc = 0;
+  try {
+    text = it->second(attrs);
+  } catch (const std::exception& e) {
+    text = e.what();
+    rc = 1;
+  }
+  if ((int)text.size() + 1 > out_len) return -2;
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return rc;
+}
+
+// ---- mx_roi_noop: the floor of an extension op's call -----------------------------------
+// Inputs (data, rois), one output of shape ``out_shape`` (a JSON list of ints), the data's
+// dtype; forward and backward do nothing, like the bench's no-op Custom op
+// (mx_roi.bench.overhead), so the two floors compare the calls' machinery alone.
+namespace {
+using mx_roi_ext::OpError;
+
+std::vector<unsigned int> noop_shape(const std::unordered_map<std::string, std::string>& attrs) {
+  auto it = attrs.find("out_shape");
+  if (it == attrs.end()) throw OpError("mx_roi_noop: missing required parameter(s) 'out_shape'");
+  std::string t = it->second;
+  for (auto& c : t)
+    if (c == '[' || c == ']' || c == '(' || c == ')' || c == ',') c = ' ';
+  std::istringstream in(t);
+  std::vector<unsigned int> shape;
+  long long v;
+  while (in >> v) {
+    if (v < 0) break;
+    shape.push_back((unsigned int)v);
+  }
+  if (!in.eof() || shape.empty())
+    throw OpError("mx_roi_noop: parameter 'out_shape': expected a list of non-negative ints, "
+                  "got " + mx_roi_ext::py_str_repr(it->second));
+  return shape;
+}
+
+MXReturnValue noop_parse(const std::unordered_map<std::string, std::string>& attrs,
+                         int* num_in, int* num_out) {
+  MX_ROI_EXT_CALL(noop_shape(attrs); *num_in = 2; *num_out = 1;)
+}
+
+MXReturnValue noop_type(const std::unordered_map<std::string, std::string>& attrs,
+                        std::vector<int>* in_types, std::vector<int>* out_types) {
+  MX_ROI_EXT_CALL((*out_types)[0] = (*in_types)[0];)
+}
+
+MXReturnValue noop_shape_fn(const std::unordered_map<std::string, std::string>& attrs,
+                            std::vector<std::vector<unsigned int>>* in_shapes,
+                            std::vector<std::vector<unsigned int>>* out_shapes) {
+  MX_ROI_EXT_CALL((*out_shapes)[0] = noop_shape(attrs);)
+}
+
+MXReturnValue noop_compute(const std::unordered_map<std::string, std::string>& attrs,
+                           std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                           const OpResource& res) {
+  MX_ROI_EXT_CALL((void)0;)
+}
+}  // namespace
+
+REGISTER_OP(mx_roi_noop)
+    .setForward(noop_compute, "cpu")
+    .setBackward(noop_compute, "cpu")
+    .setParseAttrs(noop_parse)
+    .setInferType(noop_type)
+    .setInferShape(noop_shape_fn);
+
+MXReturnValue initialize(int version) {
+  // 10901: the MXNet the extension API of this lib_api.h shipped with (1.9.x)
+  if (version < 10900) {
+    MX_ERROR_MSG << "mx_roi's extension library needs MXNet >= 1.9.0, got " << version;
+    return MX_FAIL;
+  }
+  return MX_SUCCESS;
+}
