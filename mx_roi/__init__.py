@@ -40,3 +40,12 @@ atexit.register(_finish_pending_ops)
 
 #: the registered op types (``mx.nd.Custom(op_type=...)``)
 OP_TYPES = tuple(registry.REGISTERED)
+
+
+def library_path() -> str:
+    """Path of mx_roi's MXNet extension library -- the ops as native MXNet operators
+    ``mx_roi_<Op>`` (docs/native_ops.md; opt-in: ``mx_roi.ext.load()`` or
+    ``mx.library.load(path)``) -- built with g++ on first use and cached;
+    :class:`mx_roi.ext.ExtLibraryError` says why when it cannot be built here."""
+    from .ext import library_path as _library_path
+    return _library_path()

@@ -14,6 +14,9 @@ GPU is reported, not a failure):
                      (the max modes' backward also with no argmax kept: the rescan);
 * ``nvrtc-compile``  needs libnvrtc (``nvidia-cuda-nvrtc-cu11``): every kernel source and
                      instantiation compiled to PTX (default compute_70; ``--archs``);
+* ``native-ops``     needs g++ and MXNet's extension API (in the 1.9.1 wheel): the ops
+                     built as native MXNet operators (:mod:`mx_roi.ext`) against the
+                     ``native`` backend's Custom path, bit for bit;
 * ``cuda``           needs CuPy and a GPU: the kernels on ``mx.gpu(0)`` against the NumPy
                      backend on the CPU, and the built-ins on the GPU; where MXNet is a
                      CPU build, the kernels on CuPy arrays standing in for GPU NDArrays
@@ -168,13 +171,49 @@ def check_cuda(quick=False):
     return f"{n} checks vs the CPU path and the GPU built-ins"
 
 
+def check_extension(quick=False):
+    """The extension library's native ops (``mx.nd.mx_roi_<Op>``, :mod:`mx_roi.ext`)
+    against the ``native`` backend's Custom path: forward and data gradient bit-equal."""
+    import mxnet as mx
+    from mxnet import autograd
+    from . import ext
+    from .backends import get
+    why = ext.unavailable_reason()
+    if why:
+        raise Skip(f"{why}; the ops run as Custom ops")
+    ext.load()
+    n, names = 0, set()
+    for dtype in _dtypes(quick):
+        for name, params in CASES:
+            native = getattr(mx.nd, f"mx_roi_{name}", None)
+            if native is None:
+                continue
+            op = _op(name, params)
+            data, rois, grad, extra = _problem(op, dtype, seed=2)
+            out, grads = _run(get("native"), op, data, rois, grad, mx.cpu(), extra=extra)
+            x = mx.nd.array(data, dtype=dtype)
+            x.attach_grad()
+            with autograd.record():
+                y = native(x, mx.nd.array(rois, dtype=dtype),
+                           *(mx.nd.array(a, dtype=dtype) for a in extra), **params)
+            y.backward(mx.nd.array(grad, dtype=dtype))
+            what = f"mx_roi_{name} {params} {np.dtype(dtype).name}"
+            if not (np.array_equal(y.asnumpy(), out, equal_nan=True) and
+                    np.array_equal(x.grad.asnumpy(), grads[0], equal_nan=True)):
+                raise AssertionError(f"{what}: not bit-equal to the Custom path (native)")
+            n, names = n + 1, names | {name}
+    return (f"{n} checks of {', '.join(sorted(names))} vs the Custom path, bit-equal "
+            "(opt-in: mx_roi.ext.load())")
+
+
 def run_checks(quick=False, archs=(70,)):
     """``[(backend, status, seconds, detail)]`` with status PASS, FAIL or SKIP."""
     rows = []
     for name, fn, kw in (("numpy", check_numpy, {}), ("native", check_native, {}),
                          ("emulated-cuda", check_emulated, {}),
                          ("nvrtc-compile", check_nvrtc, {"archs": archs}),
-                         ("cuda", check_cuda, {})):
+                         ("cuda", check_cuda, {}),
+                         ("native-ops", check_extension, {})):
         t0 = time.perf_counter()
         try:
             detail = fn(quick=quick, **kw)

@@ -349,8 +349,9 @@ def test_get_module_takes_one_kind(tmp_path, monkeypatch):
 
 
 def test_selftest_subprocess():
-    """``python -m mx_roi.selftest`` passes here: numpy, native, emulated-cuda and the NVRTC
-    compile are usable on a CPU machine, the GPU row is reported (PASS or SKIP), exit code 0."""
+    """``python -m mx_roi.selftest`` passes here: numpy, native, emulated-cuda, the NVRTC
+    compile and the native ops (extension library) are usable on a CPU machine, the GPU
+    row is reported (PASS or SKIP), exit code 0."""
     import subprocess
     import sys
     env = dict(os.environ)
@@ -360,9 +361,9 @@ def test_selftest_subprocess():
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines()
             if line.split() and line.split()[0] in
-            ("numpy", "native", "emulated-cuda", "nvrtc-compile", "cuda")}
+            ("numpy", "native", "emulated-cuda", "nvrtc-compile", "cuda", "native-ops")}
     assert rows["numpy"] == rows["native"] == rows["emulated-cuda"] == rows["nvrtc-compile"] \
-        == "PASS", res.stdout
+        == rows["native-ops"] == "PASS", res.stdout
     assert rows["cuda"] in ("PASS", "SKIP"), res.stdout
     assert "OK: every usable backend passed" in res.stdout
 

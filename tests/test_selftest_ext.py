@@ -1,0 +1,39 @@
+"""``python -m mx_roi.selftest``'s ``native-ops`` row: the extension library's native ops
+(:mod:`mx_roi.ext`) checked bit for bit against the ``native`` backend's Custom path, a
+mismatch reported, and a machine that cannot build the library told that the ops run as
+Custom ops (never a failure)."""
+import mxnet as mx
+import pytest
+
+import mx_roi
+from mx_roi import ext, selftest
+
+
+def test_native_ops_row_passes_here():
+    assert ext.unavailable_reason() == ""  # g++ and the wheel's extension API are here
+    detail = selftest.check_extension(quick=True)
+    assert "ROIAlign" in detail and "ROIPooling" in detail
+    assert "bit-equal" in detail
+
+
+def test_native_ops_row_fails_on_a_mismatch(monkeypatch):
+    ext.load()
+    real = mx.nd.mx_roi_ROIAlign
+    monkeypatch.setattr(mx.nd, "mx_roi_ROIAlign", lambda *a, **k: real(*a, **k) * 2)
+    with pytest.raises(AssertionError, match=r"^mx_roi_ROIAlign .*: not bit-equal to the "
+                                             r"Custom path \(native\)$"):
+        selftest.check_extension(quick=True)
+
+
+def test_native_ops_row_skips_with_the_reason(monkeypatch):
+    monkeypatch.setattr(ext, "unavailable_reason", lambda: "no C++ compiler (g++ or $CXX)")
+    with pytest.raises(selftest.Skip, match=r"^no C\+\+ compiler \(g\+\+ or \$CXX\); the ops "
+                                            r"run as Custom ops$"):
+        selftest.check_extension(quick=True)
+
+
+def test_library_path_at_the_top_is_the_extension_library():
+    import os
+    path = mx_roi.library_path()
+    assert path == ext.library_path() and os.path.isfile(path)
+    assert os.path.basename(path).startswith("mx_roi_ext-mx1.9.1-api11-")
