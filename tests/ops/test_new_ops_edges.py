@@ -1,0 +1,172 @@
+"""Edges of the issue-35 ops (RROIAlign, DeformablePSROIPooling, PrRoIPool) and of the
+issue-34 host pieces (``ndio.array_info`` / ``zero_host``) that the broader suites let
+hand-planted bugs slip past (issue 41 item 4): the native walks' per-thread caches across
+calls, exact bounds of the adaptive grid and the parameters, ``sampling_ratio=1``,
+degenerate boxes, and the raw memory helpers on every dtype and shape.  Each test names
+the planted bug it was seen to fail on."""
+import numpy as np
+import pytest
+
+import mxnet as mx
+from mxnet.base import MXNetError
+
+import mx_roi
+from mx_roi import geometry, ndio
+from tests.ops.base import make_data, run_custom
+from tests.ops.test_prroi_pool import reference_backward as prroi_backward, \
+    reference_forward as prroi_forward
+from tests.ops.test_rroi_align import reference_backward as rroi_backward, \
+    reference_forward as rroi_forward
+
+GARBAGE = 7.25
+
+
+def _close(got, want, what, tol=1e-5):
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol,
+                               err_msg=what)
+
+
+def _rroi_check(x, rois, what, **params):
+    P = tuple(params["pooled_size"])
+    grad = np.random.default_rng(3).standard_normal((rois.shape[0], x.shape[1]) + P)
+    out, dg, _ = run_custom("RROIAlign", x, rois, params, grad=grad.astype(x.dtype),
+                            grad_fill=GARBAGE)
+    args = (P, params["spatial_scale"], params.get("sampling_ratio", -1),
+            params.get("aligned", False), params.get("clockwise", False))
+    _close(out, rroi_forward(x, rois, *args), f"RROIAlign output {what}")
+    _close(dg, rroi_backward(x, rois, grad, *args), f"RROIAlign data gradient {what}")
+
+
+# ---- RROIAlign ---------------------------------------------------------------------
+def test_rroi_calls_with_the_same_rois_and_another_scale_or_width():
+    """The native walk keeps a launch's samples per thread, keyed by the rois' bytes and
+    every parameter; a call that changes only ``spatial_scale`` or only the map's width
+    must not reuse them (planted: the scale or W left out of the key)."""
+    rng = np.random.default_rng(0)
+    rois = np.array([[0, 6.0, 5.0, 7.0, 4.0, 30.0], [0, 3.0, 4.0, 5.0, 3.0, -60.0]],
+                    np.float32)
+    for scale, W in ((1.0, 9), (0.5, 9), (1.0, 9), (1.0, 12), (1.0, 9)):
+        x = make_data(rng, (1, 3, 8, W), np.float32)
+        _rroi_check(x, rois, f"scale {scale}, W {W}", pooled_size=(2, 3),
+                    spatial_scale=scale, sampling_ratio=2)
+
+
+def test_rroi_sampling_ratio_one():
+    """``sampling_ratio=1``: one sample per bin, not the adaptive grid (planted: ratio
+    > 1 taken as fixed)."""
+    rng = np.random.default_rng(1)
+    x = make_data(rng, (1, 2, 9, 10), np.float64)
+    rois = np.array([[0, 5.0, 4.0, 8.0, 6.0, 25.0], [0, 4.0, 5.0, 6.0, 7.0, 100.0]])
+    _rroi_check(x, rois, "sampling_ratio=1", pooled_size=(2, 2), spatial_scale=1.0,
+                sampling_ratio=1)
+
+
+def test_rroi_sampling_ratio_bound_is_inclusive():
+    """1024 samples per bin side (2^20 per bin) is allowed, 1025 refused (planted: the
+    bound made exclusive)."""
+    from mx_roi.operators.rroi_align import RROIAlignParam
+    side = int(geometry.MAX_ROTATED_SAMPLES ** 0.5)
+    assert RROIAlignParam.from_kwargs(pooled_size=(1, 1), spatial_scale=1.0,
+                                      sampling_ratio=side).sampling_ratio == side
+    with pytest.raises(ValueError, match="'sampling_ratio': expected at most 1024"):
+        RROIAlignParam.from_kwargs(pooled_size=(1, 1), spatial_scale=1.0,
+                                   sampling_ratio=side + 1)
+
+
+def test_rroi_adaptive_grid_bound_is_exact_and_per_axis():
+    """With ``sampling_ratio <= 0`` a box needing exactly 2^20 samples per bin runs, one
+    cell more is refused naming the roi; pooled (1, 3) makes ceil(h / P) * ceil(w / Q)
+    differ from the transposed ceil(h / Q) * ceil(w / P) (planted: ``>=`` for ``>``, P and
+    Q swapped)."""
+    x = np.ones((1, 1, 4, 4), np.float32)
+    ok = np.array([[0, 2.0, 2.0, 3072.0, 1024.0, 0.0]], np.float32)   # 1024 * 1024
+    y = mx_roi.nd.RROIAlign(mx.nd.array(x), mx.nd.array(ok), (1, 3), 1.0, -1).asnumpy()
+    assert y.shape == (1, 1, 1, 3) and np.isfinite(y).all()
+    bad = np.array([[0, 2.0, 2.0, 3.0, 3.0, 0.0], [0, 2.0, 2.0, 3073.0, 1024.0, 0.0]],
+                   np.float32)                                         # 1025 * 1024
+    with pytest.raises((MXNetError, ValueError), match=r"RROIAlign: rois\[1\] is a box of "
+                       r"3073 x 1024: 1\.05e\+06 samples per bin"):
+        mx_roi.nd.RROIAlign(mx.nd.array(x), mx.nd.array(bad), (1, 3), 1.0, -1).asnumpy()
+
+
+# ---- PrRoIPool ---------------------------------------------------------------------
+def test_prroi_consecutive_single_roi_calls():
+    """The native forward keeps one roi's bins per thread; a new call with another box at
+    the same roi index must not read the last call's (planted: the per-call reset
+    dropped)."""
+    rng = np.random.default_rng(2)
+    x = make_data(rng, (1, 3, 7, 8), np.float32)
+    for box in ((1.0, 1.0, 5.0, 4.0), (0.5, 2.0, 6.5, 6.0), (1.0, 1.0, 5.0, 4.0)):
+        rois = np.array([(0,) + box], np.float32)
+        grad = rng.standard_normal((1, 3, 2, 2)).astype(np.float32)
+        out, dg, _ = run_custom("PrRoIPool", x, rois, dict(pooled_size=(2, 2),
+                                                           spatial_scale=1.0),
+                                grad=grad, grad_fill=GARBAGE, rois_req="null")
+        _close(out, prroi_forward(x, rois, (2, 2), 1.0), f"PrRoIPool output {box}")
+        _close(dg, prroi_backward(x, rois, grad, (2, 2), 1.0), f"PrRoIPool gradient {box}")
+
+
+# ---- ndio: the raw memory helpers --------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_array_info_gives_address_shape_and_dtype(dtype):
+    a = mx.nd.array(np.arange(2 * 3 * 5).reshape(2, 3, 5), dtype=dtype)
+    addr, shape, dt = ndio.array_info(a)
+    assert shape == (2, 3, 5) and dt == np.dtype(dtype) and addr
+    assert ndio.array_info(mx.nd.ones((4,), dtype=dtype))[1] == (4,)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "uint8"])
+def test_zero_host_zeroes_every_element_and_nothing_else(dtype):
+    """All of the array, in its own dtype's bytes (planted: a fixed element size; the
+    untaken-dtype fallback dropped), and not the array next to it."""
+    whole = mx.nd.full((2, 3, 5), 3, dtype=dtype)
+    part = whole[1]                      # a view into the second half
+    ndio.zero_host(part)
+    got = whole.asnumpy()
+    assert (got[1] == 0).all() and (got[0] == 3).all()
+    one = mx.nd.full((7,), 5, dtype=dtype)
+    ndio.zero_host(one)
+    assert (one.asnumpy() == 0).all()
+
+
+# ---- DeformablePSROIPooling --------------------------------------------------------
+def test_deformable_samples_exactly_on_the_map_border():
+    """Samples exactly at -0.5 and at W - 0.5 / H - 0.5 count (MXNet: ``w < -0.5 || w >
+    width - 0.5`` is outside): boxes whose first sample lands on each border, against the
+    built-in bit for bit (planted: either comparison made strict)."""
+    from tests.ops.test_deformable_psroi_pooling import assert_bits, builtin, run
+    H, W = 5, 6
+    params = dict(spatial_scale=1.0, output_dim=2, group_size=1, pooled_size=2,
+                  sample_per_part=2, no_trans=True)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 2, H, W))
+    rois = np.array([[0, 0, 0, 3, 2],          # first samples at x = -0.5, y = -0.5
+                     [0, W, 1, W + 3, 3],      # first column of samples at x = W - 0.5
+                     [0, 1, H, 4, H + 2],      # first row at y = H - 0.5
+                     [0, W, H, W + 1, H + 1]], np.float64)
+    grad = rng.standard_normal((4, 2, 2, 2))
+    got, want = run(mx_roi.nd.DeformablePSROIPooling, params, x, rois, None, grad), \
+        run(builtin, params, x, rois, None, grad)
+    for name, a, b in zip(("output", "data grad"), got[:2], want[:2]):
+        assert_bits(a, b, name)
+    assert (got[0][1:] != 0).any(axis=(1, 2, 3)).all()   # every border roi reads the map
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_deformable_trans_at_the_guard_bound_is_refused(dtype):
+    """An offset of +-GUARD_BOUND is what the oneDNN guard makes of an infinite one: refused
+    like inf (planted: only NaN / inf checked), and the next call works."""
+    from mx_roi.onednn import GUARD_BOUND
+    from tests.ops.test_deformable_psroi_pooling import CASES, builtin, problem
+    params, K = CASES[0]
+    x, rois, trans, _ = problem(params, K, dtype)
+    t = trans.copy()
+    t[2, 1, 0, 1] = -GUARD_BOUND
+    X, R = mx.nd.array(x, dtype=dtype), mx.nd.array(rois, dtype=dtype)
+    with pytest.raises((MXNetError, ValueError), match=r"DeformablePSROIPooling: "
+                       r"trans\[2, 1, 0, 1\] is -3(\.0+\d*)?e\+38; offsets must be finite"):
+        mx_roi.nd.DeformablePSROIPooling(X, R, mx.nd.array(t, dtype=dtype),
+                                         **params).asnumpy()
+    T = mx.nd.array(trans, dtype=dtype)
+    np.testing.assert_array_equal(mx_roi.nd.DeformablePSROIPooling(X, R, T, **params).asnumpy(),
+                                  builtin(X, R, T, **params).asnumpy())
