@@ -170,3 +170,17 @@ def test_deformable_trans_at_the_guard_bound_is_refused(dtype):
     T = mx.nd.array(trans, dtype=dtype)
     np.testing.assert_array_equal(mx_roi.nd.DeformablePSROIPooling(X, R, T, **params).asnumpy(),
                                   builtin(X, R, T, **params).asnumpy())
+
+
+@pytest.mark.parametrize("cols", [4, 6])
+def test_deformable_rois_need_exactly_five_columns(cols):
+    """rois (R, 4) and (R, 6) are refused by the shape rule, naming the op and the shape
+    (planted: only too few columns refused)."""
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    rois = np.zeros((3, cols), np.float32)
+    with pytest.raises((MXNetError, ValueError), match=r"DeformablePSROIPooling: rois must "
+                       rf"have shape \(R, 5\) = \(batch_index, x1, y1, x2, y2\), got \(3, "
+                       rf"{cols}\)"):
+        mx_roi.nd.DeformablePSROIPooling(mx.nd.array(x), mx.nd.array(rois), spatial_scale=0.5,
+                                         output_dim=2, group_size=1, pooled_size=2,
+                                         no_trans=True).asnumpy()
