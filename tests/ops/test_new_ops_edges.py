@@ -184,3 +184,50 @@ def test_deformable_rois_need_exactly_five_columns(cols):
         mx_roi.nd.DeformablePSROIPooling(mx.nd.array(x), mx.nd.array(rois), spatial_scale=0.5,
                                          output_dim=2, group_size=1, pooled_size=2,
                                          no_trans=True).asnumpy()
+
+
+# ---- the NumPy backend and the compiled kernels, float64, a scale float32 cannot hold --
+def _float64_case(op_type, rng):
+    x = make_data(rng, (2, 8, 9, 11), np.float64)
+    if op_type == "RROIAlign":
+        rois = np.array([[0, 30.0, 40.0, 50.0, 30.0, 33.0], [1, 60.0, 20.0, 40.0, 70.0, -120.0],
+                         [1, 10.0, 80.0, 90.0, 20.0, 179.0]])
+        return x, rois, [], dict(pooled_size=(2, 3), spatial_scale=0.1, sampling_ratio=-1)
+    rois = np.array([[0, 12.0, 7.0, 75.0, 61.0], [1, -9.0, 22.0, 44.0, 95.0],
+                     [1, 33.0, 3.0, 119.0, 40.0]])
+    if op_type == "PrRoIPool":
+        return x, rois, [], dict(pooled_size=(3, 2), spatial_scale=0.1)
+    trans = rng.uniform(-1, 1, (3, 4, 2, 2))
+    return x, rois, [trans], dict(spatial_scale=0.1, output_dim=2, group_size=2,
+                                  pooled_size=3, part_size=2, sample_per_part=2,
+                                  trans_std=0.3)
+
+
+@pytest.mark.parametrize("op_type", ["RROIAlign", "PrRoIPool", "DeformablePSROIPooling"])
+def test_numpy_backend_equals_the_compiled_kernels_in_float64(op_type, monkeypatch):
+    """Both implementations of each op round ``spatial_scale`` (and ``trans_std``) to
+    float32 first, as MXNet does: with scale 0.1 the outputs and every gradient agree to
+    float64 rounding, where an unrounded scale is ~1e-9 off (planted: PrRoIPool's NumPy
+    rois gradient scaled by the float64 value)."""
+    from mxnet import autograd
+    rng = np.random.default_rng(5)
+    x, rois, extra, params = _float64_case(op_type, rng)
+    results, chosen, real = {}, [], mx_roi.backends.select
+    monkeypatch.setattr(mx_roi.backends, "select",
+                        lambda ctx, op=None: chosen.append(real(ctx, op)) or chosen[-1])
+    for kind in ("numpy", "native"):
+        monkeypatch.setenv("MX_ROI_BACKEND", kind)
+        del chosen[:]
+        ins = [mx.nd.array(a, dtype=np.float64) for a in [x, rois] + extra]
+        for a in ins:
+            a.attach_grad()
+        with autograd.record():
+            y = mx.nd.Custom(*ins, op_type=op_type, **params)
+        y.backward(mx.nd.array(np.linspace(-1, 1, y.size).reshape(y.shape), dtype=np.float64))
+        results[kind] = [y.asnumpy()] + [a.grad.asnumpy() for a in ins]
+        assert chosen and set(chosen) == {kind}, f"ran on {sorted(set(chosen))}, not {kind}"
+    for name, a, b in zip(("output", "data grad", "rois grad", "trans grad"),
+                          results["numpy"], results["native"]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * max(1, np.abs(b).max()),
+                                   err_msg=f"{op_type} {name}: numpy vs native")
+    assert np.abs(results["native"][0]).max() > 0
