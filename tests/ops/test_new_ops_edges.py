@@ -233,3 +233,19 @@ def test_numpy_backend_equals_the_compiled_kernels_in_float64(op_type, monkeypat
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * max(1, np.abs(b).max()),
                                    err_msg=f"{op_type} {name}: numpy vs native")
     assert np.abs(results["native"][0]).max() > 0
+
+
+def test_deformable_part_finer_than_the_bins_with_one_class_per_channel():
+    """K = output_dim and part_size > pooled_size: each bin has its own part cell, yet
+    some cells belong to no bin, so the offsets' gradient is not the fused pass's (which
+    writes only the cells of bins): every untouched cell must be exactly 0, as the
+    built-in's, for every call (planted: the fusion test without ``part == pooled``)."""
+    from tests.ops.test_deformable_psroi_pooling import assert_bits, builtin, problem, run
+    params = dict(spatial_scale=0.5, output_dim=2, group_size=2, pooled_size=2, part_size=5,
+                  sample_per_part=2, trans_std=0.4)
+    for seed in range(3):
+        x, rois, trans, grad = problem(params, 2, np.float32, seed=seed)
+        got = run(mx_roi.nd.DeformablePSROIPooling, params, x, rois, trans, grad)
+        want = run(builtin, params, x, rois, trans, grad)
+        for name, a, b in zip(("output", "data grad", "trans grad"), got, want):
+            assert_bits(a, b, f"{name}, seed {seed}")
