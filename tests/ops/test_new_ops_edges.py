@@ -249,3 +249,22 @@ def test_deformable_part_finer_than_the_bins_with_one_class_per_channel():
         want = run(builtin, params, x, rois, trans, grad)
         for name, a, b in zip(("output", "data grad", "trans grad"), got, want):
             assert_bits(a, b, f"{name}, seed {seed}")
+
+
+def test_deformable_deterministic_backward_on_the_emulated_gpu_kernels(monkeypatch):
+    """``deterministic=True`` takes the fixed-point accumulation of the GPU kernels (run
+    here by the emulation; the native build ignores the flag): both gradients equal the
+    built-in's to float32 rounding, and two runs give the same bits (planted: the
+    fixed-point scale of one tap halved)."""
+    from tests.ops.test_deformable_psroi_pooling import CASES, builtin, problem, run
+    monkeypatch.setenv("MX_ROI_BACKEND", "emulated-cuda")
+    for params, K in (CASES[0], CASES[5]):
+        x, rois, trans, grad = problem(params, K, np.float32)
+        det = dict(params, deterministic=True)
+        got = run(mx_roi.nd.DeformablePSROIPooling, det, x, rois, trans, grad)
+        again = run(mx_roi.nd.DeformablePSROIPooling, det, x, rois, trans, grad)
+        want = run(builtin, params, x, rois, trans, grad)
+        for name, a, b, c in zip(("output", "data grad", "trans grad"), got, again, want):
+            np.testing.assert_array_equal(a, b, err_msg=f"deterministic {name}: two runs")
+            np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5 * max(1, np.abs(c).max()),
+                                       err_msg=f"deterministic {name}")
