@@ -268,3 +268,37 @@ def test_deformable_deterministic_backward_on_the_emulated_gpu_kernels(monkeypat
             np.testing.assert_array_equal(a, b, err_msg=f"deterministic {name}: two runs")
             np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5 * max(1, np.abs(c).max()),
                                        err_msg=f"deterministic {name}")
+
+
+def test_deformable_trans_of_another_dtype_is_refused():
+    """trans float64 with float32 data (or the reverse) is refused naming both dtypes, not
+    read as the data's type: by MXNet's type inference (the registry's ``infer_type``) and
+    by the op's own input check, which a call that skips the inference meets (planted:
+    only a narrower trans refused by the op's check)."""
+    from mx_roi.operators.deformable_psroi_pooling import DeformablePSROIPooling as Op, \
+        DeformablePSROIPoolingParam
+    from tests.ops.test_deformable_psroi_pooling import CASES, problem
+    params, K = CASES[0]
+    x, rois, trans, _ = problem(params, K, np.float32)
+    op = Op(DeformablePSROIPoolingParam.from_kwargs(**params))
+    for xd, td in ((np.float32, np.float64), (np.float64, np.float32)):
+        match = (r"DeformablePSROIPooling: data and trans must have the same dtype, got data "
+                 rf"{np.dtype(xd).name} and trans {np.dtype(td).name}")
+        with pytest.raises(TypeError, match=match):
+            op.check_extra_inputs(x.shape, np.dtype(xd), rois.astype(xd), [trans.astype(td)],
+                                  np)
+        with pytest.raises((MXNetError, TypeError), match=match):
+            mx.nd.Custom(mx.nd.array(x, dtype=xd), mx.nd.array(rois, dtype=xd),
+                         mx.nd.array(trans, dtype=td), op_type="DeformablePSROIPooling",
+                         **params).asnumpy()
+
+
+def test_rroi_fixed_sampling_ratio_takes_any_box_size():
+    """The adaptive grid's size bound does not apply to a fixed ``sampling_ratio`` (1
+    included): a box 10^7 cells wide runs and equals the reference (planted: the check
+    skipped only for ratios > 1)."""
+    rng = np.random.default_rng(6)
+    x = make_data(rng, (1, 2, 6, 7), np.float64)
+    rois = np.array([[0, 3.0, 3.0, 1e7, 2e7, 10.0], [0, 3.0, 2.0, 4.0, 3.0, 0.0]])
+    _rroi_check(x, rois, "huge box, sampling_ratio=1", pooled_size=(2, 2),
+                spatial_scale=1.0, sampling_ratio=1)
