@@ -302,3 +302,17 @@ def test_rroi_fixed_sampling_ratio_takes_any_box_size():
     rois = np.array([[0, 3.0, 3.0, 1e7, 2e7, 10.0], [0, 3.0, 2.0, 4.0, 3.0, 0.0]])
     _rroi_check(x, rois, "huge box, sampling_ratio=1", pooled_size=(2, 2),
                 spatial_scale=1.0, sampling_ratio=1)
+
+
+@pytest.mark.parametrize("last", [1, 3])
+def test_deformable_trans_last_axis_must_be_part_size(last):
+    """trans (R, 2K, part, part') with part' != part is refused by the shape rule, not read
+    with the wrong stride (planted: only the third axis compared)."""
+    from tests.ops.test_deformable_psroi_pooling import CASES, problem
+    params, K = CASES[0]                                   # part_size 2, R 12, K 3
+    x, rois, trans, _ = problem(params, K, np.float32)
+    bad = np.zeros((12, 6, 2, last), np.float32)
+    with pytest.raises((MXNetError, ValueError), match=r"DeformablePSROIPooling: trans must "
+                       rf"have shape .* got \(12, 6, 2, {last}\)"):
+        mx_roi.nd.DeformablePSROIPooling(mx.nd.array(x), mx.nd.array(rois), mx.nd.array(bad),
+                                         **params).asnumpy()
