@@ -1,9 +1,11 @@
 """Edges of the issue-35 ops (RROIAlign, DeformablePSROIPooling, PrRoIPool) and of the
 issue-34 host pieces (``ndio.array_info`` / ``zero_host``) that the broader suites let
 hand-planted bugs slip past (issue 41 item 4): the native walks' per-thread caches across
-calls, exact bounds of the adaptive grid and the parameters, ``sampling_ratio=1``,
-degenerate boxes, and the raw memory helpers on every dtype and shape.  Each test names
-the planted bug it was seen to fail on."""
+calls, exact bounds of the adaptive grid and of the parameters, fixed ``sampling_ratio=1``,
+samples exactly on the map border, the shape and dtype rules of rois and trans, the fused
+offsets' gradient, deterministic mode on the emulated GPU kernels, the NumPy backend
+against the compiled kernels in float64, and the raw memory helpers on every dtype.  Each
+test names the planted bug it was seen to fail on."""
 import numpy as np
 import pytest
 
