@@ -196,6 +196,7 @@ def install(op_types) -> None:
     _install_custom_guard(op_types)
     _install_block_input_guard(op_types)
     _install_graph_guard(op_types)
+    _install_library_load_hook(op_types)
     onnx.install()  # mx2onnx translations of our Custom nodes (onnx itself imported lazily)
 
 
@@ -397,3 +398,25 @@ def _install_graph_guard(op_types) -> None:
 
         _get_graph._mx_roi_guard = True
         HybridBlock._get_graph = _get_graph
+
+
+def _install_library_load_hook(op_types) -> None:
+    """``mx.library.load`` (any extension library, mx_roi's own included) regenerates
+    every operator function of ``mx.nd`` / ``mx.sym``, ``Custom`` among them, which
+    would drop :func:`_install_custom_guard`'s wrapper (and with it the oneDNN guard and
+    our messages for plain ``mx.nd.Custom`` calls): the wrapper is installed again after
+    each load."""
+    import mxnet.library as library
+    original = library.load
+    if getattr(original, "_mx_roi_guard", False):
+        return
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _install_custom_guard(op_types)
+
+    load._mx_roi_guard = True
+    library.load = load
