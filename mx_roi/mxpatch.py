@@ -13,6 +13,8 @@
   (:func:`plain_block_inputs`; graph variables get no guard node), and drops the block's
   ``CachedOp`` when its call raised (MXNet leaves it broken after a failed shape
   inference, :func:`_cached_op`).
+* ``mx.library.load`` regenerates MXNet's operator functions, ``Custom`` among them: the
+  ``Custom`` wrapper is installed again after every load (:func:`_install_library_load_hook`).
 * ONNX export (:mod:`mx_roi.onnx`): mx2onnx's translations of ``Custom`` and ``clip``
   are replaced by ones that know our nodes (other nodes are passed on).
 * The oneDNN guard of graphs that arrive whole (JSON, a file, a checkpoint, a symbol
