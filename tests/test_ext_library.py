@@ -540,7 +540,8 @@ def test_psroi_align_bits_equal_custom_path(case, dtype):
     rng = np.random.RandomState(6)
     N, H, W = 2, 19, 25
     data = rng.standard_normal((N, C, H, W)).astype(dtype)
-    rois = _rois(16, N, rng, dtype)
+    # boxes on the map (a little beyond it): every bin's channel is read
+    rois = _rois(16, N, rng, dtype, size=(W - 1) / kw["spatial_scale"])
     rois[5, 0] = -1  # a padding roi
     P, Q = _pooled(kw)
     grad = rng.standard_normal((16, kw["output_dim"], P, Q)).astype(dtype)
