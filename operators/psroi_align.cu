@@ -354,18 +354,28 @@ struct PSROIAlignOp {
                                (const T*)rois.data_ptr, rois.shape[0], data.shape[0]);
   }
 
-  template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
+  // A call's sizes, geometry and channel map, then ``kernel(C, Cin, H, W, P, Q, g, cmap, n)``
+  // on the native backend's threads (output_dim channels split, as the recorded call's
+  // launch of a kernel with C = output_dim)
+  template <typename T, typename A, typename F>
+  static void launch(const Params& p, const MXTensor& data, const MXTensor& rois, F&& kernel) {
     const int C = (int)out_channels(p, data.shape[1]), Cin = (int)data.shape[1];
     const int H = (int)data.shape[2], W = (int)data.shape[3], P = (int)p.P, Q = (int)p.Q;
     const long long n = rois.shape[0] * (long long)C * P * Q;
     const Grid<A> g = geometry<T, A>(p, data, rois);
     if (n <= 0) return;
     const int* cmap = channel_map(p);
+    mx_roi_launch_channels(C, native_threads(n),
+                           [&]() { kernel(C, Cin, H, W, P, Q, g, cmap, n); });
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
+                      MXTensor& out) {
     const T* x = (const T*)data.data_ptr;
     T* y = (T*)out.data_ptr;
-    mx_roi_launch_channels(C, native_threads(n), [&]() {
+    launch<T, A>(p, data, rois, [&](int C, int Cin, int H, int W, int P, int Q,
+                                    const Grid<A>& g, const int* cmap, long long n) {
       psroi_align_forward<T, A>(x, g.batch, cmap, g.y_count, g.y_low, g.y_high, g.y_wl,
                                 g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
                                 g.divisor, C, Cin, H, W, P, Q, g.Gy, g.Gx, y, n);
@@ -375,17 +385,12 @@ struct PSROIAlignOp {
   template <typename T, typename A>
   static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
                        const MXTensor& rois, A* bottom) {
-    const int C = (int)out_channels(p, data.shape[1]), Cin = (int)data.shape[1];
-    const int H = (int)data.shape[2], W = (int)data.shape[3], P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * (long long)C * P * Q;
-    const Grid<A> g = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
-    const int* cmap = channel_map(p);
-    mx_roi_launch_channels(C, native_threads(n), [&]() {
-      psroi_align_backward<T, A, A>((const T*)grad.data_ptr, g.batch, cmap, g.y_count,
-                                    g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
-                                    g.x_high, g.x_wl, g.x_wh, g.divisor, C, Cin, H, W, P, Q,
-                                    g.Gy, g.Gx, bottom, 1.0, n);
+    const T* dy = (const T*)grad.data_ptr;
+    launch<T, A>(p, data, rois, [&](int C, int Cin, int H, int W, int P, int Q,
+                                    const Grid<A>& g, const int* cmap, long long n) {
+      psroi_align_backward<T, A, A>(dy, g.batch, cmap, g.y_count, g.y_low, g.y_high, g.y_wl,
+                                    g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
+                                    g.divisor, C, Cin, H, W, P, Q, g.Gy, g.Gx, bottom, 1.0, n);
     });
   }
 };
