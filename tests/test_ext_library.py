@@ -610,11 +610,12 @@ def test_psroi_align_valid_values_parse_the_same():
     rng = np.random.RandomState(12)
     spellings = {
         "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,"],
-        "output_dim": ["2", " 10 ", "3.0", "1e1", "21"],
+        "output_dim": ["2", " 10 ", "3.0", "1e1", "21", "2147483646"],
         "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", ".5"],
         "sample_ratio": ["-1", "0", "2", "3.0", " 4 ", "-7"],
         "aligned": ["True", "false", "1", "0", "yes", "OFF"],
-        "group_size": ["0", "3", "(2, 3)", "[4,4]", "(0, 0)", "2,", " ( 1 , 7 ) ", "0x3"],
+        "group_size": ["0", "3", "(2, 3)", "[4,4]", "(0, 0)", "2,", " ( 1 , 7 ) ", "0x3",
+                       "(2147483646, 1)"],
         "deterministic": ["False", "true"],
         "legacy": ["", "none", "rfcn", "RFCN", "None"],
         "sample_num": ["1", "2", "4.0", " 1024 "],
@@ -623,6 +624,13 @@ def test_psroi_align_valid_values_parse_the_same():
     for _ in range(300):
         kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
                   if k in required or rng.rand() < 0.6}
+        py = _python_parse(PSROIAlignParam, **kwargs)
+        assert py[0], (kwargs, py)
+        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+    # at the samples-per-axis limit; legacy='rfcn' checks sample_num there, not sample_ratio
+    for kwargs in (dict(pooled_size="4096", output_dim="1", spatial_scale="1", sample_ratio="1024"),
+                   dict(pooled_size="(3, 5000)", output_dim="1", spatial_scale="1",
+                        sample_ratio="900", legacy="rfcn", sample_num="838")):
         py = _python_parse(PSROIAlignParam, **kwargs)
         assert py[0], (kwargs, py)
         assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
