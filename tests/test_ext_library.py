@@ -511,9 +511,9 @@ def test_hybridized_gluon_block_runs_the_native_op():
 # ---- mx_roi_PSROIAlign (operators/psroi_align.cu's section) -----------------------------
 from mx_roi.params import PSROIAlignParam  # noqa: E402
 
-#: (kw, output_dim * gh * gw input channels): the plane-by-plane walk (output_dim < 8), the
-#: channels-last one (output_dim 10), a group grid of its own, fixed and adaptive sampling,
-#: aligned, legacy='rfcn'
+#: (kw, output_dim * gh * gw input channels): the forward's plane-by-plane walk and its
+#: channels-last one (psroi_align_forward_native), a group grid of its own, fixed and
+#: adaptive sampling, aligned, legacy='rfcn'
 PS_ALIGN_CASES = [
     (dict(pooled_size=(7, 7), output_dim=2, spatial_scale=1 / 32.0), 98),
     (dict(pooled_size=(3, 3), output_dim=10, spatial_scale=1 / 16.0, sample_ratio=2), 90),
@@ -523,6 +523,11 @@ PS_ALIGN_CASES = [
     (dict(pooled_size=(3, 3), output_dim=2, spatial_scale=1 / 16.0, legacy="rfcn",
           sample_num=3), 18),
     (dict(pooled_size=(2, 3), output_dim=9, spatial_scale=1 / 32.0, legacy="rfcn"), 54),
+    # >= 8 output channels and R * Gy * Gx * 4 >= MX_ROI_PS_LANES_READS * N * H * W: the
+    # forward's channels-last walk (the two cases above read too few samples for it)
+    (dict(pooled_size=(3, 3), output_dim=10, spatial_scale=1 / 16.0), 90),
+    (dict(pooled_size=(2, 3), output_dim=8, spatial_scale=1 / 32.0, legacy="rfcn",
+          sample_num=4), 48),
 ]
 
 
