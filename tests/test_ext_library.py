@@ -506,3 +506,211 @@ def test_hybridized_gluon_block_runs_the_native_op():
             out.backward()
             assert out.asnumpy().tobytes() == expected.tobytes()
         assert data.grad.asnumpy().any()
+
+
+# ---- mx_roi_PSROIAlign (operators/psroi_align.cu's section) -----------------------------
+from mx_roi.params import PSROIAlignParam  # noqa: E402
+
+#: (kw, output_dim * gh * gw input channels): the forward's plane-by-plane walk and its
+#: channels-last one (psroi_align_forward_native), a group grid of its own, fixed and
+#: adaptive sampling, aligned, legacy='rfcn'
+PS_ALIGN_CASES = [
+    (dict(pooled_size=(7, 7), output_dim=2, spatial_scale=1 / 32.0), 98),
+    (dict(pooled_size=(3, 3), output_dim=10, spatial_scale=1 / 16.0, sample_ratio=2), 90),
+    (dict(pooled_size=(3, 5), output_dim=3, spatial_scale=0.125, group_size=(2, 3),
+          sample_ratio=0, aligned=True), 18),
+    (dict(pooled_size=4, output_dim=4, spatial_scale=1 / 16.0, group_size=2, aligned=True), 16),
+    (dict(pooled_size=(3, 3), output_dim=2, spatial_scale=1 / 16.0, legacy="rfcn",
+          sample_num=3), 18),
+    (dict(pooled_size=(2, 3), output_dim=9, spatial_scale=1 / 32.0, legacy="rfcn"), 54),
+    # >= 8 output channels and R * Gy * Gx * 4 >= MX_ROI_PS_LANES_READS * N * H * W: the
+    # forward's channels-last walk (the two cases above read too few samples for it)
+    (dict(pooled_size=(3, 3), output_dim=10, spatial_scale=1 / 16.0), 90),
+    (dict(pooled_size=(2, 3), output_dim=8, spatial_scale=1 / 32.0, legacy="rfcn",
+          sample_num=4), 48),
+]
+
+
+def _pooled(kw):
+    P = kw["pooled_size"]
+    return (P, P) if isinstance(P, int) else P
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("case", PS_ALIGN_CASES,
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c[0].items()))
+def test_psroi_align_bits_equal_custom_path(case, dtype):
+    kw, C = case
+    kw = dict(kw, op="PSROIAlign")
+    rng = np.random.RandomState(6)
+    N, H, W = 2, 19, 25
+    data = rng.standard_normal((N, C, H, W)).astype(dtype)
+    # boxes on the map (a little beyond it): every bin's channel is read
+    rois = _rois(16, N, rng, dtype, size=(W - 1) / kw["spatial_scale"])
+    rois[5, 0] = -1  # a padding roi
+    P, Q = _pooled(kw)
+    grad = rng.standard_normal((16, kw["output_dim"], P, Q)).astype(dtype)
+    ours = _run(_ext, data, rois, grad, kw, 7.0)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0)
+    for a, b, what in zip(ours, theirs, ("output", "data gradient", "inference output")):
+        assert a.dtype == b.dtype == dtype
+        assert a.tobytes() == b.tobytes(), what
+    assert ours[0].shape == (16, kw["output_dim"], P, Q)
+    assert not ours[0][5].any() and ours[0].any() and ours[1].any()
+
+
+def test_psroi_align_boxes_beyond_the_padded_tables():
+    rng = np.random.RandomState(5)
+    data = rng.standard_normal((1, 8, 6, 7)).astype(np.float32)
+    rois = np.array([[0, -400, -300, 900, 800], [0, 1, 1, 3, 3]], np.float32)
+    kw = dict(op="PSROIAlign", pooled_size=(2, 2), output_dim=2, spatial_scale=1.0,
+              sample_ratio=-1)
+    grad = rng.standard_normal((2, 2, 2, 2)).astype(np.float32)
+    ours, theirs = _run(_ext, data, rois, grad, kw, 1.0), _run(_custom, data, rois, grad, kw, 2.0)
+    for a, b in zip(ours, theirs):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_psroi_align_no_rois():
+    data = np.ones((1, 8, 5, 5), np.float32)
+    rois = np.zeros((0, 5), np.float32)
+    grad = np.zeros((0, 2, 2, 2), np.float32)
+    kw = dict(op="PSROIAlign", pooled_size=2, output_dim=2, spatial_scale=1.0)
+    with mx.util.np_shape(True):
+        ours = _run(_ext, data, rois, grad, kw, 9.0)
+        theirs = _run(_custom, data, rois, grad, kw, 9.0)
+    assert ours[0].shape == (0, 2, 2, 2)
+    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
+
+
+def _ps_align_invalid_cases():
+    base = dict(pooled_size="(7, 7)", output_dim="2", spatial_scale="0.0625")
+    for name in PSROIAlignParam.field_names():
+        values = invalid_examples(PSROIAlignParam, name)
+        assert values, name
+        for value in values:
+            yield {**base, name: str(value)}
+            if name == "sample_num":  # (also where it is used)
+                yield {**base, name: str(value), "legacy": "rfcn"}
+    for missing in base:
+        yield {k: v for k, v in base.items() if k != missing}
+    yield {**base, "bogus": "1"}
+    yield {**base, "position_sensitive": "True"}  # contrib.ROIAlign's: not a PS parameter
+    yield {**base, "spatial_scale": "1e-400"}
+    # the samples along an axis (_check_axis_samples): sample_ratio, or sample_num for rfcn
+    yield {**base, "pooled_size": "5000", "sample_ratio": "900"}
+    yield {**base, "pooled_size": "(3, 5000)", "sample_num": "900", "legacy": "rfcn"}
+
+
+def test_psroi_align_every_declared_invalid_value_gives_the_same_message():
+    cases = list(_ps_align_invalid_cases())
+    assert len(cases) > 40
+    for kwargs in cases:
+        py = _python_parse(PSROIAlignParam, **kwargs)
+        assert py[0] is False, kwargs
+        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+
+
+def test_psroi_align_valid_values_parse_the_same():
+    rng = np.random.RandomState(12)
+    spellings = {
+        "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,"],
+        "output_dim": ["2", " 10 ", "3.0", "1e1", "21", "2147483646"],
+        "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", ".5"],
+        "sample_ratio": ["-1", "0", "2", "3.0", " 4 ", "-7"],
+        "aligned": ["True", "false", "1", "0", "yes", "OFF"],
+        "group_size": ["0", "3", "(2, 3)", "[4,4]", "(0, 0)", "2,", " ( 1 , 7 ) ", "0x3",
+                       "(2147483646, 1)"],
+        "deterministic": ["False", "true"],
+        "legacy": ["", "none", "rfcn", "RFCN", "None"],
+        "sample_num": ["1", "2", "4.0", " 1024 "],
+    }
+    required = ("pooled_size", "output_dim", "spatial_scale")
+    for _ in range(300):
+        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
+                  if k in required or rng.rand() < 0.6}
+        py = _python_parse(PSROIAlignParam, **kwargs)
+        assert py[0], (kwargs, py)
+        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+    # at the samples-per-axis limit; legacy='rfcn' checks sample_num there, not sample_ratio
+    for kwargs in (dict(pooled_size="4096", output_dim="1", spatial_scale="1", sample_ratio="1024"),
+                   dict(pooled_size="(3, 5000)", output_dim="1", spatial_scale="1",
+                        sample_ratio="900", legacy="rfcn", sample_num="838")):
+        py = _python_parse(PSROIAlignParam, **kwargs)
+        assert py[0], (kwargs, py)
+        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+
+
+_PS_ALIGN_CHILD = textwrap.dedent("""
+    import json
+    import numpy as np, mxnet as mx
+    import mx_roi, mx_roi.ext as ext
+    ext.load()
+    out = {}
+    data = mx.nd.array(np.random.RandomState(0).standard_normal((2, 8, 9, 9)).astype(np.float32))
+    good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
+    nan = good.copy(); nan[1, 3] = float('nan')
+    batch = good.copy(); batch[2, 0] = 7
+    kw = dict(pooled_size=(2, 2), output_dim=2, spatial_scale=1.0)
+
+    def message(fn):
+        try:
+            fn()
+        except mx.MXNetError as e:
+            return str(e)
+        return None
+
+    def call(path, rois, **extra):
+        args = dict(kw, **extra)
+        if path == 'ext':
+            return lambda: mx.nd.mx_roi_PSROIAlign(data, rois, **args).asnumpy()
+        return lambda: mx.nd.Custom(data, rois, op_type='PSROIAlign', **args).asnumpy()
+
+    def bwd(rois):
+        def step():
+            d = data.copy(); d.attach_grad()
+            with mx.autograd.record():
+                o = mx.nd.mx_roi_PSROIAlign(d, rois, **kw)
+            try:
+                o.backward()
+            except mx.MXNetError:
+                pass
+            return d.grad.asnumpy()
+        return step
+
+    out['good'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
+    for name, rois in (('nan', nan), ('batch', batch)):
+        out[name] = [message(call('ext', rois)) for _ in range(3)]
+        out[name + '_custom'] = message(call('custom', rois))
+        out[name + '_backward'] = message(bwd(rois))
+        out[name + '_after'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
+    for path in ('ext', 'custom'):  # 8 channels, output_dim 3 * 2 * 2 = 12 needed
+        out['channels_' + path] = message(call(path, good, output_dim=3))
+    out['channels_after'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
+    print(json.dumps(out))
+""")
+
+
+def test_psroi_align_errors_through_mxnet_are_the_custom_paths():
+    res = subprocess.run([sys.executable, "-c", _PS_ALIGN_CHILD], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT,
+                                                   "MX_ROI_BACKEND": "native"}, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    expected = {"nan": "PSROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
+                "batch": "PSROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)"}
+    for case, start in expected.items():
+        assert "Error calling FCompute for custom operator 'mx_roi_PSROIAlign'" in got[case][0]
+        own = _own_lines(got[case][0])
+        assert len(own) == 1 and own[0].startswith(start), own
+        assert "ValueError: " + own[0] + "\n" in got[case + "_custom"]
+        assert [_own_lines(m) for m in got[case]] == [own] * 3
+        assert _own_lines(got[case + "_backward"] or "\t[0] none") == own
+        assert got[case + "_after"] == got["good"]
+    own = _own_lines(got["channels_ext"])
+    assert "Error calling InferShape for custom operator 'mx_roi_PSROIAlign'" in got["channels_ext"]
+    assert own == ["PSROIAlign: data has 8 channels but output_dim * gh * gw = 3 * 2 * 2 = 12 "
+                   "are required (group grid (gh, gw) = (2, 2), from group_size=0 and "
+                   "pooled_size=(2, 2))"]
+    assert own[0] in got["channels_custom"]
+    assert got["channels_after"] == got["good"]
