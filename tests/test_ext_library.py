@@ -565,6 +565,23 @@ def test_psroi_pooling_no_rois():
     assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
 
 
+def test_psroi_pooling_channel_map_past_the_memo_is_built_per_call():
+    """A channel map of more than 2^22 entries (output_dim * P * Q; the section's MEMO_MAP)
+    is not kept with the parameters but built for each call: the same bits."""
+    rng = np.random.RandomState(8)
+    kw = dict(op="PSROIPooling", pooled_size=64, output_dim=1025, spatial_scale=1.0,
+              group_size=1)
+    assert 1025 * 64 * 64 > 2 ** 22
+    data = rng.standard_normal((1, 1025, 4, 5)).astype(np.float32)
+    rois = np.array([[0, 0, 0, 3, 2], [-1, 0, 0, 1, 1]], np.float32)
+    grad = rng.standard_normal((2, 1025, 64, 64)).astype(np.float32)
+    ours = _run(_ext, data, rois, grad, kw, 7.0)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0)
+    for a, b, what in zip(ours, theirs, ("output", "data gradient", "inference output")):
+        assert a.tobytes() == b.tobytes(), what
+    assert ours[0][0].any() and ours[1].any()
+
+
 def _psroi_pooling_invalid_cases():
     base = dict(pooled_size="(7, 7)", output_dim="2", spatial_scale="0.0625")
     for name in PSROIPoolingParam.field_names():
