@@ -303,43 +303,43 @@ struct PSROIPoolingOp {
                                    rois.shape[0], data.shape[0]);
   }
 
-  // The output's sizes: C the output channels (the kernels' split), Cin the data's.
-  struct Sizes {
+  // One call's sizes (C the output channels, the kernels' split; Cin the data's; the
+  // channel count checked first), geometry (bins, rois checked) and channel map.
+  template <typename T, typename A>
+  struct Call {
     int C, Cin, H, W, P, Q;
     long long n;
-    Sizes(const Params& p, const MXTensor& data, const MXTensor& rois)
+    Bins b;
+    std::vector<int> own;  // the channel map when not memoised
+    const int* cmap;
+    Call(const Params& p, const MXTensor& data, const MXTensor& rois)
         : C((int)out_channels(p, data.shape[1])), Cin((int)data.shape[1]),
           H((int)data.shape[2]), W((int)data.shape[3]), P((int)p.P), Q((int)p.Q),
-          n(rois.shape[0] * p.output_dim * p.P * p.Q) {}
+          n(rois.shape[0] * p.output_dim * p.P * p.Q), b(geometry<T, A>(p, data, rois)),
+          cmap(n > 0 ? map(p, own) : nullptr) {}
   };
 
   template <typename T, typename A>
   static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
                       MXTensor& out) {
-    const Sizes s(p, data, rois);
-    const Bins b = geometry<T, A>(p, data, rois);
-    if (s.n <= 0) return;
-    std::vector<int> own;
-    const int* cmap = map(p, own);
-    mx_roi_launch_channels(s.C, native_threads(s.n), [&]() {
-      psroi_pooling_forward<T, A>((const T*)data.data_ptr, b.batch, cmap,
-                                  b.hstart, b.hend, b.wstart, b.wend, s.C, s.Cin, s.H, s.W,
-                                  s.P, s.Q, (T*)out.data_ptr, s.n);
+    const Call<T, A> c(p, data, rois);
+    if (c.n <= 0) return;
+    mx_roi_launch_channels(c.C, native_threads(c.n), [&]() {
+      psroi_pooling_forward<T, A>((const T*)data.data_ptr, c.b.batch, c.cmap, c.b.hstart,
+                                  c.b.hend, c.b.wstart, c.b.wend, c.C, c.Cin, c.H, c.W, c.P,
+                                  c.Q, (T*)out.data_ptr, c.n);
     });
   }
 
   template <typename T, typename A>
   static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
                        const MXTensor& rois, A* bottom) {
-    const Sizes s(p, data, rois);
-    const Bins b = geometry<T, A>(p, data, rois);
-    if (s.n <= 0) return;
-    std::vector<int> own;
-    const int* cmap = map(p, own);
-    mx_roi_launch_channels(s.C, native_threads(s.n), [&]() {
-      psroi_pooling_backward<T, A, A>((const T*)grad.data_ptr, b.batch, cmap,
-                                      b.hstart, b.hend, b.wstart, b.wend, s.C, s.Cin, s.H,
-                                      s.W, s.P, s.Q, bottom, 1.0, s.n);
+    const Call<T, A> c(p, data, rois);
+    if (c.n <= 0) return;
+    mx_roi_launch_channels(c.C, native_threads(c.n), [&]() {
+      psroi_pooling_backward<T, A, A>((const T*)grad.data_ptr, c.b.batch, c.cmap, c.b.hstart,
+                                      c.b.hend, c.b.wstart, c.b.wend, c.C, c.Cin, c.H, c.W,
+                                      c.P, c.Q, bottom, 1.0, c.n);
     });
   }
 };
