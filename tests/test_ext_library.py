@@ -20,6 +20,7 @@ import mx_roi  # noqa: F401  (registers the Custom ops)
 from mx_roi import ext
 from mx_roi.cuda import loader
 from mx_roi.params import ROIAlignParam, ROIPoolingParam, invalid_examples
+from mx_roi.params import PSROIPoolingParam  # (mx_roi_PSROIPooling's tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -714,3 +715,215 @@ def test_psroi_align_errors_through_mxnet_are_the_custom_paths():
                    "pooled_size=(2, 2))"]
     assert own[0] in got["channels_custom"]
     assert got["channels_after"] == got["good"]
+
+
+# ---- mx_roi_PSROIPooling ------------------------------------------------------------------
+# (its own cases and tests: contrib.PSROIPooling's parameters, data of output_dim * gh * gw
+# channels)
+def _ps_channels(kw):
+    """Input channels of a PSROIPooling configuration: output_dim * gh * gw."""
+    p = PSROIPoolingParam.from_kwargs(**{k: v for k, v in kw.items() if k != "op"})
+    return p.in_channels
+
+
+PSROI_POOLING_CASES = [
+    # output_dim < 8: the plane-by-plane native forward
+    dict(op="PSROIPooling", pooled_size=7, output_dim=3, spatial_scale=1 / 32.0),
+    # output_dim >= 8 and many reads per copied cell: the channels-last lanes forward
+    dict(op="PSROIPooling", pooled_size=(7, 7), output_dim=10, spatial_scale=1 / 16.0,
+         group_size=7),
+    dict(op="PSROIPooling", pooled_size=(3, 5), output_dim=2, spatial_scale=1 / 16.0,
+         group_size=(2, 3)),
+    dict(op="PSROIPooling", pooled_size=(4, 2), output_dim=4, spatial_scale=1 / 8.0,
+         group_size=1, deterministic=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("kw", PSROI_POOLING_CASES,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_psroi_pooling_bits_equal_custom_path(kw, dtype):
+    rng = np.random.RandomState(6)
+    N, C, H, W = 2, _ps_channels(kw), 19, 25
+    data = rng.standard_normal((N, C, H, W)).astype(dtype)
+    rois = _rois(16, N, rng, dtype, size=380.0)
+    rois[5, 0] = -1  # a padding roi
+    P, Q = PSROIPoolingParam.from_kwargs(**{k: v for k, v in kw.items()
+                                            if k != "op"}).pooled_size
+    grad = rng.standard_normal((16, kw["output_dim"], P, Q)).astype(dtype)
+    ours = _run(_ext, data, rois, grad, kw, 7.0)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0)
+    for a, b, what in zip(ours, theirs, ("output", "data gradient", "inference output")):
+        assert a.dtype == b.dtype == dtype
+        assert a.shape == b.shape
+        assert a.tobytes() == b.tobytes(), what
+    assert not ours[0][5].any()  # the padding roi: zeros
+    assert ours[0].any() and ours[1].any()  # (not a comparison of zeros)
+
+
+def test_psroi_pooling_no_rois():
+    data = np.ones((1, 8, 5, 5), np.float32)
+    rois = np.zeros((0, 5), np.float32)
+    grad = np.zeros((0, 2, 2, 2), np.float32)
+    kw = dict(op="PSROIPooling", pooled_size=2, output_dim=2, spatial_scale=1.0)
+    with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
+        ours = _run(_ext, data, rois, grad, kw, 9.0)
+        theirs = _run(_custom, data, rois, grad, kw, 9.0)
+    assert ours[0].shape == theirs[0].shape == (0, 2, 2, 2)
+    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
+
+
+def test_psroi_pooling_channel_map_past_the_memo_is_built_per_call():
+    """A channel map of more than 2^22 entries (output_dim * P * Q; the section's MEMO_MAP)
+    is not kept with the parameters but built for each call: the same bits."""
+    rng = np.random.RandomState(8)
+    kw = dict(op="PSROIPooling", pooled_size=64, output_dim=1025, spatial_scale=1.0,
+              group_size=1)
+    assert 1025 * 64 * 64 > 2 ** 22
+    data = rng.standard_normal((1, 1025, 4, 5)).astype(np.float32)
+    rois = np.array([[0, 0, 0, 3, 2], [-1, 0, 0, 1, 1]], np.float32)
+    grad = rng.standard_normal((2, 1025, 64, 64)).astype(np.float32)
+    ours = _run(_ext, data, rois, grad, kw, 7.0)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0)
+    for a, b, what in zip(ours, theirs, ("output", "data gradient", "inference output")):
+        assert a.tobytes() == b.tobytes(), what
+    assert ours[0][0].any() and ours[1].any()
+
+
+def _psroi_pooling_invalid_cases():
+    base = dict(pooled_size="(7, 7)", output_dim="2", spatial_scale="0.0625")
+    for name in PSROIPoolingParam.field_names():
+        for value in invalid_examples(PSROIPoolingParam, name):
+            yield {**base, name: str(value)}
+    for missing in ("pooled_size", "output_dim", "spatial_scale"):
+        yield {k: v for k, v in base.items() if k != missing}
+    yield {k: v for k, v in base.items() if k == "spatial_scale"}  # two missing
+    yield {**base, "bogus": "1"}                                    # unknown
+    yield {**base, "sample_ratio": "2"}                             # PSROIAlign's, not ours
+    yield {**base, "spatial_scale": "1e-400"}                       # 0.0 after parsing
+    yield {**base, "group_size": "(0, 0, 0)"}
+    yield {**base, "group_size": "(-3, 3)"}
+    yield {**base, "group_size": "(2147483646, 0)"}                 # at the bound, then 0
+    yield {**base, "output_dim": "2147483647"}                      # one past the bound
+
+
+def test_psroi_pooling_every_declared_invalid_value_gives_the_same_message():
+    cases = list(_psroi_pooling_invalid_cases())
+    assert len(cases) > 25
+    for kwargs in cases:
+        py = _python_parse(PSROIPoolingParam, **kwargs)
+        assert py[0] is False, kwargs
+        assert py[1].startswith("PSROIPooling: ")
+        assert ext.parse_params("PSROIPooling", **kwargs) == py, kwargs
+
+
+def test_psroi_pooling_valid_values_parse_the_same():
+    rng = np.random.RandomState(12)
+    spellings = {
+        "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,",
+                        "2147483646"],
+        "output_dim": ["1", "21", " 8 ", "2.0", "1e1", "2147483646"],
+        "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", "6.25e-05", ".5"],
+        "group_size": ["0", "(0, 0)", "7", "(3, 4)", "[2,2]", "(1,)", " 3 ", "0x3",
+                       "2147483646"],
+        "deterministic": ["False", "true", "1", "off"],
+    }
+    for _ in range(300):
+        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
+                  if k in ("pooled_size", "output_dim", "spatial_scale") or rng.rand() < 0.6}
+        py = _python_parse(PSROIPoolingParam, **kwargs)
+        assert py[0], (kwargs, py)
+        assert ext.parse_params("PSROIPooling", **kwargs) == py, kwargs
+
+
+# errors through MXNet for PSROIPooling: a child process, as _CHILD
+_CHILD_PSROI_POOLING = textwrap.dedent("""
+    import json
+    import numpy as np, mxnet as mx
+    import mx_roi, mx_roi.ext as ext
+    ext.load()
+    out = {}
+    kw = dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0, group_size=(2, 1))
+    data = mx.nd.array(np.random.RandomState(0).standard_normal((2, 4, 9, 9)).astype(np.float32))
+    good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
+    nan = good.copy(); nan[1, 3] = float('inf')
+    batch = good.copy(); batch[2, 0] = 7
+
+    def message(fn):
+        try:
+            fn()
+        except mx.MXNetError as e:
+            return str(e)
+        return None
+
+    def ext_fwd(d, rois, **k):
+        return lambda: mx.nd.mx_roi_PSROIPooling(d, rois, **{**kw, **k}).asnumpy()
+
+    def custom_fwd(d, rois, **k):
+        return lambda: mx.nd.Custom(d, rois, op_type='PSROIPooling', **{**kw, **k}).asnumpy()
+
+    def bwd(rois):
+        def step():
+            d = data.copy(); d.attach_grad()
+            with mx.autograd.record():
+                o = mx.nd.mx_roi_PSROIPooling(d, rois, **kw)
+            try:
+                o.backward()
+            except mx.MXNetError:
+                pass
+            return d.grad.asnumpy()
+        return step
+
+    out['good'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
+    for name, rois in (('nan', nan), ('batch', batch)):
+        out[name] = [message(ext_fwd(data, rois)) for _ in range(10)]
+        out[name + '_custom'] = message(custom_fwd(data, rois))
+        out[name + '_backward'] = message(bwd(rois))
+        out[name + '_after'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
+    wrong = mx.nd.ones((1, 5, 9, 9))
+    out['channels'] = message(ext_fwd(wrong, good[:1]))
+    out['channels_custom'] = message(custom_fwd(wrong, good[:1]))
+    out['channels_after'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
+    out['param'] = message(ext_fwd(data, good, output_dim=0))
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def child_errors_psroi_pooling():
+    res = subprocess.run([sys.executable, "-c", _CHILD_PSROI_POOLING], capture_output=True,
+                         text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["nan", "batch"])
+def test_psroi_pooling_bad_roi_message_is_the_custom_paths(child_errors_psroi_pooling, case):
+    errors = child_errors_psroi_pooling
+    messages = errors[case]
+    assert "Error calling FCompute for custom operator 'mx_roi_PSROIPooling'" in messages[0]
+    own = _own_lines(messages[0])
+    assert len(own) == 1
+    assert "ValueError: " + own[0] + "\n" in errors[case + "_custom"], (own, errors)
+    expected = {"nan": "PSROIPooling: rois[1] has a NaN or infinite value "
+                       "[1.0, 0.0, 0.0, inf, 8.0]; coordinates must be finite",
+                "batch": "PSROIPooling: rois[2] has batch index 7 but data holds only 2 "
+                         "image(s)"}
+    assert own[0].startswith(expected[case])
+    assert [len(_own_lines(m)) for m in messages] == [1] * 10
+    assert len(messages[9]) == len(messages[0])
+    assert _own_lines(errors[case + "_backward"] or "\t[0] none") == own
+    assert errors[case + "_after"] == errors["good"]
+
+
+def test_psroi_pooling_channel_and_parameter_errors(child_errors_psroi_pooling):
+    errors = child_errors_psroi_pooling
+    own = _own_lines(errors["channels"])
+    assert own == ["PSROIPooling: data has 5 channels but output_dim * gh * gw = 2 * 2 * 1 = "
+                   "4 are required (group grid (gh, gw) = (2, 1), from group_size=(2, 1) and "
+                   "pooled_size=(2, 3))"]
+    assert "ValueError: " + own[0] + "\n" in errors["channels_custom"], errors
+    assert errors["channels_after"] == errors["good"]
+    assert _own_lines(errors["param"]) == [
+        "PSROIPooling: parameter 'output_dim': expected positive value(s), got 0"]
