@@ -37,3 +37,19 @@ def test_library_path_at_the_top_is_the_extension_library():
     path = mx_roi.library_path()
     assert path == ext.library_path() and os.path.isfile(path)
     assert os.path.basename(path).startswith("mx_roi_ext-mx1.9.1-api11-")
+
+
+def test_ext_bench_markdown_marks_the_cost_above_the_extension_floor():
+    from mx_roi.ext import bench
+    ms = {"noop Custom": 0.3, "noop ext": 0.1, "ext": 0.15, "ext add_safe": 0.2,
+          "Custom native": 0.5, "built-in": 0.4}
+    rows = [dict(config="X 7x7", direction="fwd", ms=ms),
+            dict(config="X 7x7", direction="fwd+bwd", ms=dict(ms, ext=0.31))]
+    text = bench.markdown(rows, 5)
+    assert text.startswith("`python -m mx_roi.ext.bench --repeat 5 --markdown` at git ")
+    lines = text.splitlines()
+    assert lines[-2] == ("| X 7x7 | fwd | 0.300 | 0.100 | 0.150 | 0.200 | 0.500 | 0.400 | "
+                         "0.050 | <= 0.05 |")
+    assert lines[-1].endswith("| 0.210 | > 0.2 |")
+    assert [c[0] for c in bench.CONFIGS] == ["ROIAlign", "ROIAlign", "ROIPooling",
+                                             "PSROIPooling", "PSROIAlign"]
