@@ -249,7 +249,9 @@ def _check_custom_inputs(F, op_type, args, kwargs) -> None:
     MXNet's count); parameters that do not parse are left to the call (MXNet raises their
     error from the op's ``list_arguments``)."""
     from .registry import REGISTERED, RoIOp
-    op_cls = REGISTERED[op_type]
+    op_cls = REGISTERED.get(op_type)
+    if op_cls is None:  # call_custom of another Custom op: MXNet checks its inputs
+        return
     names = op_cls.inputs
     op_cls.check_input_count(len(args))  # before any parameter is parsed
     arrays = (mx.nd.NDArray, mx.sym.Symbol)
