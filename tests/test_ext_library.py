@@ -108,28 +108,35 @@ def test_bits_equal_custom_path(kw, dtype):
     assert not ours[0][5].any()  # the padding roi: zeros
 
 
-def test_boxes_beyond_the_padded_tables():
+@pytest.mark.parametrize("op, extra", [("ROIAlign", {}), ("PSROIAlign", dict(output_dim=2))])
+def test_boxes_beyond_the_padded_tables(op, extra):
     """Adaptive sampling with boxes far larger than the map: the padded tables overflow
     (status[1]) and the exact widths are built, as on the Custom path."""
     rng = np.random.RandomState(5)
     data = rng.standard_normal((1, 8, 6, 7)).astype(np.float32)
     rois = np.array([[0, -400, -300, 900, 800], [0, 1, 1, 3, 3]], np.float32)
-    kw = dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=-1)
-    grad = rng.standard_normal((2, 8, 2, 2)).astype(np.float32)
+    kw = dict(op=op, pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=-1, **extra)
+    grad = rng.standard_normal((2, extra.get("output_dim", 8), 2, 2)).astype(np.float32)
     ours, theirs = _run(_ext, data, rois, grad, kw, 1.0), _run(_custom, data, rois, grad, kw, 2.0)
     for a, b in zip(ours, theirs):
         assert a.tobytes() == b.tobytes()
 
 
-def test_no_rois():
-    data = np.ones((1, 4, 5, 5), np.float32)
+@pytest.mark.parametrize("op, channels, extra", [
+    ("ROIAlign", 4, {}),
+    ("PSROIAlign", 8, dict(output_dim=2)),
+    ("PSROIPooling", 8, dict(output_dim=2)),
+])
+def test_no_rois(op, channels, extra):
+    data = np.ones((1, channels, 5, 5), np.float32)
     rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 4, 2, 2), np.float32)
-    kw = dict(pooled_size=2, spatial_scale=1.0)
+    out_channels = extra.get("output_dim", channels)
+    grad = np.zeros((0, out_channels, 2, 2), np.float32)
+    kw = dict(op=op, pooled_size=2, spatial_scale=1.0, **extra)
     with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
         ours = _run(_ext, data, rois, grad, kw, 9.0)
         theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == (0, 4, 2, 2)
+    assert ours[0].shape == theirs[0].shape == (0, out_channels, 2, 2)
     assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
 
 
@@ -208,13 +215,20 @@ def _invalid_cases():
         yield param_cls, {**base, "spatial_scale": "1e-400"}    # 0.0 after parsing
 
 
-def test_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_invalid_cases())
-    assert len(cases) > 40
+def _invalid_values_give_the_same_messages(cases, at_least):
+    """Each (param_cls, kwargs) of ``cases`` (more than ``at_least``) fails in params.py
+    with a message naming the op, and the C++ parser gives that message."""
+    cases = list(cases)
+    assert len(cases) > at_least
     for param_cls, kwargs in cases:
         py = _python_parse(param_cls, **kwargs)
         assert py[0] is False, kwargs
+        assert py[1].startswith(param_cls.op_name + ": "), py
         assert ext.parse_params(param_cls.op_name, **kwargs) == py, kwargs
+
+
+def test_every_declared_invalid_value_gives_the_same_message():
+    _invalid_values_give_the_same_messages(_invalid_cases(), at_least=40)
 
 
 def _valid_spellings_parse_the_same(param_cls, spellings, required, seed=11, draws=300):
@@ -361,7 +375,8 @@ BAD_ROI_MESSAGES = {
 }
 
 
-@pytest.mark.parametrize("op, case", list(BAD_ROI_MESSAGES), ids="-".join)
+@pytest.mark.parametrize("op, case", list(BAD_ROI_MESSAGES),
+                         ids=[f"{op}-{case}" for op, case in BAD_ROI_MESSAGES])
 def test_bad_roi_message_is_the_custom_paths(child_errors, op, case):
     errors = child_errors[op]
     messages = errors[case]
@@ -643,30 +658,6 @@ def test_psroi_align_bits_equal_custom_path(case, dtype):
     assert not ours[0][5].any() and ours[0].any() and ours[1].any()
 
 
-def test_psroi_align_boxes_beyond_the_padded_tables():
-    rng = np.random.RandomState(5)
-    data = rng.standard_normal((1, 8, 6, 7)).astype(np.float32)
-    rois = np.array([[0, -400, -300, 900, 800], [0, 1, 1, 3, 3]], np.float32)
-    kw = dict(op="PSROIAlign", pooled_size=(2, 2), output_dim=2, spatial_scale=1.0,
-              sample_ratio=-1)
-    grad = rng.standard_normal((2, 2, 2, 2)).astype(np.float32)
-    ours, theirs = _run(_ext, data, rois, grad, kw, 1.0), _run(_custom, data, rois, grad, kw, 2.0)
-    for a, b in zip(ours, theirs):
-        assert a.tobytes() == b.tobytes()
-
-
-def test_psroi_align_no_rois():
-    data = np.ones((1, 8, 5, 5), np.float32)
-    rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 2, 2, 2), np.float32)
-    kw = dict(op="PSROIAlign", pooled_size=2, output_dim=2, spatial_scale=1.0)
-    with mx.util.np_shape(True):
-        ours = _run(_ext, data, rois, grad, kw, 9.0)
-        theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == (0, 2, 2, 2)
-    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
-
-
 def _ps_align_invalid_cases():
     base = dict(pooled_size="(7, 7)", output_dim="2", spatial_scale="0.0625")
     for name in PSROIAlignParam.field_names():
@@ -687,12 +678,8 @@ def _ps_align_invalid_cases():
 
 
 def test_psroi_align_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_ps_align_invalid_cases())
-    assert len(cases) > 40
-    for kwargs in cases:
-        py = _python_parse(PSROIAlignParam, **kwargs)
-        assert py[0] is False, kwargs
-        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+    _invalid_values_give_the_same_messages(
+        ((PSROIAlignParam, kwargs) for kwargs in _ps_align_invalid_cases()), at_least=40)
 
 
 def test_psroi_align_valid_values_parse_the_same():
@@ -763,18 +750,6 @@ def test_psroi_pooling_bits_equal_custom_path(kw, dtype):
     assert ours[0].any() and ours[1].any()  # (not a comparison of zeros)
 
 
-def test_psroi_pooling_no_rois():
-    data = np.ones((1, 8, 5, 5), np.float32)
-    rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 2, 2, 2), np.float32)
-    kw = dict(op="PSROIPooling", pooled_size=2, output_dim=2, spatial_scale=1.0)
-    with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
-        ours = _run(_ext, data, rois, grad, kw, 9.0)
-        theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == theirs[0].shape == (0, 2, 2, 2)
-    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
-
-
 def test_psroi_pooling_channel_map_past_the_memo_is_built_per_call():
     """A channel map of more than 2^22 entries (output_dim * P * Q; the section's MEMO_MAP)
     is not kept with the parameters but built for each call: the same bits."""
@@ -810,13 +785,8 @@ def _psroi_pooling_invalid_cases():
 
 
 def test_psroi_pooling_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_psroi_pooling_invalid_cases())
-    assert len(cases) > 25
-    for kwargs in cases:
-        py = _python_parse(PSROIPoolingParam, **kwargs)
-        assert py[0] is False, kwargs
-        assert py[1].startswith("PSROIPooling: ")
-        assert ext.parse_params("PSROIPooling", **kwargs) == py, kwargs
+    _invalid_values_give_the_same_messages(
+        ((PSROIPoolingParam, kwargs) for kwargs in _psroi_pooling_invalid_cases()), at_least=25)
 
 
 def test_psroi_pooling_valid_values_parse_the_same():
