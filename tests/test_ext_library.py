@@ -108,28 +108,35 @@ def test_bits_equal_custom_path(kw, dtype):
     assert not ours[0][5].any()  # the padding roi: zeros
 
 
-def test_boxes_beyond_the_padded_tables():
+@pytest.mark.parametrize("op, extra", [("ROIAlign", {}), ("PSROIAlign", dict(output_dim=2))])
+def test_boxes_beyond_the_padded_tables(op, extra):
     """Adaptive sampling with boxes far larger than the map: the padded tables overflow
     (status[1]) and the exact widths are built, as on the Custom path."""
     rng = np.random.RandomState(5)
     data = rng.standard_normal((1, 8, 6, 7)).astype(np.float32)
     rois = np.array([[0, -400, -300, 900, 800], [0, 1, 1, 3, 3]], np.float32)
-    kw = dict(pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=-1)
-    grad = rng.standard_normal((2, 8, 2, 2)).astype(np.float32)
+    kw = dict(op=op, pooled_size=(2, 2), spatial_scale=1.0, sample_ratio=-1, **extra)
+    grad = rng.standard_normal((2, extra.get("output_dim", 8), 2, 2)).astype(np.float32)
     ours, theirs = _run(_ext, data, rois, grad, kw, 1.0), _run(_custom, data, rois, grad, kw, 2.0)
     for a, b in zip(ours, theirs):
         assert a.tobytes() == b.tobytes()
 
 
-def test_no_rois():
-    data = np.ones((1, 4, 5, 5), np.float32)
+@pytest.mark.parametrize("op, channels, extra", [
+    ("ROIAlign", 4, {}),
+    ("PSROIAlign", 8, dict(output_dim=2)),
+    ("PSROIPooling", 8, dict(output_dim=2)),
+])
+def test_no_rois(op, channels, extra):
+    data = np.ones((1, channels, 5, 5), np.float32)
     rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 4, 2, 2), np.float32)
-    kw = dict(pooled_size=2, spatial_scale=1.0)
+    out_channels = extra.get("output_dim", channels)
+    grad = np.zeros((0, out_channels, 2, 2), np.float32)
+    kw = dict(op=op, pooled_size=2, spatial_scale=1.0, **extra)
     with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
         ours = _run(_ext, data, rois, grad, kw, 9.0)
         theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == (0, 4, 2, 2)
+    assert ours[0].shape == theirs[0].shape == (0, out_channels, 2, 2)
     assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
 
 
@@ -208,17 +215,35 @@ def _invalid_cases():
         yield param_cls, {**base, "spatial_scale": "1e-400"}    # 0.0 after parsing
 
 
-def test_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_invalid_cases())
-    assert len(cases) > 40
+def _invalid_values_give_the_same_messages(cases, at_least):
+    """Each (param_cls, kwargs) of ``cases`` (more than ``at_least``) fails in params.py
+    with a message naming the op, and the C++ parser gives that message."""
+    cases = list(cases)
+    assert len(cases) > at_least
     for param_cls, kwargs in cases:
         py = _python_parse(param_cls, **kwargs)
         assert py[0] is False, kwargs
+        assert py[1].startswith(param_cls.op_name + ": "), py
+        assert ext.parse_params(param_cls.op_name, **kwargs) == py, kwargs
+
+
+def test_every_declared_invalid_value_gives_the_same_message():
+    _invalid_values_give_the_same_messages(_invalid_cases(), at_least=40)
+
+
+def _valid_spellings_parse_the_same(param_cls, spellings, required, seed=11, draws=300):
+    """``draws`` random mixes of valid spellings (each required parameter always, every
+    other one with probability 0.6): the C++ parser gives params.py's result."""
+    rng = np.random.RandomState(seed)
+    for _ in range(draws):
+        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
+                  if k in required or rng.rand() < 0.6}
+        py = _python_parse(param_cls, **kwargs)
+        assert py[0], (kwargs, py)
         assert ext.parse_params(param_cls.op_name, **kwargs) == py, kwargs
 
 
 def test_valid_values_parse_the_same():
-    rng = np.random.RandomState(11)
     spellings = {
         "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "(1e1, 2)",
                         "0x7", "14,"],
@@ -230,26 +255,34 @@ def test_valid_values_parse_the_same():
         "deterministic": ["False", "true"],
         "legacy": ["", "none", "caffe", "CAFFE", "None"],
     }
-    for _ in range(300):
-        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
-                  if k in ("pooled_size", "spatial_scale") or rng.rand() < 0.6}
-        py = _python_parse(**kwargs)
-        assert py[0], (kwargs, py)
-        assert ext.parse_params("ROIAlign", **kwargs) == py, kwargs
+    _valid_spellings_parse_the_same(ROIAlignParam, spellings,
+                                    required=("pooled_size", "spatial_scale"))
 
 
 # ---- errors through MXNet: in a child process (an abort must not take the run down) -------
+#: each op's errors in the child: its parameters (kw) on data of ``channels`` channels, the
+#: value planted in rois[1] for the 'nonfinite' case, parameters that fail to parse, and
+#: (PS ops) a channel-count error: (data channels, parameters over kw) or None
+ERROR_OPS = {
+    "ROIAlign": dict(kw=dict(pooled_size=(2, 2), spatial_scale=1.0), channels=8,
+                     bad_value="nan", bad_param=dict(pooled_size=0), wrong_channels=None),
+    "PSROIAlign": dict(kw=dict(pooled_size=(2, 2), output_dim=2, spatial_scale=1.0),
+                       channels=8, bad_value="nan", bad_param=dict(output_dim=0),
+                       wrong_channels=(8, dict(output_dim=3))),  # 3 * 2 * 2 = 12 needed
+    "PSROIPooling": dict(kw=dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0,
+                                 group_size=(2, 1)), channels=4, bad_value="inf",
+                         bad_param=dict(output_dim=0), wrong_channels=(5, {})),
+}
+REPEAT = 10  # bad calls in a row: the tenth message must be as short as the first
+
+#: argv[1]: repr(ERROR_OPS), argv[2]: REPEAT; prints {op: {what: message or output}}
 _CHILD = textwrap.dedent("""
-    import json, os, sys
+    import ast, json, sys
     import numpy as np, mxnet as mx
     import mx_roi, mx_roi.ext as ext
     ext.load()
-    out = {}
-    data = mx.nd.array(np.random.RandomState(0).standard_normal((2, 8, 9, 9)).astype(np.float32))
+    OPS, REPEAT = ast.literal_eval(sys.argv[1]), int(sys.argv[2])
     good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
-    nan = good.copy(); nan[1, 3] = float('nan')
-    batch = good.copy(); batch[2, 0] = 7
-    kw = dict(pooled_size=(2, 2), spatial_scale=1.0)
 
     def message(fn):
         try:
@@ -258,43 +291,65 @@ _CHILD = textwrap.dedent("""
             return str(e)
         return None
 
-    def fwd(op, rois):
-        if op == 'ext':
-            return lambda: mx.nd.mx_roi_ROIAlign(data, rois, **kw).asnumpy()
-        return lambda: mx.nd.Custom(data, rois, op_type='ROIAlign', **kw).asnumpy()
+    def errors(op, kw, channels, bad_value, bad_param, wrong_channels):
+        out = {}
+        data = mx.nd.array(np.random.RandomState(0).standard_normal((2, channels, 9, 9))
+                           .astype(np.float32))
+        ext_op = getattr(mx.nd, 'mx_roi_' + op)
 
-    def bwd(rois):
-        def step():
-            d = data.copy(); d.attach_grad()
-            with mx.autograd.record():
-                o = mx.nd.mx_roi_ROIAlign(d, rois, **kw)
-            try:
-                o.backward()
-            except mx.MXNetError:
-                pass
-            return d.grad.asnumpy()
-        return step
+        def call(path, d, rois, **extra):
+            args = dict(kw, **extra)
+            if path == 'ext':
+                return lambda: ext_op(d, rois, **args).asnumpy()
+            return lambda: mx.nd.Custom(d, rois, op_type=op, **args).asnumpy()
 
-    for name, rois in (('nan', nan), ('batch', batch)):
-        out[name] = [message(fwd('ext', rois)) for _ in range(10)]
-        out[name + '_custom'] = message(fwd('custom', rois))
-        out[name + '_backward'] = message(bwd(rois))
-        out[name + '_after'] = mx.nd.mx_roi_ROIAlign(data, good, **kw).asnumpy().tolist()
-    out['param'] = [message(lambda: mx.nd.mx_roi_ROIAlign(data, good, pooled_size=0,
-                                                          spatial_scale=1.0).asnumpy())
-                    for _ in range(10)]
-    out['good'] = mx.nd.mx_roi_ROIAlign(data, good, **kw).asnumpy().tolist()
-    print(json.dumps(out))
+        def good_output():
+            return ext_op(data, good, **kw).asnumpy().tolist()
+
+        def bwd(rois):
+            def step():
+                d = data.copy(); d.attach_grad()
+                with mx.autograd.record():
+                    o = ext_op(d, rois, **kw)
+                try:
+                    o.backward()
+                except mx.MXNetError:
+                    pass
+                return d.grad.asnumpy()
+            return step
+
+        nonfinite = good.copy(); nonfinite[1, 3] = float(bad_value)
+        batch = good.copy(); batch[2, 0] = 7
+        out['good'] = good_output()
+        for name, rois in (('nonfinite', nonfinite), ('batch', batch)):
+            out[name] = [message(call('ext', data, rois)) for _ in range(REPEAT)]
+            out[name + '_custom'] = message(call('custom', data, rois))
+            out[name + '_backward'] = message(bwd(rois))
+            out[name + '_after'] = good_output()
+        out['param'] = [message(call('ext', data, good, **bad_param)) for _ in range(REPEAT)]
+        out['param_after'] = good_output()
+        if wrong_channels:
+            c, extra = wrong_channels
+            wrong = mx.nd.ones((1, c, 9, 9))
+            for path in ('ext', 'custom'):
+                out['channels_' + path] = message(call(path, wrong, good[:1], **extra))
+            out['channels_after'] = good_output()
+        return out
+
+    print(json.dumps({op: errors(op, **spec) for op, spec in OPS.items()}))
 """)
 
 
 @pytest.fixture(scope="module")
 def child_errors():
-    res = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT,
-                                        "MX_ROI_BACKEND": "native"}, timeout=600)
+    """ERROR_OPS's calls, all three ops in one child process (one start-up)."""
+    res = subprocess.run([sys.executable, "-c", _CHILD, repr(ERROR_OPS), str(REPEAT)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted(got) == sorted(ERROR_OPS)
+    return got
 
 
 def _own_lines(message):
@@ -304,32 +359,75 @@ def _own_lines(message):
             if line.startswith("\t[")]
 
 
-@pytest.mark.parametrize("case", ["nan", "batch"])
-def test_bad_roi_message_is_the_custom_paths(child_errors, case):
-    messages = child_errors[case]
+#: (op, case): the start of the library's message, the Custom path's ValueError text
+BAD_ROI_MESSAGES = {
+    ("ROIAlign", "nonfinite"):
+        "ROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
+    ("ROIAlign", "batch"): "ROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)",
+    ("PSROIAlign", "nonfinite"):
+        "PSROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
+    ("PSROIAlign", "batch"):
+        "PSROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)",
+    ("PSROIPooling", "nonfinite"): "PSROIPooling: rois[1] has a NaN or infinite value "
+                                   "[1.0, 0.0, 0.0, inf, 8.0]; coordinates must be finite",
+    ("PSROIPooling", "batch"):
+        "PSROIPooling: rois[2] has batch index 7 but data holds only 2 image(s)",
+}
+
+
+@pytest.mark.parametrize("op, case", list(BAD_ROI_MESSAGES),
+                         ids=[f"{op}-{case}" for op, case in BAD_ROI_MESSAGES])
+def test_bad_roi_message_is_the_custom_paths(child_errors, op, case):
+    errors = child_errors[op]
+    messages = errors[case]
     first = messages[0]
-    assert "Error calling FCompute for custom operator 'mx_roi_ROIAlign'" in first
+    assert f"Error calling FCompute for custom operator 'mx_roi_{op}'" in first
     own = _own_lines(first)
-    assert len(own) == 1
-    custom = child_errors[case + "_custom"]
+    assert len(own) == 1 and own[0].startswith(BAD_ROI_MESSAGES[op, case]), own
     # the Custom path's ValueError text, as its message carries it
-    assert "ValueError: " + own[0] + "\n" in custom, (own, custom)
-    expected = {"nan": "ROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
-                "batch": "ROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)"}
-    assert own[0].startswith(expected[case])
+    assert "ValueError: " + own[0] + "\n" in errors[case + "_custom"], (own, errors)
     # the tenth error carries only its own message (lib_api.cc keeps a list it never clears)
-    assert [len(_own_lines(m)) for m in messages] == [1] * 10
-    assert len(messages[9]) == len(first)
-    assert _own_lines(child_errors[case + "_backward"] or "\t[0] none") == own
-    assert child_errors[case + "_after"] == child_errors["good"]
+    assert [_own_lines(m) for m in messages] == [own] * REPEAT
+    assert len(messages[-1]) == len(first)
+    assert _own_lines(errors[case + "_backward"] or "\t[0] none") == own
+    assert errors[case + "_after"] == errors["good"]
 
 
-def test_parameter_error_through_mxnet(child_errors):
-    messages = child_errors["param"]
-    assert all(m and "Error calling ParseAttrs for custom operator 'mx_roi_ROIAlign'" in m
+PARAM_MESSAGES = {
+    "ROIAlign": "ROIAlign: parameter 'pooled_size': expected positive value(s), got (0, 0)",
+    "PSROIAlign": "PSROIAlign: parameter 'output_dim': expected positive value(s), got 0",
+    "PSROIPooling": "PSROIPooling: parameter 'output_dim': expected positive value(s), got 0",
+}
+
+
+@pytest.mark.parametrize("op", list(PARAM_MESSAGES))
+def test_parameter_error_through_mxnet(child_errors, op):
+    errors = child_errors[op]
+    messages = errors["param"]
+    assert all(m and f"Error calling ParseAttrs for custom operator 'mx_roi_{op}'" in m
                for m in messages)
-    assert [_own_lines(m) for m in messages] == [[
-        "ROIAlign: parameter 'pooled_size': expected positive value(s), got (0, 0)"]] * 10
+    assert [_own_lines(m) for m in messages] == [[PARAM_MESSAGES[op]]] * REPEAT
+    assert errors["param_after"] == errors["good"]
+
+
+#: the PS ops' channel-count message (ERROR_OPS' wrong_channels)
+CHANNEL_MESSAGES = {
+    "PSROIAlign": "PSROIAlign: data has 8 channels but output_dim * gh * gw = 3 * 2 * 2 = 12 "
+                  "are required (group grid (gh, gw) = (2, 2), from group_size=0 and "
+                  "pooled_size=(2, 2))",
+    "PSROIPooling": "PSROIPooling: data has 5 channels but output_dim * gh * gw = 2 * 2 * 1 = "
+                    "4 are required (group grid (gh, gw) = (2, 1), from group_size=(2, 1) and "
+                    "pooled_size=(2, 3))",
+}
+
+
+@pytest.mark.parametrize("op", list(CHANNEL_MESSAGES))
+def test_channel_count_error_through_mxnet(child_errors, op):
+    errors = child_errors[op]
+    assert f"Error calling InferShape for custom operator 'mx_roi_{op}'" in errors["channels_ext"]
+    assert _own_lines(errors["channels_ext"]) == [CHANNEL_MESSAGES[op]]
+    assert "ValueError: " + CHANNEL_MESSAGES[op] + "\n" in errors["channels_custom"], errors
+    assert errors["channels_after"] == errors["good"]
 
 
 # ---- grad_req='add' ---------------------------------------------------------------------
@@ -560,30 +658,6 @@ def test_psroi_align_bits_equal_custom_path(case, dtype):
     assert not ours[0][5].any() and ours[0].any() and ours[1].any()
 
 
-def test_psroi_align_boxes_beyond_the_padded_tables():
-    rng = np.random.RandomState(5)
-    data = rng.standard_normal((1, 8, 6, 7)).astype(np.float32)
-    rois = np.array([[0, -400, -300, 900, 800], [0, 1, 1, 3, 3]], np.float32)
-    kw = dict(op="PSROIAlign", pooled_size=(2, 2), output_dim=2, spatial_scale=1.0,
-              sample_ratio=-1)
-    grad = rng.standard_normal((2, 2, 2, 2)).astype(np.float32)
-    ours, theirs = _run(_ext, data, rois, grad, kw, 1.0), _run(_custom, data, rois, grad, kw, 2.0)
-    for a, b in zip(ours, theirs):
-        assert a.tobytes() == b.tobytes()
-
-
-def test_psroi_align_no_rois():
-    data = np.ones((1, 8, 5, 5), np.float32)
-    rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 2, 2, 2), np.float32)
-    kw = dict(op="PSROIAlign", pooled_size=2, output_dim=2, spatial_scale=1.0)
-    with mx.util.np_shape(True):
-        ours = _run(_ext, data, rois, grad, kw, 9.0)
-        theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == (0, 2, 2, 2)
-    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
-
-
 def _ps_align_invalid_cases():
     base = dict(pooled_size="(7, 7)", output_dim="2", spatial_scale="0.0625")
     for name in PSROIAlignParam.field_names():
@@ -604,16 +678,11 @@ def _ps_align_invalid_cases():
 
 
 def test_psroi_align_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_ps_align_invalid_cases())
-    assert len(cases) > 40
-    for kwargs in cases:
-        py = _python_parse(PSROIAlignParam, **kwargs)
-        assert py[0] is False, kwargs
-        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+    _invalid_values_give_the_same_messages(
+        ((PSROIAlignParam, kwargs) for kwargs in _ps_align_invalid_cases()), at_least=40)
 
 
 def test_psroi_align_valid_values_parse_the_same():
-    rng = np.random.RandomState(12)
     spellings = {
         "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,"],
         "output_dim": ["2", " 10 ", "3.0", "1e1", "21", "2147483646"],
@@ -626,13 +695,8 @@ def test_psroi_align_valid_values_parse_the_same():
         "legacy": ["", "none", "rfcn", "RFCN", "None"],
         "sample_num": ["1", "2", "4.0", " 1024 "],
     }
-    required = ("pooled_size", "output_dim", "spatial_scale")
-    for _ in range(300):
-        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
-                  if k in required or rng.rand() < 0.6}
-        py = _python_parse(PSROIAlignParam, **kwargs)
-        assert py[0], (kwargs, py)
-        assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
+    _valid_spellings_parse_the_same(PSROIAlignParam, spellings, seed=12,
+                                    required=("pooled_size", "output_dim", "spatial_scale"))
     # at the samples-per-axis limit; legacy='rfcn' checks sample_num there, not sample_ratio
     for kwargs in (dict(pooled_size="4096", output_dim="1", spatial_scale="1", sample_ratio="1024"),
                    dict(pooled_size="(3, 5000)", output_dim="1", spatial_scale="1",
@@ -640,81 +704,6 @@ def test_psroi_align_valid_values_parse_the_same():
         py = _python_parse(PSROIAlignParam, **kwargs)
         assert py[0], (kwargs, py)
         assert ext.parse_params("PSROIAlign", **kwargs) == py, kwargs
-
-
-_PS_ALIGN_CHILD = textwrap.dedent("""
-    import json
-    import numpy as np, mxnet as mx
-    import mx_roi, mx_roi.ext as ext
-    ext.load()
-    out = {}
-    data = mx.nd.array(np.random.RandomState(0).standard_normal((2, 8, 9, 9)).astype(np.float32))
-    good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
-    nan = good.copy(); nan[1, 3] = float('nan')
-    batch = good.copy(); batch[2, 0] = 7
-    kw = dict(pooled_size=(2, 2), output_dim=2, spatial_scale=1.0)
-
-    def message(fn):
-        try:
-            fn()
-        except mx.MXNetError as e:
-            return str(e)
-        return None
-
-    def call(path, rois, **extra):
-        args = dict(kw, **extra)
-        if path == 'ext':
-            return lambda: mx.nd.mx_roi_PSROIAlign(data, rois, **args).asnumpy()
-        return lambda: mx.nd.Custom(data, rois, op_type='PSROIAlign', **args).asnumpy()
-
-    def bwd(rois):
-        def step():
-            d = data.copy(); d.attach_grad()
-            with mx.autograd.record():
-                o = mx.nd.mx_roi_PSROIAlign(d, rois, **kw)
-            try:
-                o.backward()
-            except mx.MXNetError:
-                pass
-            return d.grad.asnumpy()
-        return step
-
-    out['good'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
-    for name, rois in (('nan', nan), ('batch', batch)):
-        out[name] = [message(call('ext', rois)) for _ in range(3)]
-        out[name + '_custom'] = message(call('custom', rois))
-        out[name + '_backward'] = message(bwd(rois))
-        out[name + '_after'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
-    for path in ('ext', 'custom'):  # 8 channels, output_dim 3 * 2 * 2 = 12 needed
-        out['channels_' + path] = message(call(path, good, output_dim=3))
-    out['channels_after'] = mx.nd.mx_roi_PSROIAlign(data, good, **kw).asnumpy().tolist()
-    print(json.dumps(out))
-""")
-
-
-def test_psroi_align_errors_through_mxnet_are_the_custom_paths():
-    res = subprocess.run([sys.executable, "-c", _PS_ALIGN_CHILD], capture_output=True,
-                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT,
-                                                   "MX_ROI_BACKEND": "native"}, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    expected = {"nan": "PSROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
-                "batch": "PSROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)"}
-    for case, start in expected.items():
-        assert "Error calling FCompute for custom operator 'mx_roi_PSROIAlign'" in got[case][0]
-        own = _own_lines(got[case][0])
-        assert len(own) == 1 and own[0].startswith(start), own
-        assert "ValueError: " + own[0] + "\n" in got[case + "_custom"]
-        assert [_own_lines(m) for m in got[case]] == [own] * 3
-        assert _own_lines(got[case + "_backward"] or "\t[0] none") == own
-        assert got[case + "_after"] == got["good"]
-    own = _own_lines(got["channels_ext"])
-    assert "Error calling InferShape for custom operator 'mx_roi_PSROIAlign'" in got["channels_ext"]
-    assert own == ["PSROIAlign: data has 8 channels but output_dim * gh * gw = 3 * 2 * 2 = 12 "
-                   "are required (group grid (gh, gw) = (2, 2), from group_size=0 and "
-                   "pooled_size=(2, 2))"]
-    assert own[0] in got["channels_custom"]
-    assert got["channels_after"] == got["good"]
 
 
 # ---- mx_roi_PSROIPooling ------------------------------------------------------------------
@@ -761,18 +750,6 @@ def test_psroi_pooling_bits_equal_custom_path(kw, dtype):
     assert ours[0].any() and ours[1].any()  # (not a comparison of zeros)
 
 
-def test_psroi_pooling_no_rois():
-    data = np.ones((1, 8, 5, 5), np.float32)
-    rois = np.zeros((0, 5), np.float32)
-    grad = np.zeros((0, 2, 2, 2), np.float32)
-    kw = dict(op="PSROIPooling", pooled_size=2, output_dim=2, spatial_scale=1.0)
-    with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
-        ours = _run(_ext, data, rois, grad, kw, 9.0)
-        theirs = _run(_custom, data, rois, grad, kw, 9.0)
-    assert ours[0].shape == theirs[0].shape == (0, 2, 2, 2)
-    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
-
-
 def test_psroi_pooling_channel_map_past_the_memo_is_built_per_call():
     """A channel map of more than 2^22 entries (output_dim * P * Q; the section's MEMO_MAP)
     is not kept with the parameters but built for each call: the same bits."""
@@ -808,17 +785,11 @@ def _psroi_pooling_invalid_cases():
 
 
 def test_psroi_pooling_every_declared_invalid_value_gives_the_same_message():
-    cases = list(_psroi_pooling_invalid_cases())
-    assert len(cases) > 25
-    for kwargs in cases:
-        py = _python_parse(PSROIPoolingParam, **kwargs)
-        assert py[0] is False, kwargs
-        assert py[1].startswith("PSROIPooling: ")
-        assert ext.parse_params("PSROIPooling", **kwargs) == py, kwargs
+    _invalid_values_give_the_same_messages(
+        ((PSROIPoolingParam, kwargs) for kwargs in _psroi_pooling_invalid_cases()), at_least=25)
 
 
 def test_psroi_pooling_valid_values_parse_the_same():
-    rng = np.random.RandomState(12)
     spellings = {
         "pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,",
                         "2147483646"],
@@ -828,102 +799,5 @@ def test_psroi_pooling_valid_values_parse_the_same():
                        "2147483646"],
         "deterministic": ["False", "true", "1", "off"],
     }
-    for _ in range(300):
-        kwargs = {k: v[rng.randint(len(v))] for k, v in spellings.items()
-                  if k in ("pooled_size", "output_dim", "spatial_scale") or rng.rand() < 0.6}
-        py = _python_parse(PSROIPoolingParam, **kwargs)
-        assert py[0], (kwargs, py)
-        assert ext.parse_params("PSROIPooling", **kwargs) == py, kwargs
-
-
-# errors through MXNet for PSROIPooling: a child process, as _CHILD
-_CHILD_PSROI_POOLING = textwrap.dedent("""
-    import json
-    import numpy as np, mxnet as mx
-    import mx_roi, mx_roi.ext as ext
-    ext.load()
-    out = {}
-    kw = dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0, group_size=(2, 1))
-    data = mx.nd.array(np.random.RandomState(0).standard_normal((2, 4, 9, 9)).astype(np.float32))
-    good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
-    nan = good.copy(); nan[1, 3] = float('inf')
-    batch = good.copy(); batch[2, 0] = 7
-
-    def message(fn):
-        try:
-            fn()
-        except mx.MXNetError as e:
-            return str(e)
-        return None
-
-    def ext_fwd(d, rois, **k):
-        return lambda: mx.nd.mx_roi_PSROIPooling(d, rois, **{**kw, **k}).asnumpy()
-
-    def custom_fwd(d, rois, **k):
-        return lambda: mx.nd.Custom(d, rois, op_type='PSROIPooling', **{**kw, **k}).asnumpy()
-
-    def bwd(rois):
-        def step():
-            d = data.copy(); d.attach_grad()
-            with mx.autograd.record():
-                o = mx.nd.mx_roi_PSROIPooling(d, rois, **kw)
-            try:
-                o.backward()
-            except mx.MXNetError:
-                pass
-            return d.grad.asnumpy()
-        return step
-
-    out['good'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
-    for name, rois in (('nan', nan), ('batch', batch)):
-        out[name] = [message(ext_fwd(data, rois)) for _ in range(10)]
-        out[name + '_custom'] = message(custom_fwd(data, rois))
-        out[name + '_backward'] = message(bwd(rois))
-        out[name + '_after'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
-    wrong = mx.nd.ones((1, 5, 9, 9))
-    out['channels'] = message(ext_fwd(wrong, good[:1]))
-    out['channels_custom'] = message(custom_fwd(wrong, good[:1]))
-    out['channels_after'] = mx.nd.mx_roi_PSROIPooling(data, good, **kw).asnumpy().tolist()
-    out['param'] = message(ext_fwd(data, good, output_dim=0))
-    print(json.dumps(out))
-""")
-
-
-@pytest.fixture(scope="module")
-def child_errors_psroi_pooling():
-    res = subprocess.run([sys.executable, "-c", _CHILD_PSROI_POOLING], capture_output=True,
-                         text=True, cwd=ROOT, timeout=600,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("case", ["nan", "batch"])
-def test_psroi_pooling_bad_roi_message_is_the_custom_paths(child_errors_psroi_pooling, case):
-    errors = child_errors_psroi_pooling
-    messages = errors[case]
-    assert "Error calling FCompute for custom operator 'mx_roi_PSROIPooling'" in messages[0]
-    own = _own_lines(messages[0])
-    assert len(own) == 1
-    assert "ValueError: " + own[0] + "\n" in errors[case + "_custom"], (own, errors)
-    expected = {"nan": "PSROIPooling: rois[1] has a NaN or infinite value "
-                       "[1.0, 0.0, 0.0, inf, 8.0]; coordinates must be finite",
-                "batch": "PSROIPooling: rois[2] has batch index 7 but data holds only 2 "
-                         "image(s)"}
-    assert own[0].startswith(expected[case])
-    assert [len(_own_lines(m)) for m in messages] == [1] * 10
-    assert len(messages[9]) == len(messages[0])
-    assert _own_lines(errors[case + "_backward"] or "\t[0] none") == own
-    assert errors[case + "_after"] == errors["good"]
-
-
-def test_psroi_pooling_channel_and_parameter_errors(child_errors_psroi_pooling):
-    errors = child_errors_psroi_pooling
-    own = _own_lines(errors["channels"])
-    assert own == ["PSROIPooling: data has 5 channels but output_dim * gh * gw = 2 * 2 * 1 = "
-                   "4 are required (group grid (gh, gw) = (2, 1), from group_size=(2, 1) and "
-                   "pooled_size=(2, 3))"]
-    assert "ValueError: " + own[0] + "\n" in errors["channels_custom"], errors
-    assert errors["channels_after"] == errors["good"]
-    assert _own_lines(errors["param"]) == [
-        "PSROIPooling: parameter 'output_dim': expected positive value(s), got 0"]
+    _valid_spellings_parse_the_same(PSROIPoolingParam, spellings, seed=12,
+                                    required=("pooled_size", "output_dim", "spatial_scale"))
