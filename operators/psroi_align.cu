@@ -276,10 +276,8 @@ struct PSROIAlignOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Call<PSROIAlignOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void forward(const Params& p, const Call<PSROIAlignOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
     const Grid<A>& g = c.g;
     const int* cmap = ps_channel_map(p);
     c.launch([&]() {
@@ -291,10 +289,8 @@ struct PSROIAlignOp {
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Call<PSROIAlignOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void backward(const Params& p, const Call<PSROIAlignOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
     const Grid<A>& g = c.g;
     const int* cmap = ps_channel_map(p);
     c.launch([&]() {

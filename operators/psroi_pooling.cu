@@ -220,10 +220,8 @@ struct PSROIPoolingOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Call<PSROIPoolingOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void forward(const Params& p, const Call<PSROIPoolingOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
     const Bins& b = c.g;
     const int* cmap = ps_channel_map(p);
     c.launch([&]() {
@@ -234,10 +232,8 @@ struct PSROIPoolingOp {
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Call<PSROIPoolingOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void backward(const Params& p, const Call<PSROIPoolingOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
     const Bins& b = c.g;
     const int* cmap = ps_channel_map(p);
     c.launch([&]() {

@@ -671,10 +671,8 @@ struct ROIAlignOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Call<ROIAlignOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void forward(const Params& p, const Call<ROIAlignOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
     const Grid<A>& g = c.g;
     const T* x = (const T*)data.data_ptr;
     T* y = (T*)out.data_ptr;
@@ -696,10 +694,8 @@ struct ROIAlignOp {
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Call<ROIAlignOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void backward(const Params& p, const Call<ROIAlignOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
     const Grid<A>& g = c.g;
     const T* dy = (const T*)grad.data_ptr;
     if (p.is_max()) {

@@ -332,10 +332,8 @@ struct ROIPoolingOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Call<ROIPoolingOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void forward(const Params& p, const Call<ROIPoolingOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
     const Bins& b = c.g;
     unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
     c.launch([&]() {
@@ -347,10 +345,8 @@ struct ROIPoolingOp {
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Call<ROIPoolingOp, T, A> c(p, data, rois);
-    if (c.n <= 0) return;
+  static void backward(const Params& p, const Call<ROIPoolingOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
     const Bins& b = c.g;
     c.launch([&]() {
       roi_pooling_backward_rescan<T, A, A>((const T*)data.data_ptr, (const T*)grad.data_ptr,

@@ -278,7 +278,8 @@ struct Call {
   Call(const typename Op::Params& p, const MXTensor& data, const MXTensor& rois)
       : C((int)Op::out_channels(p, data.shape[1])), Cin((int)data.shape[1]),
         H((int)data.shape[2]), W((int)data.shape[3]), P((int)p.P), Q((int)p.Q),
-        n(rois.shape[0] * (long long)C * p.P * p.Q), g(Op::template geometry<T, A>(p, data, rois)) {}
+        n(rois.shape[0] * (long long)C * p.P * p.Q),
+        g(Op::template geometry<T, A>(p, data, rois)) {}
 
   // ``kernel()`` on the native backend's threads, the C output channels split among them
   template <typename F>
@@ -359,11 +360,12 @@ inline const int* ps_channel_map(const PsGrid& p) {
 
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
 // and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
-// Params (with P, Q), parse(attrs), out_channels(p, C), forward<T, A>(p, data, rois, out)
-// and backward<T, A>(p, grad, data, rois, bottom) -- bottom: the zeroed accumulator of the
-// input gradient, in the compute dtype A.  The backward writes the rois' gradient as zeros
-// and, for float16, rounds the float32 accumulator into the gradient once (the Custom
-// path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
+// Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
+// forward<T, A>(p, call, data, out) and backward<T, A>(p, call, grad, data, bottom) -- call:
+// the Call (channels checked, geometry built; only with R >= 1, and the op's kernels only
+// with n >= 1), bottom: the zeroed accumulator of the input gradient, in the compute dtype A.
+// The backward writes the rois' gradient as zeros and, for float16, rounds the float32
+// accumulator into the gradient once (the Custom path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
 template <typename Op>
 struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
@@ -445,7 +447,10 @@ struct Callbacks {
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
-        if (rois.shape[0] > 0) Op::template forward<T, A>(p, data, rois, (*outputs)[0]);
+        if (rois.shape[0] > 0) {
+          const Call<Op, T, A> c(p, data, rois);
+          if (c.n > 0) Op::template forward<T, A>(p, c, data, (*outputs)[0]);
+        }
       });
     })
   }
@@ -467,7 +472,10 @@ struct Callbacks {
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        if (rois.shape[0] > 0) Op::template backward<T, A>(p, grad, data, rois, bottom);
+        if (rois.shape[0] > 0) {
+          const Call<Op, T, A> c(p, data, rois);
+          if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+        }
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
