@@ -17,16 +17,11 @@ pytestmark = pytest.mark.skipif(bool(ext.unavailable_reason()),
                                        + (ext.unavailable_reason() or ""))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native_backend():
-    old = os.environ.get("MX_ROI_BACKEND")
-    os.environ["MX_ROI_BACKEND"] = "native"
+@pytest.fixture(autouse=True)
+def native_backend(monkeypatch):
+    """The Custom path on the native backend (the kernels the library runs)."""
+    monkeypatch.setenv("MX_ROI_BACKEND", "native")
     ext.load()
-    yield
-    if old is None:
-        os.environ.pop("MX_ROI_BACKEND", None)
-    else:
-        os.environ["MX_ROI_BACKEND"] = old
 
 
 def _forward_backward(name, data_np, rois_np, grad_np, kw):
