@@ -192,49 +192,16 @@ __global__ void psroi_align_backward(
 
 namespace mx_roi_op {
 
-// params._GROUP_EXPECTED
-const char* const PS_ALIGN_GROUP_EXPECTED =
-    "0 (= the pooled grid), a positive int or a (gh, gw) pair of positive ints";
-
-// A non-negative 128-bit integer as Python prints it (output_dim * gh * gw, unbounded there)
-inline std::string ps_align_u128(unsigned __int128 v) {
-  std::string s;
-  do {
-    s.insert(s.begin(), (char)('0' + (int)(v % 10)));
-    v /= 10;
-  } while (v);
-  return s;
-}
-
 struct PSROIAlignOp {
   static constexpr const char* OP = "PSROIAlign";
 
-  struct Params {
-    long long P = 0, Q = 0, output_dim = 0;
+  struct Params : PsGrid {  // P, Q, output_dim, group_size (group_h, group_w)
     double spatial_scale = 0;
     long long sample_ratio = -1, sample_num = 2;
-    long long group_h = 0, group_w = 0;  // (0, 0): the pooled grid
     bool aligned = false, deterministic = false;
     std::string legacy = "";
     bool rfcn() const { return legacy == "rfcn"; }
-    // _GroupGrid.group_grid
-    long long Gh() const { return group_h || group_w ? group_h : P; }
-    long long Gw() const { return group_h || group_w ? group_w : Q; }
   };
-
-  // params.parse_group: parse_size2's spellings, the group grid's message
-  static std::pair<long long, long long> group(const std::unordered_map<std::string,
-                                                                         std::string>& attrs) {
-    const auto it = attrs.find("group_size");
-    if (it == attrs.end()) return {0, 0};
-    try {
-      return parse_size2("group_size", it->second);
-    } catch (const OpError&) {
-      throw OpError(std::string(OP) + ": " +
-                    param_fail("group_size", py_str_repr(it->second),
-                               PS_ALIGN_GROUP_EXPECTED).what());
-    }
-  }
 
   // PSROIAlignParam.from_kwargs
   static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
@@ -247,7 +214,7 @@ struct PSROIAlignOp {
     p.spatial_scale = kw.real("spatial_scale", 0);
     p.sample_ratio = kw.integer("sample_ratio", -1);
     p.aligned = kw.boolean("aligned", false);
-    std::tie(p.group_h, p.group_w) = group(attrs);
+    std::tie(p.group_h, p.group_w) = kw.group("group_size");
     p.deterministic = kw.boolean("deterministic", false);
     p.legacy = kw.legacy("legacy", {"rfcn"});
     p.sample_num = kw.integer("sample_num", 2);
@@ -272,10 +239,7 @@ struct PSROIAlignOp {
     kw.check("group_size", p.group_h <= MAX_ELEMENTS && p.group_w <= MAX_ELEMENTS, most_size,
              grp);
     kw.check("sample_num", p.sample_num <= MAX_SAMPLES_PER_SIDE, most_side, num);
-    kw.check("group_size",
-             (p.group_h == 0 && p.group_w == 0) || (p.group_h > 0 && p.group_w > 0),
-             PS_ALIGN_GROUP_EXPECTED,
-             p.group_h == p.group_w ? std::to_string(p.group_h) : grp);
+    check_group(kw, p.group_h, p.group_w);
     const long long samples = p.rfcn() ? p.sample_num : p.sample_ratio;
     const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
     kw.check(p.rfcn() ? "sample_num" : "sample_ratio", samples <= most,
@@ -297,51 +261,8 @@ struct PSROIAlignOp {
            ";sample_num=" + std::to_string(p.sample_num);
   }
 
-  // PositionSensitive.out_channels: data must hold output_dim * gh * gw channels
   static long long out_channels(const Params& p, long long C) {
-    const unsigned __int128 need =
-        (unsigned __int128)p.output_dim * (unsigned __int128)p.Gh() * (unsigned __int128)p.Gw();
-    if (need != (unsigned __int128)C) {
-      const std::string gh = std::to_string(p.Gh()), gw = std::to_string(p.Gw());
-      const std::string spelled = p.group_h == p.group_w ? std::to_string(p.group_h)
-                                                         : py_pair_repr(p.group_h, p.group_w);
-      throw OpError(std::string(OP) + ": data has " + std::to_string(C) +
-                    " channels but output_dim * gh * gw = " + std::to_string(p.output_dim) +
-                    " * " + gh + " * " + gw + " = " + ps_align_u128(need) +
-                    " are required (group grid (gh, gw) = (" + gh + ", " + gw +
-                    "), from group_size=" + spelled + " and pooled_size=" +
-                    py_pair_repr(p.P, p.Q) + ")");
-    }
-    return p.output_dim;
-  }
-
-  // geometry.ps_channel_map (C_out, P, Q): input channel (c*Gh + gh[p])*Gw + gw[q], with
-  // geometry.group_index's floor(i * G / P) in float32 (MXNet/R-FCN's), clipped to [0, G-1];
-  // kept per thread for the last parameters
-  static const int* channel_map(const Params& p) {
-    static thread_local std::vector<int> map;
-    static thread_local long long key[5] = {-1, -1, -1, -1, -1};
-    const long long now[5] = {p.output_dim, p.P, p.Q, p.Gh(), p.Gw()};
-    if (!std::equal(now, now + 5, key)) {
-      auto index = [](long long pooled, long long G) {
-        std::vector<int> g((size_t)pooled);
-        for (long long i = 0; i < pooled; ++i) {
-          const float v = std::floor((float)i * (float)G / (float)pooled);
-          const int k = (int)v;
-          g[(size_t)i] = k < 0 ? 0 : (k > G - 1 ? (int)(G - 1) : k);
-        }
-        return g;
-      };
-      const std::vector<int> gh = index(p.P, p.Gh()), gw = index(p.Q, p.Gw());
-      map.assign((size_t)(p.output_dim * p.P * p.Q), 0);
-      size_t i = 0;
-      for (long long c = 0; c < p.output_dim; ++c)
-        for (long long y = 0; y < p.P; ++y)
-          for (long long x = 0; x < p.Q; ++x)
-            map[i++] = (int)((c * p.Gh() + gh[(size_t)y]) * p.Gw() + gw[(size_t)x]);
-      std::copy(now, now + 5, key);
-    }
-    return map.data();
+    return ps_out_channels(OP, p, C);
   }
 
   // the geometry of the call (Spec: align_grid, or rfcn_grid with sample_num and no aligned)
@@ -354,43 +275,29 @@ struct PSROIAlignOp {
                                (const T*)rois.data_ptr, rois.shape[0], data.shape[0]);
   }
 
-  // A call's sizes, geometry and channel map, then ``kernel(C, Cin, H, W, P, Q, g, cmap, n)``
-  // on the native backend's threads (output_dim channels split, as the recorded call's
-  // launch of a kernel with C = output_dim)
-  template <typename T, typename A, typename F>
-  static void launch(const Params& p, const MXTensor& data, const MXTensor& rois, F&& kernel) {
-    const int C = (int)out_channels(p, data.shape[1]), Cin = (int)data.shape[1];
-    const int H = (int)data.shape[2], W = (int)data.shape[3], P = (int)p.P, Q = (int)p.Q;
-    const long long n = rois.shape[0] * (long long)C * P * Q;
-    const Grid<A> g = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
-    const int* cmap = channel_map(p);
-    mx_roi_launch_channels(C, native_threads(n),
-                           [&]() { kernel(C, Cin, H, W, P, Q, g, cmap, n); });
-  }
-
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const T* x = (const T*)data.data_ptr;
-    T* y = (T*)out.data_ptr;
-    launch<T, A>(p, data, rois, [&](int C, int Cin, int H, int W, int P, int Q,
-                                    const Grid<A>& g, const int* cmap, long long n) {
-      psroi_align_forward<T, A>(x, g.batch, cmap, g.y_count, g.y_low, g.y_high, g.y_wl,
-                                g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
-                                g.divisor, C, Cin, H, W, P, Q, g.Gy, g.Gx, y, n);
+  static void forward(const Params& p, const Call<PSROIAlignOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
+    const Grid<A>& g = c.g;
+    const int* cmap = ps_channel_map(p);
+    c.launch([&]() {
+      psroi_align_forward<T, A>((const T*)data.data_ptr, g.batch, cmap, g.y_count, g.y_low,
+                                g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low, g.x_high,
+                                g.x_wl, g.x_wh, g.divisor, c.C, c.Cin, c.H, c.W, c.P, c.Q,
+                                g.Gy, g.Gx, (T*)out.data_ptr, c.n);
     });
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const T* dy = (const T*)grad.data_ptr;
-    launch<T, A>(p, data, rois, [&](int C, int Cin, int H, int W, int P, int Q,
-                                    const Grid<A>& g, const int* cmap, long long n) {
-      psroi_align_backward<T, A, A>(dy, g.batch, cmap, g.y_count, g.y_low, g.y_high, g.y_wl,
-                                    g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
-                                    g.divisor, C, Cin, H, W, P, Q, g.Gy, g.Gx, bottom, 1.0, n);
+  static void backward(const Params& p, const Call<PSROIAlignOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
+    const Grid<A>& g = c.g;
+    const int* cmap = ps_channel_map(p);
+    c.launch([&]() {
+      psroi_align_backward<T, A, A>((const T*)grad.data_ptr, g.batch, cmap, g.y_count,
+                                    g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
+                                    g.x_high, g.x_wl, g.x_wh, g.divisor, c.C, c.Cin, c.H, c.W,
+                                    c.P, c.Q, g.Gy, g.Gx, bottom, 1.0, c.n);
     });
   }
 };

@@ -163,43 +163,12 @@ __global__ void psroi_pooling_backward(
 
 namespace mx_roi_op {
 
-// params._GROUP_EXPECTED
-const char* const GROUP_EXPECTED =
-    "0 (= the pooled grid), a positive int or a (gh, gw) pair of positive ints";
-
-// params.parse_group: parse_size2's rule, its own expectation in the message
-inline std::pair<long long, long long> parse_group(const std::string& name,
-                                                   const std::string& raw) {
-  try {
-    return parse_size2(name, raw);
-  } catch (const OpError&) {
-    throw param_fail(name, py_str_repr(raw), GROUP_EXPECTED);
-  }
-}
-
-// Python's str of an integer that may pass 64 bits (a product of three sizes)
-inline std::string int128_str(__int128 v) {
-  if (v == 0) return "0";
-  const bool neg = v < 0;
-  std::string s;
-  for (unsigned __int128 u = neg ? -(unsigned __int128)v : (unsigned __int128)v; u; u /= 10)
-    s.insert(s.begin(), (char)('0' + (int)(u % 10)));
-  return neg ? "-" + s : s;
-}
-
 struct PSROIPoolingOp {
   static constexpr const char* OP = "PSROIPooling";
-  static constexpr long long MEMO_MAP = 1 << 22;
 
-  struct Params {
-    long long P = 0, Q = 0, output_dim = 0, Gh = 0, Gw = 0;  // group_size (0, 0): pooled
+  struct Params : PsGrid {  // P, Q, output_dim, group_size (group_h, group_w)
     double spatial_scale = 0;
     bool deterministic = false;
-    // (output_dim, P, Q), geometry.ps_channel_map: built with the parameters (memoised
-    // with them, shared by their copies) unless larger than MEMO_MAP ints, then per call
-    std::shared_ptr<const std::vector<int>> channel_map;
-    long long gh() const { return Gh || Gw ? Gh : P; }  // _GroupGrid.group_grid
-    long long gw() const { return Gh || Gw ? Gw : Q; }
   };
 
   // PSROIPoolingParam.from_kwargs: fields in _GroupGrid's order, then ParamBase's checks
@@ -212,60 +181,20 @@ struct PSROIPoolingOp {
     std::tie(p.P, p.Q) = kw.size2("pooled_size");
     p.output_dim = kw.integer("output_dim", 0);
     p.spatial_scale = kw.real("spatial_scale", 0);
-    const auto group = attrs.find("group_size");  // (Kwargs has no group getter)
-    if (group != attrs.end()) {
-      try {
-        std::tie(p.Gh, p.Gw) = parse_group("group_size", group->second);
-      } catch (const OpError& e) {
-        throw OpError(std::string(OP) + ": " + e.what());
-      }
-    }
+    std::tie(p.group_h, p.group_w) = kw.group("group_size");
     p.deterministic = kw.boolean("deterministic", false);
     kw.finish();
     const std::string size = py_pair_repr(p.P, p.Q), dim = std::to_string(p.output_dim);
-    const std::string grid = py_pair_repr(p.Gh, p.Gw);
     const std::string most = "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")";
     kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
     kw.positive("output_dim", p.output_dim > 0, dim);
     kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
     kw.check("pooled_size", p.P <= MAX_ELEMENTS && p.Q <= MAX_ELEMENTS, most, size);
     kw.check("output_dim", p.output_dim <= MAX_ELEMENTS, most, dim);
-    kw.check("group_size", p.Gh <= MAX_ELEMENTS && p.Gw <= MAX_ELEMENTS, most, grid);
-    const bool pooled = p.Gh == 0 && p.Gw == 0;
-    kw.check("group_size", pooled || (p.Gh > 0 && p.Gw > 0), GROUP_EXPECTED,
-             p.Gh == p.Gw ? std::to_string(p.Gh) : grid);
-    if ((__int128)p.output_dim * p.P * p.Q <= MEMO_MAP)
-      p.channel_map = std::make_shared<const std::vector<int>>(channel_map(p));
+    kw.check("group_size", p.group_h <= MAX_ELEMENTS && p.group_w <= MAX_ELEMENTS, most,
+             py_pair_repr(p.group_h, p.group_w));
+    check_group(kw, p.group_h, p.group_w);
     return p;
-  }
-
-  // geometry.ps_channel_map: (c * Gh + gh[p]) * Gw + gw[q], gh/gw = group_index's
-  // floor(i * G / P) in float32 (as MXNet and R-FCN compute it), clipped to [0, G - 1].
-  static std::vector<int> channel_map(const Params& p) {
-    std::vector<int> cmap;
-    const long long Gh = p.gh(), Gw = p.gw();
-    auto group_index = [](long long pooled, long long G) {
-      std::vector<long long> g(pooled);
-      for (long long i = 0; i < pooled; ++i) {
-        const float v = std::floor((float)i * (float)G / (float)pooled);
-        g[i] = std::min(std::max((long long)v, 0LL), G - 1);
-      }
-      return g;
-    };
-    const std::vector<long long> gh = group_index(p.P, Gh), gw = group_index(p.Q, Gw);
-    cmap.resize((size_t)(p.output_dim * p.P * p.Q));
-    size_t k = 0;
-    for (long long c = 0; c < p.output_dim; ++c)
-      for (long long i = 0; i < p.P; ++i)
-        for (long long j = 0; j < p.Q; ++j) cmap[k++] = (int)((c * Gh + gh[i]) * Gw + gw[j]);
-    return cmap;
-  }
-
-  // the call's channel map: the memoised one, or built into ``own``
-  static const int* map(const Params& p, std::vector<int>& own) {
-    if (p.channel_map) return p.channel_map->data();
-    own = channel_map(p);
-    return own.data();
   }
 
   // PSROIPoolingParam.to_kwargs, "name=value;..." (the tests compare it with params.py)
@@ -274,25 +203,12 @@ struct PSROIPoolingOp {
     return "pooled_size=" + py_pair_repr(p.P, p.Q) +
            ";output_dim=" + std::to_string(p.output_dim) +
            ";spatial_scale=" + py_float_repr(p.spatial_scale) +
-           ";group_size=" + py_pair_repr(p.Gh, p.Gw) +
+           ";group_size=" + py_pair_repr(p.group_h, p.group_w) +
            ";deterministic=" + (p.deterministic ? "True" : "False");
   }
 
-  // PositionSensitive.out_channels: the data must hold output_dim * gh * gw channels
   static long long out_channels(const Params& p, long long C) {
-    const long long gh = p.gh(), gw = p.gw();
-    const __int128 need = (__int128)p.output_dim * gh * gw;
-    if (C != need) {
-      const std::string spelled =
-          p.Gh == p.Gw ? std::to_string(p.Gh) : py_pair_repr(p.Gh, p.Gw);
-      throw OpError(std::string(OP) + ": data has " + std::to_string(C) +
-                    " channels but output_dim * gh * gw = " + std::to_string(p.output_dim) +
-                    " * " + std::to_string(gh) + " * " + std::to_string(gw) + " = " +
-                    int128_str(need) + " are required (group grid (gh, gw) = (" +
-                    std::to_string(gh) + ", " + std::to_string(gw) + "), from group_size=" +
-                    spelled + " and pooled_size=" + py_pair_repr(p.P, p.Q) + ")");
-    }
-    return p.output_dim;
+    return ps_out_channels(OP, p, C);
   }
 
   template <typename T, typename A>
@@ -303,43 +219,27 @@ struct PSROIPoolingOp {
                                    rois.shape[0], data.shape[0]);
   }
 
-  // One call's sizes (C the output channels, the kernels' split; Cin the data's; the
-  // channel count checked first), geometry (bins, rois checked) and channel map.
   template <typename T, typename A>
-  struct Call {
-    int C, Cin, H, W, P, Q;
-    long long n;
-    Bins b;
-    std::vector<int> own;  // the channel map when not memoised
-    const int* cmap;
-    Call(const Params& p, const MXTensor& data, const MXTensor& rois)
-        : C((int)out_channels(p, data.shape[1])), Cin((int)data.shape[1]),
-          H((int)data.shape[2]), W((int)data.shape[3]), P((int)p.P), Q((int)p.Q),
-          n(rois.shape[0] * p.output_dim * p.P * p.Q), b(geometry<T, A>(p, data, rois)),
-          cmap(n > 0 ? map(p, own) : nullptr) {}
-  };
-
-  template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Call<T, A> c(p, data, rois);
-    if (c.n <= 0) return;
-    mx_roi_launch_channels(c.C, native_threads(c.n), [&]() {
-      psroi_pooling_forward<T, A>((const T*)data.data_ptr, c.b.batch, c.cmap, c.b.hstart,
-                                  c.b.hend, c.b.wstart, c.b.wend, c.C, c.Cin, c.H, c.W, c.P,
-                                  c.Q, (T*)out.data_ptr, c.n);
+  static void forward(const Params& p, const Call<PSROIPoolingOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
+    const Bins& b = c.g;
+    const int* cmap = ps_channel_map(p);
+    c.launch([&]() {
+      psroi_pooling_forward<T, A>((const T*)data.data_ptr, b.batch, cmap, b.hstart, b.hend,
+                                  b.wstart, b.wend, c.C, c.Cin, c.H, c.W, c.P, c.Q,
+                                  (T*)out.data_ptr, c.n);
     });
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Call<T, A> c(p, data, rois);
-    if (c.n <= 0) return;
-    mx_roi_launch_channels(c.C, native_threads(c.n), [&]() {
-      psroi_pooling_backward<T, A, A>((const T*)grad.data_ptr, c.b.batch, c.cmap, c.b.hstart,
-                                      c.b.hend, c.b.wstart, c.b.wend, c.C, c.Cin, c.H, c.W,
-                                      c.P, c.Q, bottom, 1.0, c.n);
+  static void backward(const Params& p, const Call<PSROIPoolingOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
+    const Bins& b = c.g;
+    const int* cmap = ps_channel_map(p);
+    c.launch([&]() {
+      psroi_pooling_backward<T, A, A>((const T*)grad.data_ptr, b.batch, cmap, b.hstart,
+                                      b.hend, b.wstart, b.wend, c.C, c.Cin, c.H, c.W, c.P,
+                                      c.Q, bottom, 1.0, c.n);
     });
   }
 };

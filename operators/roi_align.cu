@@ -671,52 +671,46 @@ struct ROIAlignOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Dims d(data, rois, p.P, p.Q);
-    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
-    const long long n = d.n;
-    const Grid<A> g = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
+  static void forward(const Params& p, const Call<ROIAlignOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
+    const Grid<A>& g = c.g;
     const T* x = (const T*)data.data_ptr;
     T* y = (T*)out.data_ptr;
     if (p.is_max()) {
       unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
-      mx_roi_launch_channels(C, native_threads(n), [&]() {
+      c.launch([&]() {
         roi_align_forward_max<T, A, unsigned char>(
             x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh, g.x_count, g.x_low,
-            g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx, y, &no_argmax, 0, n);
+            g.x_high, g.x_wl, g.x_wh, c.C, c.H, c.W, c.P, c.Q, g.Gy, g.Gx, y, &no_argmax, 0,
+            c.n);
       });
     } else {
-      mx_roi_launch_channels(C, native_threads(n), [&]() {
+      c.launch([&]() {
         roi_align_forward_avg<T, A>(x, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl, g.y_wh,
-                                    g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, g.divisor, C,
-                                    H, W, P, Q, g.Gy, g.Gx, y, n);
+                                    g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, g.divisor,
+                                    c.C, c.H, c.W, c.P, c.Q, g.Gy, g.Gx, y, c.n);
       });
     }
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Dims d(data, rois, p.P, p.Q);
-    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
-    const long long n = d.n;
-    const Grid<A> g = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
+  static void backward(const Params& p, const Call<ROIAlignOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
+    const Grid<A>& g = c.g;
     const T* dy = (const T*)grad.data_ptr;
     if (p.is_max()) {
-      mx_roi_launch_channels(C, native_threads(n), [&]() {
+      c.launch([&]() {
         roi_align_backward_max_rescan<T, A, A>(
             (const T*)data.data_ptr, dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
-            g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, C, H, W, P, Q, g.Gy, g.Gx,
-            bottom, 1.0, n);
+            g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh, c.C, c.H, c.W, c.P, c.Q,
+            g.Gy, g.Gx, bottom, 1.0, c.n);
       });
     } else {
-      mx_roi_launch_channels(C, native_threads(n), [&]() {
+      c.launch([&]() {
         roi_align_backward_avg<T, A, A>(dy, g.batch, g.y_count, g.y_low, g.y_high, g.y_wl,
                                         g.y_wh, g.x_count, g.x_low, g.x_high, g.x_wl, g.x_wh,
-                                        g.divisor, C, H, W, P, Q, g.Gy, g.Gx, bottom, 1.0, n);
+                                        g.divisor, c.C, c.H, c.W, c.P, c.Q, g.Gy, g.Gx, bottom,
+                                        1.0, c.n);
       });
     }
   }

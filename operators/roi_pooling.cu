@@ -332,33 +332,26 @@ struct ROIPoolingOp {
   }
 
   template <typename T, typename A>
-  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
-                      MXTensor& out) {
-    const Dims d(data, rois, p.P, p.Q);
-    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
-    const long long n = d.n;
-    const Bins b = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
+  static void forward(const Params& p, const Call<ROIPoolingOp, T, A>& c,
+                      const MXTensor& data, MXTensor& out) {
+    const Bins& b = c.g;
     unsigned char no_argmax = 0;  // (store_argmax 0: the backward rescans the data)
-    mx_roi_launch_channels(C, native_threads(n), [&]() {
+    c.launch([&]() {
       roi_pooling_forward<T, A, unsigned char>((const T*)data.data_ptr, b.batch, b.hstart,
-                                               b.hend, b.wstart, b.wend, C, H, W, P, Q,
-                                               (T*)out.data_ptr, &no_argmax, 0, n);
+                                               b.hend, b.wstart, b.wend, c.C, c.H, c.W,
+                                               c.P, c.Q, (T*)out.data_ptr, &no_argmax, 0,
+                                               c.n);
     });
   }
 
   template <typename T, typename A>
-  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
-                       const MXTensor& rois, A* bottom) {
-    const Dims d(data, rois, p.P, p.Q);
-    const int C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
-    const long long n = d.n;
-    const Bins b = geometry<T, A>(p, data, rois);
-    if (n <= 0) return;
-    mx_roi_launch_channels(C, native_threads(n), [&]() {
+  static void backward(const Params& p, const Call<ROIPoolingOp, T, A>& c,
+                       const MXTensor& grad, const MXTensor& data, A* bottom) {
+    const Bins& b = c.g;
+    c.launch([&]() {
       roi_pooling_backward_rescan<T, A, A>((const T*)data.data_ptr, (const T*)grad.data_ptr,
-                                           b.batch, b.hstart, b.hend, b.wstart, b.wend, C, H,
-                                           W, P, Q, bottom, 1.0, n);
+                                           b.batch, b.hstart, b.hend, b.wstart, b.wend, c.C,
+                                           c.H, c.W, c.P, c.Q, bottom, 1.0, c.n);
     });
   }
 };

@@ -320,6 +320,26 @@ inline std::pair<long long, long long> parse_size2(const std::string& name, cons
   return {out[0], out[1]};
 }
 
+// params._GROUP_EXPECTED
+const char* const GROUP_EXPECTED =
+    "0 (= the pooled grid), a positive int or a (gh, gw) pair of positive ints";
+
+// params.parse_group ("0", "3", "(3, 4)", "[3, 4]") -> (gh, gw): parse_size2's spellings,
+// the group grid's own expectation in the message; signs are checked by check_group
+inline std::pair<long long, long long> parse_group(const std::string& name,
+                                                   const std::string& raw) {
+  try {
+    return parse_size2(name, raw);
+  } catch (const OpError&) {
+    throw param_fail(name, py_str_repr(raw), GROUP_EXPECTED);
+  }
+}
+
+// A group_size (gh, gw) as params.py's messages spell it: "3" when square, else "(3, 4)"
+inline std::string py_group_repr(long long gh, long long gw) {
+  return gh == gw ? std::to_string(gh) : py_pair_repr(gh, gw);
+}
+
 inline std::string parse_choice(const std::string& name, const std::string& raw,
                                 const std::vector<std::string>& choices,
                                 const std::string& got_repr) {
@@ -392,6 +412,10 @@ class Kwargs {
       return parse_choice(n, raw, choices, py_str_repr(raw));
     });
   }
+  // a position-sensitive group_size (params.parse_group); (0, 0), the pooled grid, if absent
+  std::pair<long long, long long> group(const char* name) {
+    return get(name, std::pair<long long, long long>(0, 0), parse_group);
+  }
   std::string legacy(const char* name, const std::vector<std::string>& kernels) {
     return get(name, std::string(), [&](const std::string& n, const std::string& raw) {
       return parse_legacy(n, raw, kernels);
@@ -432,6 +456,12 @@ class Kwargs {
   std::vector<std::string> fields_, required_;
   std::map<std::string, std::string> given_;
 };
+
+// _GroupGrid.__post_init__'s sign rule: group_size is (0, 0) or two positive sizes
+inline void check_group(const Kwargs& kw, long long gh, long long gw) {
+  kw.check("group_size", (gh == 0 && gw == 0) || (gh > 0 && gw > 0), GROUP_EXPECTED,
+           py_group_repr(gh, gw));
+}
 
 // params.py's limits: MAX_ELEMENTS (SIZE_BOUNDS), MAX_SAMPLES_PER_SIDE (SAMPLES_BOUNDS),
 // geometry.MAX_SAMPLES_PER_AXIS

@@ -263,22 +263,109 @@ inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spat
            "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
 }
 
-// The sizes of a call: data (N, C, H, W), the P x Q grid, n = R * C * P * Q output items.
-struct Dims {
-  int C, H, W, P, Q;
+// One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
+// (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
+// n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
+// as the recorded call builds it).
+template <typename Op, typename T, typename A>
+struct Call {
+  typedef decltype(Op::template geometry<T, A>(std::declval<const typename Op::Params&>(),
+                                               std::declval<const MXTensor&>(),
+                                               std::declval<const MXTensor&>())) Geometry;
+  int C, Cin, H, W, P, Q;
   long long n;
-  Dims(const MXTensor& data, const MXTensor& rois, long long P_, long long Q_)
-      : C((int)data.shape[1]), H((int)data.shape[2]), W((int)data.shape[3]), P((int)P_),
-        Q((int)Q_), n(rois.shape[0] * data.shape[1] * P_ * Q_) {}
+  Geometry g;
+  Call(const typename Op::Params& p, const MXTensor& data, const MXTensor& rois)
+      : C((int)Op::out_channels(p, data.shape[1])), Cin((int)data.shape[1]),
+        H((int)data.shape[2]), W((int)data.shape[3]), P((int)p.P), Q((int)p.Q),
+        n(rois.shape[0] * (long long)C * p.P * p.Q),
+        g(Op::template geometry<T, A>(p, data, rois)) {}
+
+  // ``kernel()`` on the native backend's threads, the C output channels split among them
+  template <typename F>
+  void launch(F&& kernel) const {
+    mx_roi_launch_channels(C, native_threads(n), kernel);
+  }
 };
+
+// ---- position-sensitive ops (PSROIPooling, PSROIAlign) --------------------------------
+// The group grid of a position-sensitive op's parameters (params._GroupGrid): group_size
+// (group_h, group_w), (0, 0) meaning the pooled grid.
+struct PsGrid {
+  long long P = 0, Q = 0, output_dim = 0;
+  long long group_h = 0, group_w = 0;
+  // _GroupGrid.group_grid
+  long long Gh() const { return group_h || group_w ? group_h : P; }
+  long long Gw() const { return group_h || group_w ? group_w : Q; }
+};
+
+// A non-negative 128-bit integer as Python prints it (output_dim * gh * gw, unbounded there)
+inline std::string u128_str(unsigned __int128 v) {
+  std::string s;
+  do {
+    s.insert(s.begin(), (char)('0' + (int)(v % 10)));
+    v /= 10;
+  } while (v);
+  return s;
+}
+
+// PositionSensitive.out_channels: data must hold output_dim * gh * gw channels; returns
+// output_dim, the output's channels
+inline long long ps_out_channels(const std::string& op, const PsGrid& p, long long C) {
+  const unsigned __int128 need =
+      (unsigned __int128)p.output_dim * (unsigned __int128)p.Gh() * (unsigned __int128)p.Gw();
+  if (need != (unsigned __int128)C) {
+    const std::string gh = std::to_string(p.Gh()), gw = std::to_string(p.Gw());
+    throw OpError(op + ": data has " + std::to_string(C) +
+                  " channels but output_dim * gh * gw = " + std::to_string(p.output_dim) +
+                  " * " + gh + " * " + gw + " = " + u128_str(need) +
+                  " are required (group grid (gh, gw) = (" + gh + ", " + gw +
+                  "), from group_size=" + py_group_repr(p.group_h, p.group_w) +
+                  " and pooled_size=" + py_pair_repr(p.P, p.Q) + ")");
+  }
+  return p.output_dim;
+}
+
+// geometry.group_index: floor(i * G / pooled) in float32 (as MXNet and R-FCN compute it),
+// clipped to [0, G - 1], for i < pooled
+inline std::vector<int> ps_group_index(long long pooled, long long G) {
+  std::vector<int> g((size_t)pooled);
+  for (long long i = 0; i < pooled; ++i) {
+    const float v = std::floor((float)i * (float)G / (float)pooled);
+    const int k = (int)v;
+    g[(size_t)i] = k < 0 ? 0 : (k > G - 1 ? (int)(G - 1) : k);
+  }
+  return g;
+}
+
+// geometry.ps_channel_map (output_dim, P, Q): the input channel (c*Gh + gh[p])*Gw + gw[q]
+// output channel c reads at bin (p, q); kept per thread for the last grid (the pointer is
+// good until this thread asks for another)
+inline const int* ps_channel_map(const PsGrid& p) {
+  static thread_local std::vector<int> map;
+  static thread_local long long key[5] = {-1, -1, -1, -1, -1};
+  const long long now[5] = {p.output_dim, p.P, p.Q, p.Gh(), p.Gw()};
+  if (!std::equal(now, now + 5, key)) {
+    const std::vector<int> gh = ps_group_index(p.P, p.Gh()), gw = ps_group_index(p.Q, p.Gw());
+    map.assign((size_t)(p.output_dim * p.P * p.Q), 0);
+    size_t i = 0;
+    for (long long c = 0; c < p.output_dim; ++c)
+      for (long long y = 0; y < p.P; ++y)
+        for (long long x = 0; x < p.Q; ++x)
+          map[i++] = (int)((c * p.Gh() + gh[(size_t)y]) * p.Gw() + gw[(size_t)x]);
+    std::copy(now, now + 5, key);
+  }
+  return map.data();
+}
 
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
 // and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
-// Params (with P, Q), parse(attrs), out_channels(p, C), forward<T, A>(p, data, rois, out)
-// and backward<T, A>(p, grad, data, rois, bottom) -- bottom: the zeroed accumulator of the
-// input gradient, in the compute dtype A.  The backward writes the rois' gradient as zeros
-// and, for float16, rounds the float32 accumulator into the gradient once (the Custom
-// path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
+// Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
+// forward<T, A>(p, call, data, out) and backward<T, A>(p, call, grad, data, bottom) -- call:
+// the Call (channels checked, geometry built; only with R >= 1, and the op's kernels only
+// with n >= 1), bottom: the zeroed accumulator of the input gradient, in the compute dtype A.
+// The backward writes the rois' gradient as zeros and, for float16, rounds the float32
+// accumulator into the gradient once (the Custom path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
 template <typename Op>
 struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
@@ -360,7 +447,10 @@ struct Callbacks {
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
-        if (rois.shape[0] > 0) Op::template forward<T, A>(p, data, rois, (*outputs)[0]);
+        if (rois.shape[0] > 0) {
+          const Call<Op, T, A> c(p, data, rois);
+          if (c.n > 0) Op::template forward<T, A>(p, c, data, (*outputs)[0]);
+        }
       });
     })
   }
@@ -382,7 +472,10 @@ struct Callbacks {
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        if (rois.shape[0] > 0) Op::template backward<T, A>(p, grad, data, rois, bottom);
+        if (rois.shape[0] > 0) {
+          const Call<Op, T, A> c(p, data, rois);
+          if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+        }
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
