@@ -750,9 +750,9 @@ def test_psroi_pooling_bits_equal_custom_path(kw, dtype):
     assert ours[0].any() and ours[1].any()  # (not a comparison of zeros)
 
 
-def test_psroi_pooling_channel_map_past_the_memo_is_built_per_call():
-    """A channel map of more than 2^22 entries (output_dim * P * Q; the section's MEMO_MAP)
-    is not kept with the parameters but built for each call: the same bits."""
+def test_psroi_pooling_large_channel_map():
+    """A channel map of more than 2^22 entries (output_dim * P * Q; ext_launch.h's
+    ps_channel_map, kept per thread for the last grid): the same bits."""
     rng = np.random.RandomState(8)
     kw = dict(op="PSROIPooling", pooled_size=64, output_dim=1025, spatial_scale=1.0,
               group_size=1)
