@@ -409,7 +409,8 @@ def _install_library_load_hook(op_types) -> None:
     every operator function of ``mx.nd`` / ``mx.sym``, ``Custom`` among them, which
     would drop :func:`_install_custom_guard`'s wrapper (and with it the oneDNN guard and
     our messages for plain ``mx.nd.Custom`` calls): the wrapper is installed again after
-    each load."""
+    each load, and the two modules' own ``__name__``, ``__file__``, ... (which MXNet
+    overwrites with those of ``mxnet.ndarray.op`` / ``mxnet.symbol.op``) are put back."""
     import mxnet.library as library
     original = library.load
     if getattr(original, "_mx_roi_guard", False):
@@ -417,9 +418,19 @@ def _install_library_load_hook(op_types) -> None:
 
     @functools.wraps(original)
     def load(*args, **kwargs):
+        # MXNet 1.9.1 copies every name of mxnet.ndarray.op / mxnet.symbol.op into
+        # mxnet.ndarray / mxnet.symbol, dunders included: mx.nd.__name__ would become
+        # 'mxnet.ndarray.op' (and __file__, __spec__ ... those of the op module)
+        import sys
+        modules = [sys.modules[m] for m in ("mxnet.ndarray", "mxnet.symbol")]
+        dunders = [{k: v for k, v in vars(m).items() if k.startswith("__") and k.endswith("__")}
+                   for m in modules]
         try:
             return original(*args, **kwargs)
         finally:
+            for m, saved in zip(modules, dunders):
+                for k, v in saved.items():
+                    setattr(m, k, v)
             _install_custom_guard(op_types)
 
     load._mx_roi_guard = True

@@ -1,5 +1,6 @@
 """Loading an MXNet extension library (``mx.library.load``: mx_roi's own, or any other)
-regenerates MXNet's operator functions, ``mx.nd.Custom`` / ``mx.sym.Custom`` among them;
+regenerates MXNet's operator functions, ``mx.nd.Custom`` / ``mx.sym.Custom`` among them
+(and overwrites the two modules' ``__name__`` etc. with ``mxnet.ndarray.op``'s);
 ``import mx_roi``'s wrapper of ``Custom`` (the oneDNN guard, our input messages) must
 survive it.  Run in a child process: the load is process-wide."""
 import subprocess
@@ -15,6 +16,10 @@ assert hasattr(mx.nd, "mx_roi_ROIAlign")
 assert getattr(mx.nd.Custom, "_mx_roi_guard", False), "mx.nd.Custom lost its wrapper"
 assert getattr(mx.sym.Custom, "_mx_roi_guard", False), "mx.sym.Custom lost its wrapper"
 assert mxpatch._ORIGINAL_CUSTOM["mxnet.ndarray"] is not mx.nd.Custom
+# MXNet copies mxnet.ndarray.op's dunders into mxnet.ndarray; the hook puts them back
+assert (mx.nd.__name__, mx.sym.__name__) == ("mxnet.ndarray", "mxnet.symbol"), mx.nd.__name__
+assert mx.nd.__file__.endswith("ndarray/__init__.py") and mx.nd.__spec__.name == "mxnet.ndarray"
+assert sorted(mxpatch._ORIGINAL_CUSTOM) == ["mxnet.ndarray", "mxnet.symbol"]
 d, r = mx.nd.ones((1, 8, 6, 6)), mx.nd.array([[0, 0, 0, 3, 3]])
 try:  # our message, not MXNet's "Operator Custom expects 2 inputs, but got 3"
     mx.nd.Custom(d, r, d, op_type="ROIAlign", pooled_size=2, spatial_scale=1.0)
