@@ -58,13 +58,14 @@ def call_custom(F, op_type: str, inputs: Sequence[Any], **kwargs):
     """``F.Custom(*inputs, op_type=op_type, **kwargs)`` protected against the oneDNN
     hazard (inputs and outputs guarded, :mod:`mx_roi.onednn`).  ``F`` is ``mx.nd`` or
     ``mx.sym`` (inside ``hybrid_forward`` the ``F`` you are given); ``kwargs`` may include
-    ``name``.  With oneDNN off no guard is added.  More inputs than the op takes with
-    these parameters (fewer, imperatively) are a TypeError naming the op.
+    ``name``.  With oneDNN off no guard is added.  ``inputs`` are the op's, in order
+    (``mx_roi.nd``/``sym`` and the Gluon blocks order them with
+    :meth:`~mx_roi.registry.RoIOp.order_inputs`, a plain ``F.Custom`` call is checked by
+    its wrapper, :func:`_install_custom_guard`).
 
     An imperative call of one of our ops usually runs as a cached graph
     (:func:`_cached_call`): the same ``Custom`` node at a lower per-call cost."""
     name = kwargs.get("name")
-    _check_custom_inputs(F, op_type, inputs, kwargs)
     guarded = guard_inputs(F, *inputs, name=name)
     if F is not mx.sym:
         out = _cached_call(op_type, guarded, kwargs)
@@ -235,6 +236,7 @@ def _install_custom_guard(op_types) -> None:
         def custom(*args, _original=original, _F=F, **kwargs):
             if kwargs.get("op_type") in op_types and kwargs.get("out") is None:
                 kwargs.pop("out", None)
+                _check_custom_inputs(_F, kwargs["op_type"], args, kwargs)
                 return call_custom(_F, kwargs.pop("op_type"), list(args), **kwargs)
             return _original(*args, **kwargs)
 
@@ -249,9 +251,7 @@ def _check_custom_inputs(F, op_type, args, kwargs) -> None:
     MXNet's count); parameters that do not parse are left to the call (MXNet raises their
     error from the op's ``list_arguments``)."""
     from .registry import REGISTERED, RoIOp
-    op_cls = REGISTERED.get(op_type)
-    if op_cls is None:  # call_custom of another Custom op: MXNet checks its inputs
-        return
+    op_cls = REGISTERED[op_type]
     names = op_cls.inputs
     op_cls.check_input_count(len(args))  # before any parameter is parsed
     arrays = (mx.nd.NDArray, mx.sym.Symbol)
