@@ -277,8 +277,11 @@ def test_every_loading_path_trains_right():
 
 
 def test_the_harness_sees_the_hazard_without_the_rewrite():
-    """The control: the same harness with the rewrite switched off goes wrong in every
-    Gluon path (or the process dies), so the test above can fail there.  (The executor
+    """The control: the same harness with the rewrite switched off goes wrong (or the
+    process dies), so the test above can fail.  The hazard is a race: a path's count
+    varies from run to run (16-150 of 250 steps, and once 0 in one path while the others
+    had 2-6), so the control asks for wrong steps in at least two Gluon paths, not in
+    each.  (The executor
     paths showed 0 wrong steps in 400 unguarded, as in the issue: their memory plan
     happens to keep the temporaries alive; test_every_loading_path_adds_the_guard_nodes
     covers them.)"""
@@ -286,7 +289,7 @@ def test_the_harness_sees_the_hazard_without_the_rewrite():
     if proc.returncode != 0 and result is None:
         return  # crashed (double free, segfault, terminate): the hazard
     assert result, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert all(wrong > 0 for wrong, _ in result.values()), result
+    assert sum(wrong > 0 for wrong, _ in result.values()) >= 2, result
 
 
 BUILTINS = {"ROIAlign": (mx.sym.contrib.ROIAlign, POOL),
