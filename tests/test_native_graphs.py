@@ -346,3 +346,84 @@ def test_hybridized_block_with_native_nodes_gets_no_guard():
     assert out.shape == (1, 4, 3, 3)
     ops = ops_of(net._cached_graph[1])
     assert "mx_roi_ROIAlign" in ops and "clip" not in ops and "_copy" not in ops
+
+
+# ------------------------------------------------------------- loading exported graphs
+def _saved(tmp_path, sym):
+    path = str(tmp_path / "g-symbol.json")
+    sym.save(path)
+    return path
+
+
+def test_check_symbol_json_lists_native_nodes(tmp_path):
+    path = _saved(tmp_path, mixed_graph(mxpatch._ORIGINAL_CUSTOM["mxnet.symbol"]))
+    assert mx_roi.gluon.check_symbol_json(path) == ["mx_roi_ROIAlign", "ROIPooling",
+                                                    "mx_roi_PSROIAlign"]
+
+
+def test_native_nodes_without_the_library_get_a_clear_message(tmp_path, monkeypatch):
+    """A graph with native nodes in a process whose MXNet does not know them (library
+    not loaded): the op names and what to do, or why the library cannot be built; a name
+    that is no op of ours says so."""
+    path = _saved(tmp_path, mixed_graph(mxpatch._ORIGINAL_CUSTOM["mxnet.symbol"]))
+    G = mx_roi.gluon
+    builtin_only = [o for o in mx.operator.get_all_registered_operators()
+                    if not o.startswith("mx_roi_")]
+    monkeypatch.setattr(G, "_loaded_operators", lambda: builtin_only)
+    head = (f"{path}: the graph uses native operator(s) mx_roi_ROIAlign, mx_roi_PSROIAlign "
+            f"that are not loaded in this process; ")
+    with pytest.raises(RuntimeError) as e:
+        G.check_symbol_json(path)
+    assert str(e.value) == head + (
+        "load mx_roi's extension library first: mx_roi.ext.load() "
+        "(or mx.library.load(mx_roi.ext.library_path())); mx_roi.gluon.imports does it")
+    monkeypatch.setattr(ext, "unavailable_reason", lambda: "mx_roi.ext needs a C++ compiler")
+    loads = []
+    monkeypatch.setattr(ext, "load", lambda: loads.append(1))
+    want = head + ("mx_roi's extension library, which holds them, cannot be built here: "
+                   "mx_roi.ext needs a C++ compiler")
+    for check in (G.check_symbol_json, lambda p: G.imports(p, list(INPUTS))):
+        with pytest.raises(RuntimeError) as e:
+            check(path)
+        assert str(e.value) == want
+    assert loads == []  # imports does not try a library that cannot be built
+    graph = json.loads(mixed_graph(mxpatch._ORIGINAL_CUSTOM["mxnet.symbol"]).tojson())
+    graph["nodes"][[n["name"] for n in graph["nodes"]].index("c")]["op"] = "mx_roi_Bogus"
+    with open(path, "w") as f:
+        json.dump(graph, f)
+    with pytest.raises(RuntimeError, match=r"native operator\(s\) mx_roi_ROIAlign, "
+                                           r"mx_roi_Bogus that are not loaded in this "
+                                           r"process; mx_roi_Bogus: not the native operator "
+                                           r"of an mx_roi op \(mx_roi \S+'s ops: .*ROIAlign"):
+        G.check_symbol_json(path)
+    # the library loaded, a registered op it has no native operator for
+    graph["nodes"][[n["name"] for n in graph["nodes"]].index("c")]["op"] = "mx_roi_RROIAlign"
+    with open(path, "w") as f:
+        json.dump(graph, f)
+    monkeypatch.setattr(G, "_loaded_operators", lambda: builtin_only + ["mx_roi_noop"])
+    with pytest.raises(RuntimeError, match=r"native operator\(s\) mx_roi_ROIAlign, "
+                                           r"mx_roi_RROIAlign that are not loaded in this "
+                                           r"process; mx_roi's extension library is loaded "
+                                           r"but has no such operator: this mx_roi \(\S+\) "
+                                           r"has no native door for ROIAlign, RROIAlign yet"):
+        G.check_symbol_json(path)
+
+
+def test_imports_loads_the_library_for_native_nodes(tmp_path, monkeypatch):
+    """``mx_roi.gluon.imports`` loads the extension library for a graph with native
+    nodes (only then) and runs it."""
+    loads = []
+    real_load = ext.load
+    monkeypatch.setattr(ext, "load", lambda: loads.append(1) or real_load())
+    native = _saved(tmp_path, native_graph())
+    mx.nd.save(str(tmp_path / "g.params"), {})
+    net = mx_roi.gluon.imports(native, list(INPUTS), allow_missing=True)
+    assert loads == [1]
+    net.initialize()
+    out = net(mx.nd.ones((2, 8, 24, 24)), mx.nd.array([[0, 0, 0, 20, 20]]))
+    assert out.shape == (1, 10)
+    custom = str(tmp_path / "c-symbol.json")
+    mx.sym.Custom(mx.sym.var("data"), mx.sym.var("rois"), op_type="ROIAlign",
+                  **POOL).save(custom)
+    mx_roi.gluon.imports(custom, list(INPUTS))
+    assert loads == [1]
