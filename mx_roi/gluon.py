@@ -19,8 +19,9 @@
 * :func:`roi_pooler`: a GluonCV-style factory ``roi_pooler('align', (7, 7), 1. / 16)``.
 * :func:`ops`: ``ops(F).ROIAlign(x, rois, (7, 7), 1. / 16)`` inside ``hybrid_forward``,
   with the built-ins' positional parameter order.
-* :func:`imports`: ``SymbolBlock.imports`` that makes sure the ops are registered, and
-  explains graphs that need custom ops nobody registered.
+* :func:`imports`: ``SymbolBlock.imports`` that makes sure the ops are registered (and
+  the extension library loaded for native nodes ``mx_roi_<Op>``), and explains graphs
+  that need custom or native ops this process does not have.
 
 Blocks pickle and deepcopy by their constructor parameters (plus prefix and hybridize
 flags); a cached graph is rebuilt on the next call.
@@ -34,8 +35,8 @@ import math
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 
-from . import api, mxpatch
-from .registry import REGISTERED
+from . import _version, api, mxpatch
+from .registry import NATIVE_PREFIX, REGISTERED, native_op_type
 
 __all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "ops", "imports",
            "check_symbol_json", "MODES"] + list(REGISTERED)
@@ -303,11 +304,15 @@ class MultiScaleROIAlign(HybridBlock):
 # ---- loading exported graphs ------------------------------------------------------------
 
 def check_symbol_json(symbol_file) -> list:
-    """The ``Custom`` op_types used by an exported graph (``*-symbol.json``).
+    """The custom and native operators an exported graph (``*-symbol.json``) uses: each
+    ``Custom`` node's op_type and each native node's operator name (``mx_roi_<Op>``, the
+    extension library: :mod:`mx_roi.ext`), in the order of first use.
 
-    Raises ``RuntimeError`` naming those that no ``CustomOpProp`` is registered for in
-    this process (telling to ``import mx_roi`` for ours), instead of MXNet's
-    ``Cannot find custom operator ...`` from deep inside the loader.
+    Raises ``RuntimeError`` naming those this process cannot run, instead of MXNet's
+    ``Cannot find custom operator ...`` / ``Cannot find operator ...`` from deep inside
+    the loader: ``Custom`` op_types no ``CustomOpProp`` is registered for (telling to
+    ``import mx_roi`` for ours), native nodes whose library is not loaded (telling how to
+    load it, or why it cannot be built here).
     """
     with open(symbol_file) as f:
         graph = json.load(f)
@@ -318,7 +323,10 @@ def check_symbol_json(symbol_file) -> list:
             op_type = attrs.get("op_type")
             if op_type and op_type not in nodes:
                 nodes[op_type] = (attrs, len(node.get("inputs", [])))
-    missing = [t for t, (attrs, n) in nodes.items() if not _custom_registered(t, attrs, n)]
+        elif str(node.get("op", "")).startswith(NATIVE_PREFIX):
+            nodes.setdefault(node["op"], None)
+    customs = {t: v for t, v in nodes.items() if v is not None}
+    missing = [t for t, (attrs, n) in customs.items() if not _custom_registered(t, attrs, n)]
     if missing:
         ours = [t for t in missing if t in REGISTERED]
         hint = ("run `import mx_roi` before loading it (it registers " + ", ".join(ours) + ")"
@@ -326,7 +334,37 @@ def check_symbol_json(symbol_file) -> list:
         raise RuntimeError(f"{symbol_file}: the graph uses custom operator(s) "
                            f"{', '.join(missing)} that are not registered in this process; "
                            f"{hint}")
+    known = set(_loaded_operators())
+    missing = [t for t, v in nodes.items() if v is None and t not in known]
+    if missing:
+        raise RuntimeError(f"{symbol_file}: the graph uses native operator(s) "
+                           f"{', '.join(missing)} that are not loaded in this process; "
+                           f"{_native_hint(missing, known)}")
     return list(nodes)
+
+
+def _loaded_operators():
+    """Every operator name MXNet knows in this process (built-in and loaded)."""
+    return mx.operator.get_all_registered_operators()
+
+
+def _native_hint(missing, known) -> str:
+    """What to do about native operators ``missing`` that MXNet does not know (``known``:
+    the operators it does know)."""
+    from . import ext
+    foreign = [t for t in missing if native_op_type(t) is None]
+    if foreign:
+        return (f"{', '.join(foreign)}: not the native operator of an mx_roi op (mx_roi "
+                f"{_version.__version__}'s ops: {', '.join(REGISTERED)})")
+    if any(op.startswith(NATIVE_PREFIX) for op in known):
+        return (f"mx_roi's extension library is loaded but has no such operator: this "
+                f"mx_roi ({_version.__version__}) has no native door for "
+                f"{', '.join(native_op_type(t) for t in missing)} yet")
+    why = ext.unavailable_reason()
+    if why:
+        return f"mx_roi's extension library, which holds them, cannot be built here: {why}"
+    return ("load mx_roi's extension library first: mx_roi.ext.load() "
+            "(or mx.library.load(mx_roi.ext.library_path())); mx_roi.gluon.imports does it")
 
 
 def _custom_registered(op_type: str, attrs: dict, num_inputs: int) -> bool:
@@ -346,9 +384,17 @@ def imports(symbol_file, input_names, param_file=None, ctx=None, **kwargs):
     """``SymbolBlock.imports`` for graphs with mx_roi ops.
 
     The ops are registered already (importing this module imports the package
-    :mod:`mx_roi` first, which registers them); this checks that every ``Custom`` op_type
-    of the graph is registered (a clear error otherwise) and loads the block.
+    :mod:`mx_roi` first, which registers them); a graph with native nodes
+    (``mx_roi_<Op>``) gets the extension library loaded (:func:`mx_roi.ext.load`).  This
+    checks that every ``Custom`` op_type and native operator of the graph is available
+    (:func:`check_symbol_json`: a clear error otherwise) and loads the block.
     """
+    from . import ext
+    with open(symbol_file) as f:
+        natives = [n for n in json.load(f).get("nodes", [])
+                   if native_op_type(str(n.get("op", ""))) is not None]
+    if natives and not ext.unavailable_reason():
+        ext.load()
     check_symbol_json(symbol_file)
     return SymbolBlock.imports(symbol_file, input_names, param_file=param_file, ctx=ctx,
                                **kwargs)

@@ -1,8 +1,11 @@
 """ONNX export of ROIPooling, ROIAlign, PSROIPooling and PSROIAlign through MXNet 1.9.1's
 ``mx.onnx.export_model`` (the other registered ops are refused: :data:`_EMIT`).
 
-``import mx_roi`` calls :func:`install`, which puts translations for op names ``Custom``
-and ``clip`` into mx2onnx's registry (``MXNetGraph.registry_``).  The ``Custom`` one
+``import mx_roi`` calls :func:`install`, which puts translations for op names ``Custom``,
+``clip`` and each native operator ``mx_roi_<Op>`` (the extension library,
+docs/native_ops.md) into mx2onnx's registry (``MXNetGraph.registry_``).  A native node
+``mx_roi_<Op>`` is translated as the ``Custom`` node ``op_type='<Op>'`` with the same
+parameters (:func:`convert_custom_ours`: one translation for both doors).  The ``Custom`` one
 dispatches on the node's ``op_type``: our op types with a translation in :data:`_EMIT`
 get the ONNX forms below, our others an :class:`ExportError`; any
 other ``Custom`` node goes to the translation that was registered before ours (if any),
@@ -267,11 +270,14 @@ def _check(op_type, name, p, dtype, opset):
 
 
 def convert_custom_ours(node, **kwargs):
-    """Translate one of our ``Custom`` nodes; returns the list of ONNX nodes."""
+    """Translate one of our ``Custom`` nodes, or a native node ``mx_roi_<Op>`` (the op
+    type is then the node's operator name without the prefix); returns the list of ONNX
+    nodes."""
     from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import (
         get_inputs, get_input_dtypes)
+    from .registry import native_op_type
     name, inputs, attrs = get_inputs(node, kwargs)
-    op_type = attrs["op_type"]
+    op_type = attrs["op_type"] if node["op"] == "Custom" else native_op_type(node["op"])
     kw = {k: v for k, v in attrs.items() if k != "op_type"}
     try:
         p = _registered()[op_type].param_cls.from_kwargs(**kw)
@@ -362,16 +368,24 @@ def convert_custom(node, **kwargs):
 
 convert_custom._mx_roi = True
 convert_clip._mx_roi = True
+convert_custom_ours._mx_roi = True
 
 
 def install():
-    """Register :func:`convert_custom` (``Custom``) and :func:`convert_clip` (``clip``) with
-    mx2onnx, keeping the translations they replace for other nodes.  Idempotent."""
+    """Register :func:`convert_custom` (``Custom``), :func:`convert_clip` (``clip``) and,
+    for every registered op, :func:`convert_custom_ours` (``mx_roi_<Op>``, the native
+    node) with mx2onnx, keeping the translations the first two replace for other nodes.
+    Idempotent."""
     try:
         from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
     except ImportError:  # pragma: no cover - an MXNet without mx2onnx
         return
+    from .registry import NATIVE_PREFIX
     registry = MXNetGraph.registry_
+    for version in set(registry) | {12}:
+        ops = registry.setdefault(version, {})
+        for op_type in _registered():
+            ops[NATIVE_PREFIX + op_type] = convert_custom_ours
     for op, mine, previous in (("Custom", convert_custom, _PREVIOUS),
                                ("clip", convert_clip, _PREVIOUS_CLIP)):
         for version, ops in registry.items():

@@ -22,7 +22,8 @@ from .errors import issuer, recording
 from .onednn import GUARD_BOUND, bounded_dtype
 from .params import MAX_ELEMENTS
 
-__all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover"]
+__all__ = ["RoIOp", "register", "REGISTERED", "get_op", "discover", "NATIVE_PREFIX",
+           "native_op_type"]
 
 REGISTERED: Dict[str, Type["RoIOp"]] = {}
 
@@ -479,6 +480,21 @@ def register(op_cls: Type[RoIOp]) -> Type[RoIOp]:
 
 def get_op(name: str) -> Type[RoIOp]:
     return REGISTERED[name]
+
+
+#: an op's native operator (the extension library, :mod:`mx_roi.ext`) is called
+#: ``NATIVE_PREFIX + op_type``: ``mx_roi_ROIAlign``
+NATIVE_PREFIX = "mx_roi_"
+
+
+def native_op_type(op_name: str):
+    """The op_type whose native operator ``op_name`` (a graph node's ``op``) is:
+    ``'mx_roi_ROIAlign'`` -> ``'ROIAlign'``; None for any other name (``Custom``, a
+    built-in, ``mx_roi_noop``)."""
+    if not op_name.startswith(NATIVE_PREFIX):
+        return None
+    op_type = op_name[len(NATIVE_PREFIX):]
+    return op_type if op_type in REGISTERED else None
 
 
 def discover(package: str, path) -> Tuple[Type[RoIOp], ...]:

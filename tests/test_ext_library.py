@@ -526,7 +526,8 @@ def test_no_compiler_is_a_reason_not_an_exception(monkeypatch):
 _PREDICT = textwrap.dedent("""
     import ctypes, json, sys
     import numpy as np
-    lib_mxnet, lib_ext, sym_json, params, data_path, rois_path = sys.argv[1:]
+    lib_mxnet, lib_ext, sym_json, params, data_path, rois_path = sys.argv[1:7]
+    names = [n.encode() for n in (sys.argv[7:9] or ['data', 'rois'])]
     assert 'mx_roi' not in sys.modules
     mx = ctypes.CDLL(lib_mxnet, ctypes.RTLD_GLOBAL)
     def check(rc):
@@ -535,14 +536,14 @@ _PREDICT = textwrap.dedent("""
             raise SystemExit(mx.MXGetLastError().decode())
     check(mx.MXLoadLib(lib_ext.encode(), 0))
     data, rois = np.load(data_path), np.load(rois_path)
-    keys = (ctypes.c_char_p * 2)(b'data', b'rois')
+    keys = (ctypes.c_char_p * 2)(*names)
     indptr = (ctypes.c_uint * 3)(0, 4, 6)
     shapes = (ctypes.c_uint * 6)(*data.shape, *rois.shape)
     blob = open(params, 'rb').read()
     handle = ctypes.c_void_p()
     check(mx.MXPredCreate(open(sym_json, 'rb').read(), blob, len(blob), 1, 0, 2, keys,
                           indptr, shapes, ctypes.byref(handle)))
-    for name, a in ((b'data', data), (b'rois', rois)):
+    for name, a in zip(names, (data, rois)):
         a = np.ascontiguousarray(a, np.float32)
         check(mx.MXPredSetInput(handle, name, a.ctypes.data_as(ctypes.c_void_p),
                                 ctypes.c_uint(a.size)))
@@ -582,6 +583,69 @@ def test_c_predict_api_runs_an_exported_symbol_without_mx_roi(tmp_path):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert tuple(got["shape"]) == expected.shape
     assert bytes.fromhex(got["hex"]) == expected.tobytes()
+
+
+_FRESH = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import mxnet as mx
+    lib_ext, prefix, data_path, rois_path = sys.argv[1:]
+    mx.library.load(lib_ext, verbose=False)
+    net = mx.gluon.SymbolBlock.imports(prefix + '-symbol.json', ['data0', 'data1'],
+                                       prefix + '-0000.params')
+    out = net(mx.nd.array(np.load(data_path)), mx.nd.array(np.load(rois_path))).asnumpy()
+    assert 'mx_roi' not in sys.modules
+    print(json.dumps({'shape': out.shape, 'hex': out.tobytes().hex()}))
+""")
+
+
+class _ConvHead(mx.gluon.HybridBlock):
+    """Conv -> mx_roi_ROIAlign -> Conv: a model exported from Gluon with native nodes."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.conv1 = mx.gluon.nn.Conv2D(8, 3, padding=1, in_channels=6)
+            self.conv2 = mx.gluon.nn.Conv2D(4, 1, in_channels=8)
+
+    def hybrid_forward(self, F, data, rois):
+        y = F.mx_roi_ROIAlign(self.conv1(data), rois, pooled_size=(3, 3),
+                              spatial_scale=0.5, sample_ratio=2, aligned=True)
+        return self.conv2(y)
+
+
+def test_gluon_exported_model_runs_in_a_fresh_process(tmp_path):
+    """A hybridized Gluon block with native nodes (a convolution before the op), exported:
+    a fresh process with only ``mx.library.load`` (no ``import mx_roi``) and the C predict
+    API both give the first process's output bit for bit."""
+    rng = np.random.RandomState(6)
+    data = rng.standard_normal((2, 6, 10, 12)).astype(np.float32)
+    rois = _rois(5, 2, rng, size=20.0)
+    net = _ConvHead()
+    net.initialize(mx.init.Normal(0.5))
+    net.hybridize()
+    expected = net(mx.nd.array(data), mx.nd.array(rois)).asnumpy()
+    prefix = str(tmp_path / "head")
+    net.export(prefix)
+    with open(prefix + "-symbol.json") as f:
+        ops = [n["op"] for n in json.load(f)["nodes"]]
+    assert "mx_roi_ROIAlign" in ops and "Custom" not in ops and "clip" not in ops
+    np.save(tmp_path / "data.npy", data)
+    np.save(tmp_path / "rois.npy", rois)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    lib_mxnet = os.path.join(os.path.dirname(mx.__file__), "libmxnet.so")
+    for args in ([_FRESH, ext.library_path(), prefix],
+                 [_PREDICT, lib_mxnet, ext.library_path(), prefix + "-symbol.json",
+                  prefix + "-0000.params"]):
+        tail = [str(tmp_path / "data.npy"), str(tmp_path / "rois.npy")]
+        if args[0] is _PREDICT:
+            tail += ["data0", "data1"]
+        res = subprocess.run([sys.executable, "-c", *args, *tail], capture_output=True,
+                             text=True, cwd=str(tmp_path), timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert tuple(got["shape"]) == expected.shape == (5, 4, 3, 3)
+        assert bytes.fromhex(got["hex"]) == expected.tobytes()
 
 
 def test_hybridized_gluon_block_runs_the_native_op():

@@ -349,8 +349,10 @@ def test_control_dependencies_follow_their_nodes():
     assert [guarded[i]["name"] for i in fc["control_deps"]] == ["pool", "conv2"]
 
 
-def _loaded_by_every_path(tmp_path):
-    text = converted(builtin_graph().tojson())
+def _loaded_by_every_path(tmp_path, text=None):
+    """JSON graph ``text`` (default: the converted model) as each patched loader gives it
+    back (for a block: the graph it runs)."""
+    text = converted(builtin_graph().tojson()) if text is None else text
     prefix = str(tmp_path / "m")
     with open(prefix + "-symbol.json", "w") as f:
         f.write(text)

@@ -25,11 +25,21 @@ def _sym(op_type, params, entry):
     data, rois = mx.sym.var("data"), mx.sym.var("rois")
     if entry == "custom":
         return mx.sym.Custom(data, rois, op_type=op_type, **params)
+    if entry == "native":  # the native node mx_roi_<Op> (the extension library)
+        _load_native()
+        return getattr(mx.sym, "mx_roi_" + op_type)(data, rois, **params)
     if entry == "gluon":  # a hybridized block called on symbols: its graph
         block = getattr(mx_roi.gluon, op_type)(**params)
         block.hybridize()
         return block(data, rois)
     return getattr(mx_roi.sym, op_type)(data=data, rois=rois, **params)
+
+
+def _load_native():
+    from mx_roi import ext
+    if ext.unavailable_reason():
+        pytest.skip("no extension library here: " + ext.unavailable_reason())
+    ext.load()
 
 
 def export(sym, path, data_shape, dtype, params=None, rois_rows=3):
@@ -152,6 +162,39 @@ def test_guarded_entry_points(tmp_path, op_type, params, entry):
     check(tmp_path, op_type, params, entry=entry, kinds=("randn",))
 
 
+NATIVE_CASES = [("ROIAlign", ALIGN[1]), ("ROIAlign", ALIGN_MAX[0]), ("ROIPooling", POOL[1]),
+                ("PSROIAlign", PSALIGN[4]), ("PSROIPooling", PSPOOL[3])]
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=[_id(c) for c in NATIVE_CASES])
+def test_native_nodes_export_as_custom_nodes(tmp_path, case):
+    """A native node ``mx_roi_<Op>`` exports through the Custom node's translation: ONNX
+    Runtime gives our numbers, and the ONNX graph is the Custom node's, node for node and
+    constant for constant (an unguarded Custom node: the guard's Clip aside)."""
+    import onnx
+    op_type, params = case
+    check(tmp_path, op_type, params, entry="native")
+    data, rois = mx.sym.var("data"), mx.sym.var("rois")
+    graphs = []
+    raw_custom = mx_roi.mxpatch._ORIGINAL_CUSTOM["mxnet.symbol"]  # (no guard clip)
+    for sym in (raw_custom(data, rois, op_type=op_type, name="roi", **params),
+                getattr(mx.sym, "mx_roi_" + op_type)(data, rois, name="roi", **params)):
+        path = tmp_path / "g.onnx"
+        export(sym, path, (2, 12, 9, 11) if op_type.startswith("PS") else (2, 3, 9, 11),
+               np.float32)
+        graph = onnx.load(str(path)).graph
+        graphs.append(([n.SerializeToString() for n in graph.node],
+                       [i.SerializeToString() for i in graph.initializer]))
+    assert len(graphs[0][0]) > 5
+    assert graphs[0] == graphs[1]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["float16", "float64"])
+def test_native_nodes_other_dtypes(tmp_path, dtype):
+    check(tmp_path, "ROIAlign", ALIGN[1], dtype, entry="native", kinds=("randn",))
+    check(tmp_path, "PSROIPooling", PSPOOL[0], dtype, entry="native", kinds=("randn",))
+
+
 def test_hybridized_gluon_block_exported_files(tmp_path):
     """A hybridized Gluon block exported to json/params files, then to ONNX."""
     class Head(mx.gluon.HybridBlock):
@@ -251,7 +294,7 @@ REFUSED = [
 @pytest.mark.parametrize("op_type,params,match", REFUSED,
                          ids=["align-caffe", "psalign-rfcn", "align-max-adaptive",
                               "align-max-zero"])
-@pytest.mark.parametrize("entry", ["custom", "mx_roi.sym", "gluon"])
+@pytest.mark.parametrize("entry", ["custom", "mx_roi.sym", "gluon", "native"])
 def test_refused_at_export_time(tmp_path, op_type, params, match, entry):
     sym = _sym(op_type, params, entry)
     with pytest.raises(ExportError, match=match):
@@ -316,6 +359,8 @@ def test_other_custom_op_types_are_not_taken_over(tmp_path, monkeypatch):
     mo.install()  # idempotent: still ours, and still chaining
     from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
     assert all(ops["Custom"] is mo.convert_custom for ops in MXNetGraph.registry_.values())
+    assert all(ops["mx_roi_" + op] is mo.convert_custom_ours
+               for ops in MXNetGraph.registry_.values() for op in mx_roi.OP_TYPES)
 
 
 def export_plain(sym, path):
