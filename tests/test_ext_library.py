@@ -275,6 +275,17 @@ ERROR_OPS = {
 }
 REPEAT = 10  # bad calls in a row: the tenth message must be as short as the first
 
+#: the children's message(fn): the MXNetError text of fn(), or None (put before a child's
+#: script: ``mx`` is its global, imported by the time message runs)
+_CHILD_MESSAGE = textwrap.dedent("""
+    def message(fn):
+        try:
+            fn()
+        except mx.MXNetError as e:
+            return str(e)
+        return None
+""")
+
 #: argv[1]: repr(ERROR_OPS), argv[2]: REPEAT; prints {op: {what: message or output}}
 _CHILD = textwrap.dedent("""
     import ast, json, sys
@@ -283,13 +294,6 @@ _CHILD = textwrap.dedent("""
     ext.load()
     OPS, REPEAT = ast.literal_eval(sys.argv[1]), int(sys.argv[2])
     good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
-
-    def message(fn):
-        try:
-            fn()
-        except mx.MXNetError as e:
-            return str(e)
-        return None
 
     def errors(op, kw, channels, bad_value, bad_param, wrong_channels):
         out = {}
@@ -343,7 +347,8 @@ _CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def child_errors():
     """ERROR_OPS's calls, all three ops in one child process (one start-up)."""
-    res = subprocess.run([sys.executable, "-c", _CHILD, repr(ERROR_OPS), str(REPEAT)],
+    res = subprocess.run([sys.executable, "-c", _CHILD_MESSAGE + _CHILD, repr(ERROR_OPS),
+                          str(REPEAT)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -1003,13 +1008,6 @@ _DEFORM_CHILD = textwrap.dedent("""
               trans_std=0.1)
     GOOD_ROIS = np.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
 
-    def message(fn):
-        try:
-            fn()
-        except mx.MXNetError as e:
-            return str(e)
-        return None
-
     def inputs(case):
         '''(arrays, parameters) of a case: the good call with one thing changed'''
         dtype = {'trans_bound64': 'float64', 'trans_inf16': 'float16'}.get(case, 'float32')
@@ -1092,7 +1090,8 @@ _DEFORM_CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def deform_errors():
-    res = subprocess.run([sys.executable, "-c", _DEFORM_CHILD, json.dumps(list(DEFORM_ERRORS)),
+    res = subprocess.run([sys.executable, "-c", _CHILD_MESSAGE + _DEFORM_CHILD,
+                          json.dumps(list(DEFORM_ERRORS)),
                           str(REPEAT)], capture_output=True, text=True, cwd=ROOT, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
     assert res.returncode == 0, res.stderr[-3000:]
