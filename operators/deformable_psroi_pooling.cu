@@ -708,3 +708,284 @@ __global__ void deformable_psroi_pooling_backward_trans(
     trans_grad[mx_roi::deform_trans_index(r, k, K, 1, part, u, v)] = sy;
   }
 }
+
+#ifdef MX_ROI_EXT_LAUNCHER
+// ==== mx_roi_DeformablePSROIPooling: this op in mx_roi's MXNet extension library ==========
+// Compiled only into that library (g++ with -DMX_ROI_EXT_LAUNCHER, the host shim in native
+// mode): the GPU, emulated and native builds never see this section.  Inputs as
+// mx.nd.contrib.DeformablePSROIPooling's and the Custom op's (operators/
+// deformable_psroi_pooling.py): data, rois and, unless no_trans, trans (R, 2K, part, part);
+// one output (the built-in's top_count is not exposed, as the Custom op does not).
+// Parameters as DeformablePSROIPoolingParam's (parsed as mx_roi/params.py parses them, with
+// its messages).  The host launcher makes the native backend's checked call
+// (cuda/backend.py _forward / _backward with forward_cuda / backward_cuda; this op is never
+// recorded): the same checks in the same order and messages, then this file's kernels with
+// the same arguments -- forward; backward (the offsets' gradient fused into it when every
+// offset element is one item's alone, else deformable_psroi_pooling_backward_trans).  The
+// native build is deterministic whatever ``deterministic`` says (each thread owns whole
+// gradient planes), so it is parsed and has nothing to change.
+#include <set>
+
+#include "ext_launch.h"
+
+namespace mx_roi_op {
+
+struct DeformablePSROIPoolingOp {
+  static constexpr const char* OP = "DeformablePSROIPooling";
+  static constexpr const char* EXTRA_INPUT = "trans";  // (ExtraInput: the third input)
+
+  struct Params {
+    long long P = 0, Q = 0;  // pooled_size, twice (Callbacks reads the output's P x Q)
+    double spatial_scale = 0, trans_std = 0;
+    long long output_dim = 0, group_size = 0, part_size = 0, sample_per_part = 1;
+    bool no_trans = false, deterministic = false;
+    long long part() const { return part_size ? part_size : P; }
+  };
+
+  // DeformablePSROIPoolingParam.input_names: no trans with no_trans
+  static int num_inputs(const Params& p) { return p.no_trans ? 2 : 3; }
+
+  // DeformablePSROIPoolingParam.from_kwargs
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    Kwargs kw(OP, attrs, {"spatial_scale", "output_dim", "group_size", "pooled_size",
+                          "part_size", "sample_per_part", "trans_std", "no_trans",
+                          "deterministic"},
+              {"spatial_scale", "output_dim", "group_size", "pooled_size"});
+    Params p;
+    p.spatial_scale = kw.real("spatial_scale", 0);
+    p.output_dim = kw.integer("output_dim", 0);
+    p.group_size = kw.integer("group_size", 0);
+    p.P = p.Q = kw.integer("pooled_size", 0);
+    p.part_size = kw.integer("part_size", 0);
+    p.sample_per_part = kw.integer("sample_per_part", 1);
+    p.trans_std = kw.real("trans_std", 0.0);
+    p.no_trans = kw.boolean("no_trans", false);
+    p.deterministic = kw.boolean("deterministic", false);
+    kw.finish();
+    // ParamBase.__post_init__: _positive in order, then each field's bounds in field
+    // order; then the struct's own part_size and trans_std rules
+    const std::string dim = std::to_string(p.output_dim), grp = std::to_string(p.group_size);
+    const std::string pooled = std::to_string(p.P), part = std::to_string(p.part_size);
+    const std::string spp = std::to_string(p.sample_per_part);
+    kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
+    kw.positive("output_dim", p.output_dim > 0, dim);
+    kw.positive("group_size", p.group_size > 0, grp);
+    kw.positive("pooled_size", p.P > 0, pooled);
+    kw.positive("sample_per_part", p.sample_per_part > 0, spp);
+    const std::string most_size = "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")";
+    kw.check("output_dim", p.output_dim <= MAX_ELEMENTS, most_size, dim);
+    kw.check("group_size", p.group_size <= MAX_ELEMENTS, most_size, grp);
+    kw.check("pooled_size", p.P <= MAX_POOLED,
+             "at most " + std::to_string(MAX_POOLED) +
+                 " (pooled_size^2 bins of one roi and channel in an MXNet array)",
+             pooled);
+    kw.check("part_size", p.part_size <= MAX_PART,
+             "at most " + std::to_string(MAX_PART) +
+                 " (2 * part_size^2 offsets of one roi in an MXNet array)",
+             part);
+    kw.check("sample_per_part", p.sample_per_part <= MAX_SAMPLES_PER_SIDE,
+             "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", spp);
+    kw.check("part_size", p.part_size >= 0, "0 (= pooled_size) or a positive int", part);
+    kw.check("trans_std", p.trans_std >= 0, "a value >= 0", py_float_repr(p.trans_std));
+    return p;
+  }
+
+  // deformable_psroi_pooling.MAX_POOLED, MAX_PART: isqrt(MAX_ELEMENTS), isqrt(MAX_ELEMENTS / 2)
+  static constexpr long long MAX_POOLED = 46340, MAX_PART = 32767;
+
+  // DeformablePSROIPoolingParam.to_kwargs, "name=value;..." (the tests compare it)
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    const Params p = parse(attrs);
+    return "spatial_scale=" + py_float_repr(p.spatial_scale) +
+           ";output_dim=" + std::to_string(p.output_dim) +
+           ";group_size=" + std::to_string(p.group_size) + ";pooled_size=" + std::to_string(p.P) +
+           ";part_size=" + std::to_string(p.part_size) +
+           ";sample_per_part=" + std::to_string(p.sample_per_part) +
+           ";trans_std=" + py_float_repr(p.trans_std) + ";no_trans=" +
+           (p.no_trans ? "True" : "False") + ";deterministic=" +
+           (p.deterministic ? "True" : "False");
+  }
+
+  // DeformablePSROIPooling.out_channels: at least output_dim * group_size^2 channels (the
+  // built-in reads the first ones; more are unused)
+  static long long out_channels(const Params& p, long long C) {
+    const unsigned __int128 need = (unsigned __int128)p.output_dim *
+                                   (unsigned __int128)p.group_size *
+                                   (unsigned __int128)p.group_size;
+    if ((unsigned __int128)C < need)
+      throw OpError(std::string(OP) + ": data has " + std::to_string(C) +
+                    " channels but output_dim * group_size^2 = " + std::to_string(p.output_dim) +
+                    " * " + std::to_string(p.group_size) + "^2 = " + u128_str(need) +
+                    " are required");
+    return p.output_dim;
+  }
+
+  // DeformablePSROIPooling._check_trans_shape: (R, 2K, part, part), K >= 1 dividing output_dim
+  template <typename S>
+  static void check_extra_shape(const Params& p, const std::vector<S>& shape, long long R) {
+    const long long part = p.part();
+    const std::string got = shape_repr(shape);
+    if (shape.size() != 4 || (long long)shape[0] != R || (long long)shape[2] != part ||
+        (long long)shape[3] != part || shape[1] < 2 || shape[1] % 2)
+      throw OpError(std::string(OP) + ": trans must have shape (R, 2 * K, part_size, part_size) = (" +
+                    std::to_string(R) + ", 2 * K, " + std::to_string(part) + ", " +
+                    std::to_string(part) + ") with K >= 1 offset classes, got " + got);
+    const long long K = (long long)shape[1] / 2;
+    if (p.output_dim % K)
+      throw OpError(std::string(OP) + ": trans has K = " + std::to_string(K) +
+                    " offset classes (shape " + got + ") but output_dim = " +
+                    std::to_string(p.output_dim) + " is not a multiple of K");
+  }
+
+  // RoIOp.check_inputs on the host (check_rois: the first non-finite roi, else the first
+  // batch index out of range; the message of registry.RoIOp.roi_error)
+  template <typename T, typename A>
+  static void check_rois(const MXTensor& data, const MXTensor& rois) {
+    const long long R = rois.shape[0], N = data.shape[0];
+    if (R == 0) return;
+    const T* r = (const T*)rois.data_ptr;
+    long long row = 0;
+    const int code = mx_roi::geo::check_rois<T, A>(r, R, N, GUARD_BOUND,
+                                                   !std::is_same<T, __half>::value, &row);
+    if (code)
+      throw OpError(roi_error(OP, code == 1 ? ~(unsigned long long)row
+                                            : ~(STATUS_BATCH_KEY + (unsigned long long)row),
+                              r, N));
+  }
+
+  // check_extra_inputs: trans's shape, then its values below GUARD_BOUND (float16: finite),
+  // compared as NumPy compares them (the bound in the dtype), the first bad one in C order
+  template <typename T, typename A>
+  static void check_trans(const Params& p, const MXTensor* trans, long long R) {
+    if (p.no_trans) return;
+    check_extra_shape(p, trans->shape, R);
+    const T* t = (const T*)trans->data_ptr;
+    const long long n = numel(trans->shape);
+    const bool use_bound = !std::is_same<T, __half>::value;  // onednn.bounded_dtype
+    const double bound = (double)(A)GUARD_BOUND;
+    for (long long i = 0; i < n; ++i) {
+      const double v = to_double(t[i]);
+      if (use_bound ? std::fabs(v) < bound : std::isfinite(v)) continue;
+      std::string at;
+      long long rest = i;
+      for (int d = 3; d >= 0; --d) {
+        const long long s = trans->shape[d];
+        at = std::to_string(rest % s) + (d == 3 ? "" : ", ") + at;
+        rest /= s;
+      }
+      throw OpError(std::string(OP) + ": trans[" + at + "] is " + py_float_repr(v) +
+                    "; offsets must be finite");
+    }
+  }
+
+  // backend._check_plane: the kernels index within one (H, W) plane in int32
+  static void check_plane(const MXTensor& data) {
+    const long long H = data.shape[2], W = data.shape[3];
+    if (H * W >= (1LL << 31))
+      throw OpError(std::string(OP) + ": a feature map of " + std::to_string(H) + "x" +
+                    std::to_string(W) + " has 2^31 or more elements per channel, more than "
+                    "the CUDA kernels index");
+  }
+
+  // The kernels' common arguments (_kernel_args): trans (a zero when absent), K
+  template <typename T>
+  struct Args {
+    const T* trans;
+    int K;
+    T zero[1];
+    Args(const Params& p, const MXTensor* t) {
+      std::memset(zero, 0, sizeof zero);
+      trans = p.no_trans ? zero : (const T*)t->data_ptr;
+      K = p.no_trans ? 1 : (int)(t->shape[1] / 2);
+    }
+  };
+
+  // (_forward: checks, then nothing for no rois, zeros for an empty map, else the kernel)
+  template <typename T, typename A>
+  static void forward(const Params& p, const MXTensor& data, const MXTensor& rois,
+                      const MXTensor* trans, MXTensor& out) {
+    check_rois<T, A>(data, rois);
+    check_trans<T, A>(p, trans, rois.shape[0]);
+    check_plane(data);
+    const long long R = rois.shape[0];
+    if (R == 0) return;
+    if (numel(data.shape) == 0) {
+      std::memset(out.data_ptr, 0, (size_t)numel(out.shape) * sizeof(T));
+      return;
+    }
+    const Args<T> a(p, trans);
+    const int D = (int)p.output_dim, P = (int)p.P;
+    const long long n = R * D * (long long)P * P;
+    mx_roi_launch_channels(D, native_threads(n), [&]() {
+      deformable_psroi_pooling_forward<T, A>(
+          (const T*)data.data_ptr, (const T*)rois.data_ptr, a.trans,
+          (double)(float)p.spatial_scale, (double)(float)p.trans_std, p.no_trans ? 1 : 0, a.K,
+          (int)p.group_size, (int)p.part(), (int)p.sample_per_part, D, (int)data.shape[1],
+          (int)data.shape[2], (int)data.shape[3], P, P, (T*)out.data_ptr, n);
+    });
+  }
+
+  // DeformablePSROIPooling._fused: every offset element one item's alone
+  template <typename A>
+  static bool fused(const Params& p, int K) {
+    if (K != p.output_dim || p.part() != p.P) return false;
+    std::set<int> cells;
+    for (int i = 0; i < (int)p.P; ++i) cells.insert(mx_roi::deform_part<A>(i, (int)p.P, (int)p.part()));
+    return (long long)cells.size() == p.P;
+  }
+
+  // (_backward: the plane, rois and trans checks, nothing more for no rois or an empty map
+  // -- Callbacks zeroed both gradients --, else backward_cuda's launches)
+  template <typename T, typename A>
+  static void backward(const Params& p, const MXTensor& grad, const MXTensor& data,
+                       const MXTensor& rois, const MXTensor* trans, A* bottom,
+                       MXTensor* trans_grad) {
+    check_plane(data);
+    check_rois<T, A>(data, rois);
+    check_trans<T, A>(p, trans, rois.shape[0]);
+    const long long R = rois.shape[0];
+    if (R == 0 || numel(data.shape) == 0) return;
+    const Args<T> a(p, trans);
+    const int D = (int)p.output_dim, P = (int)p.P, part = (int)p.part();
+    const int G = (int)p.group_size, S = (int)p.sample_per_part;
+    const int Cin = (int)data.shape[1], H = (int)data.shape[2], W = (int)data.shape[3];
+    const double scale = (double)(float)p.spatial_scale, tstd = (double)(float)p.trans_std;
+    const T* x = (const T*)data.data_ptr;
+    const T* r = (const T*)rois.data_ptr;
+    // the offsets' gradient in A: MXNet's memory, or (float16) a float32 buffer stored once
+    const long long tn = p.no_trans ? 1 : numel(trans_grad->shape);
+    static thread_local std::vector<A> own;
+    const bool direct = !p.no_trans && std::is_same<T, A>::value;
+    if (!direct && own.size() < (size_t)tn) own.resize((size_t)tn);
+    A* tgrad = direct ? (A*)trans_grad->data_ptr : own.data();
+    const bool fuse = !p.no_trans && fused<A>(p, a.K);
+    const long long n = R * D * (long long)P * P;
+    mx_roi_launch_channels(D, native_threads(n), [&]() {
+      deformable_psroi_pooling_backward<T, A, A>(
+          (const T*)grad.data_ptr, p.no_trans ? a.zero : x, r, a.trans, scale, tstd,
+          p.no_trans ? 1 : 0, a.K, G, part, S, D, Cin, H, W, P, P, bottom, tgrad, fuse ? 1 : 0,
+          1.0, n);
+    });
+    if (p.no_trans) return;
+    if (!fuse) {
+      const long long RK = R * a.K, tn_items = RK * part * (long long)part;
+      mx_roi_launch_channels((int)RK, native_threads(tn_items), [&]() {
+        deformable_psroi_pooling_backward_trans<T, A>(
+            (const T*)grad.data_ptr, x, r, a.trans, scale, tstd, a.K, G, part, S, (int)RK, D,
+            Cin, H, W, P, P, tgrad, tn_items);
+      });
+    }
+    if (!direct) {
+      T* out = (T*)trans_grad->data_ptr;
+      for (long long i = 0; i < tn; ++i) out[i] = mx_roi::Traits<T>::store(tgrad[i]);
+    }
+  }
+};
+
+const RegisterParams deformable_psroi_pooling_params("DeformablePSROIPooling",
+                                                     DeformablePSROIPoolingOp::format);
+
+}  // namespace mx_roi_op
+
+MX_ROI_EXT_REGISTER(mx_roi_DeformablePSROIPooling, mx_roi_op::DeformablePSROIPoolingOp);
+#endif  // MX_ROI_EXT_LAUNCHER

@@ -275,6 +275,17 @@ ERROR_OPS = {
 }
 REPEAT = 10  # bad calls in a row: the tenth message must be as short as the first
 
+#: the children's message(fn): the MXNetError text of fn(), or None (put before a child's
+#: script: ``mx`` is its global, imported by the time message runs)
+_CHILD_MESSAGE = textwrap.dedent("""
+    def message(fn):
+        try:
+            fn()
+        except mx.MXNetError as e:
+            return str(e)
+        return None
+""")
+
 #: argv[1]: repr(ERROR_OPS), argv[2]: REPEAT; prints {op: {what: message or output}}
 _CHILD = textwrap.dedent("""
     import ast, json, sys
@@ -283,13 +294,6 @@ _CHILD = textwrap.dedent("""
     ext.load()
     OPS, REPEAT = ast.literal_eval(sys.argv[1]), int(sys.argv[2])
     good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
-
-    def message(fn):
-        try:
-            fn()
-        except mx.MXNetError as e:
-            return str(e)
-        return None
 
     def errors(op, kw, channels, bad_value, bad_param, wrong_channels):
         out = {}
@@ -343,7 +347,8 @@ _CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def child_errors():
     """ERROR_OPS's calls, all three ops in one child process (one start-up)."""
-    res = subprocess.run([sys.executable, "-c", _CHILD, repr(ERROR_OPS), str(REPEAT)],
+    res = subprocess.run([sys.executable, "-c", _CHILD_MESSAGE + _CHILD, repr(ERROR_OPS),
+                          str(REPEAT)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -865,3 +870,354 @@ def test_psroi_pooling_valid_values_parse_the_same():
     }
     _valid_spellings_parse_the_same(PSROIPoolingParam, spellings, seed=12,
                                     required=("pooled_size", "output_dim", "spatial_scale"))
+
+
+# ---- mx_roi_DeformablePSROIPooling (operators/deformable_psroi_pooling.cu's section) ------
+# The one op with a third input (trans, absent with no_trans=True: ext_launch.h's
+# ExtraInput): every input's gradient compared, trans's and the rois' (zeros) included.
+from mx_roi.operators.deformable_psroi_pooling import DeformablePSROIPoolingParam  # noqa: E402
+
+DEFORM = "DeformablePSROIPooling"
+
+
+def _deform_inputs(kw, R, dtype, rng, N=2, H=13, W=17, extra_channels=0):
+    """data (N, output_dim * group_size^2 + extra_channels, H, W), rois (R, 5) on the map
+    (rois[R // 3] padding when R >= 3) and, unless no_trans, trans (R, 2K, part, part)
+    with K = kw['_K']; NumPy arrays of ``dtype``."""
+    p = DeformablePSROIPoolingParam.from_kwargs(**_deform_params(kw))
+    data = rng.standard_normal((N, p.in_channels + extra_channels, H, W)).astype(dtype)
+    rois = _rois(R, N, rng, dtype, size=(W - 1) / p.spatial_scale)
+    if R >= 3:
+        rois[R // 3, 0] = -1  # a padding roi
+    if p.no_trans:
+        return [data, rois]
+    trans = rng.uniform(-1.5, 1.5, (R, 2 * kw["_K"], p.part, p.part)).astype(dtype)
+    return [data, rois, trans]
+
+
+def _deform_params(kw):
+    return {k: v for k, v in kw.items() if not k.startswith("_")}
+
+
+def _ext_op(*inputs, out=None, **kw):
+    return mx.nd.mx_roi_DeformablePSROIPooling(*inputs, out=out, **kw)
+
+
+def _custom_op(*inputs, out=None, **kw):
+    return mx.nd.Custom(*inputs, op_type=DEFORM, out=out, **kw)
+
+
+def _run_inputs(fn, arrays, grad_np, kw, garbage):
+    """Output, every input's gradient (data, rois, trans) and an inference output of one
+    training call, every buffer MXNet hands the op prefilled with ``garbage``."""
+    inputs = [mx.nd.array(a, dtype=a.dtype) for a in arrays]
+    for x in inputs:
+        x.attach_grad()
+        x.grad[:] = garbage
+    with mx.autograd.record():
+        out = fn(*inputs, **kw)
+    out.backward(mx.nd.array(grad_np, dtype=grad_np.dtype))
+    inf = mx.nd.full(out.shape, garbage, dtype=out.dtype)
+    fn(*inputs, out=inf, **kw)
+    return [out.asnumpy(), inf.asnumpy()] + [x.grad.asnumpy() for x in inputs]
+
+
+#: parameters (and _K, the offset classes; _C, data channels beyond output_dim * G^2): the
+#: offsets' gradient fused into the data pass (K = output_dim, part = pooled) or by its own
+#: kernel (K = 1; K = 2 with part != pooled), no_trans, the default part and samples, more
+#: data channels than read
+DEFORM_CASES = [
+    dict(spatial_scale=1 / 8.0, output_dim=4, group_size=3, pooled_size=3, sample_per_part=2,
+         trans_std=0.1, _K=4),
+    dict(spatial_scale=0.25, output_dim=6, group_size=2, pooled_size=4, part_size=2,
+         sample_per_part=3, trans_std=0.2, _K=1, _C=3),
+    dict(spatial_scale=0.5, output_dim=4, group_size=1, pooled_size=2, part_size=3,
+         trans_std=0.3, deterministic=True, _K=2),
+    dict(spatial_scale=1 / 4.0, output_dim=10, group_size=2, pooled_size=5, sample_per_part=2,
+         trans_std=0.05, _K=10),
+    dict(spatial_scale=1 / 8.0, output_dim=3, group_size=2, pooled_size=3, sample_per_part=2,
+         no_trans=True),
+    dict(spatial_scale=0.5, output_dim=2, group_size=3, pooled_size=7, part_size=4,
+         trans_std=0.1, no_trans=True, _C=1),
+]
+_DEFORM_WHAT = ("output", "inference output", "data gradient", "rois gradient",
+                "trans gradient")
+
+
+def _deform_compare(kw, arrays, dtype, R):
+    p = DeformablePSROIPoolingParam.from_kwargs(**_deform_params(kw))
+    grad = np.random.RandomState(9).standard_normal(
+        (R, p.output_dim, p.pooled_size, p.pooled_size)).astype(dtype)
+    ours = _run_inputs(_ext_op, arrays, grad, _deform_params(kw), 7.0)
+    theirs = _run_inputs(_custom_op, arrays, grad, _deform_params(kw), -3.0)
+    assert len(ours) == len(theirs) == 2 + (2 if p.no_trans else 3)
+    for a, b, what in zip(ours, theirs, _DEFORM_WHAT):
+        assert a.dtype == b.dtype == dtype, what
+        assert a.shape == b.shape, what
+        assert a.tobytes() == b.tobytes(), what
+    assert not ours[3].any()  # the rois' gradient: zeros
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("kw", DEFORM_CASES,
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_deformable_bits_equal_custom_path(kw, dtype):
+    rng = np.random.RandomState(6)
+    R = 16
+    arrays = _deform_inputs(kw, R, dtype, rng, extra_channels=kw.get("_C", 0))
+    ours = _deform_compare(kw, arrays, dtype, R)
+    pad = R // 3
+    assert not ours[0][pad].any() and ours[0].any() and ours[2].any()  # not zeros only
+    if not kw.get("no_trans"):
+        assert ours[4].any() and not ours[4][pad].any()
+
+
+@pytest.mark.parametrize("no_trans", [False, True])
+def test_deformable_no_rois(no_trans):
+    kw = dict(spatial_scale=0.5, output_dim=2, group_size=2, pooled_size=2, trans_std=0.1,
+              no_trans=no_trans, _K=1)
+    arrays = _deform_inputs(kw, 0, np.float32, np.random.RandomState(1))
+    with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
+        ours = _deform_compare(kw, arrays, np.float32, 0)
+    assert ours[0].shape == (0, 2, 2, 2)
+    assert not ours[2].any()  # the data gradient: zeros over the garbage
+
+
+def test_deformable_offsets_at_the_guard_bound():
+    """trans just below onednn.GUARD_BOUND (float16: its largest finite value) is taken,
+    as on the Custom path (the samples land off the map: zeros); at the bound, or inf for
+    float16, it is refused (test_deformable_errors)."""
+    from mx_roi.onednn import GUARD_BOUND
+    kw = dict(spatial_scale=0.5, output_dim=2, group_size=1, pooled_size=2, trans_std=0.1,
+              _K=1)
+    for dtype in (np.float32, np.float64, np.float16):
+        arrays = _deform_inputs(kw, 4, dtype, np.random.RandomState(2))
+        if dtype == np.float16:
+            edge = np.finfo(np.float16).max
+        else:
+            edge = np.nextafter(dtype(GUARD_BOUND), dtype(0))
+        arrays[2][1, 0, 0, 1] = edge
+        arrays[2][2, 1, 1, 0] = -edge
+        _deform_compare(kw, arrays, dtype, 4)
+
+
+def test_deformable_inputs_follow_no_trans():
+    """Two inputs with no_trans=True, three without (the Custom op's input_names); MXNet
+    itself refuses another count, and the next call works."""
+    kw = dict(spatial_scale=0.5, output_dim=2, group_size=1, pooled_size=2)
+    for no_trans, names in ((True, ["data", "rois"]), (False, ["data", "rois", "trans"])):
+        sym = mx.sym.mx_roi_DeformablePSROIPooling(*map(mx.sym.var, names), no_trans=no_trans,
+                                                   **kw)
+        custom = mx.sym.Custom(*map(mx.sym.var, names), op_type=DEFORM, no_trans=no_trans, **kw)
+        assert sym.list_arguments() == custom.list_arguments() == names
+        assert sym.list_outputs()[0].endswith("_output") and len(sym.list_outputs()) == 1
+    data, rois = mx.nd.ones((1, 2, 5, 5)), mx.nd.array([[0, 0, 0, 3, 3]])
+    trans = mx.nd.zeros((1, 2, 2, 2))
+    with pytest.raises(mx.MXNetError, match="expects 2 inputs, but got 3"):
+        _ext_op(data, rois, trans, no_trans=True, **kw).asnumpy()
+    with pytest.raises(mx.MXNetError, match="expects 3 inputs, but got 2"):
+        _ext_op(data, rois, **kw).asnumpy()
+    assert _ext_op(data, rois, trans, **kw).asnumpy().tobytes() == \
+        _custom_op(data, rois, trans, **kw).asnumpy().tobytes()
+
+
+# -- errors, in a child process: each case's message on both paths, forward (REPEAT times)
+# and backward, then a good call
+#: name -> (what is changed in the good call, the start of the library's message, the
+#: callback MXNet names); the child builds each case from its name
+DEFORM_ERRORS = {
+    "rois_nan": ("DeformablePSROIPooling: rois[1] has a NaN or infinite value "
+                 "[1.0, 0.0, 0.0, nan, 8.0]; coordinates must be finite", "FCompute"),
+    "rois_batch": ("DeformablePSROIPooling: rois[2] has batch index 7 but data holds only 2 "
+                   "image(s) (valid: 0..1; a negative index marks a padding roi)", "FCompute"),
+    "trans_nan": ("DeformablePSROIPooling: trans[1, 3, 0, 1] is nan; offsets must be finite",
+                  "FCompute"),
+    "trans_bound": ("DeformablePSROIPooling: trans[2, 0, 1, 1] is -3.0000000054977558e+38; "
+                    "offsets must be finite", "FCompute"),
+    "trans_bound64": ("DeformablePSROIPooling: trans[0, 2, 0, 0] is 3e+38; offsets must be "
+                      "finite", "FCompute"),
+    "trans_inf16": ("DeformablePSROIPooling: trans[2, 1, 1, 0] is -inf; offsets must be "
+                    "finite", "FCompute"),
+    "trans_rows": ("DeformablePSROIPooling: trans must have shape (R, 2 * K, part_size, "
+                   "part_size) = (3, 2 * K, 2, 2) with K >= 1 offset classes, got "
+                   "(2, 4, 2, 2)", "InferShape"),
+    "trans_odd": ("DeformablePSROIPooling: trans must have shape (R, 2 * K, part_size, "
+                  "part_size) = (3, 2 * K, 2, 2) with K >= 1 offset classes, got (3, 3, 2, 2)",
+                  "InferShape"),
+    "trans_classes": ("DeformablePSROIPooling: trans has K = 3 offset classes (shape "
+                      "(3, 6, 2, 2)) but output_dim = 4 is not a multiple of K", "InferShape"),
+    "trans_dtype": ("DeformablePSROIPooling: data and trans must have the same dtype, got data "
+                    "float32 and trans float64", "InferType"),
+    "channels": ("DeformablePSROIPooling: data has 15 channels but output_dim * group_size^2 "
+                 "= 4 * 2^2 = 16 are required", "InferShape"),
+    "param": ("DeformablePSROIPooling: parameter 'part_size': expected 0 (= pooled_size) or a "
+              "positive int, got -1", "ParseAttrs"),
+    # (an empty map, no memory: the plane is checked before the empty map's zeros)
+    "plane": ("DeformablePSROIPooling: a feature map of 65536x32768 has 2^31 or more "
+              "elements per channel, more than the CUDA kernels index", "FCompute"),
+    "rois_nan_no_trans": ("DeformablePSROIPooling: rois[1] has a NaN or infinite value "
+                          "[1.0, 0.0, 0.0, nan, 8.0]; coordinates must be finite", "FCompute"),
+}
+
+#: argv[1]: the case names, argv[2]: REPEAT; prints {case: {what: message or output}}
+_DEFORM_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np, mxnet as mx
+    import mx_roi, mx_roi.ext as ext
+    from mx_roi.onednn import GUARD_BOUND
+    ext.load()
+    CASES, REPEAT = json.loads(sys.argv[1]), int(sys.argv[2])
+    KW = dict(spatial_scale=1.0, output_dim=4, group_size=2, pooled_size=3, part_size=2,
+              trans_std=0.1)
+    GOOD_ROIS = np.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
+
+    def inputs(case):
+        '''(arrays, parameters) of a case: the good call with one thing changed'''
+        dtype = {'trans_bound64': 'float64', 'trans_inf16': 'float16'}.get(case, 'float32')
+        rng = np.random.RandomState(0)
+        data = rng.standard_normal((2, 15 if case == 'channels' else 16, 9, 9)).astype(dtype)
+        rois = GOOD_ROIS.astype(dtype)
+        trans = rng.uniform(-1, 1, (3, 4, 2, 2)).astype(dtype)
+        if case == 'plane':  # no images: the rois are padding
+            data = np.zeros((0, 16, 1 << 16, 1 << 15), dtype)
+            rois[:, 0] = -1
+        kw = dict(KW)
+        if case.startswith('rois_nan'):
+            rois[1, 3] = np.nan
+        elif case == 'rois_batch':
+            rois[2, 0] = 7
+        elif case == 'trans_nan':
+            trans[1, 3, 0, 1] = np.nan
+        elif case == 'trans_bound':  # exactly the bound (in float32), then just below
+            trans[2, 0, 1, 1] = -np.float32(GUARD_BOUND)
+        elif case == 'trans_bound64':
+            trans[0, 2, 0, 0] = GUARD_BOUND
+        elif case == 'trans_inf16':
+            trans[2, 1, 1, 0] = -np.inf
+        elif case == 'trans_rows':
+            trans = trans[:2]
+        elif case == 'trans_odd':
+            trans = trans[:, :3]
+        elif case == 'trans_classes':
+            trans = np.zeros((3, 6, 2, 2), dtype)
+        elif case == 'trans_dtype':
+            trans = trans.astype('float64')
+        elif case == 'param':
+            kw['part_size'] = -1
+        if case.endswith('no_trans'):
+            kw['no_trans'] = True
+        arrays = [data, rois] + ([] if kw.get('no_trans') else [trans])
+        return [mx.nd.array(a, dtype=a.dtype) for a in arrays], kw
+
+    def zero_size(fn):  # ('plane': zero-size arrays need np_shape semantics in MXNet)
+        def run():
+            with mx.util.np_shape(True):
+                return fn()
+        return run
+
+    def call(path, case):
+        def run():
+            arrays, kw = inputs(case)
+            if path == 'ext':
+                return mx.nd.mx_roi_DeformablePSROIPooling(*arrays, **kw).asnumpy()
+            return mx.nd.Custom(*arrays, op_type='DeformablePSROIPooling', **kw).asnumpy()
+        return run
+
+    def backward(case):
+        def step():
+            arrays, kw = inputs(case)
+            for a in arrays:
+                a.attach_grad()
+            with mx.autograd.record():
+                o = mx.nd.mx_roi_DeformablePSROIPooling(*arrays, **kw)
+            try:
+                o.backward()
+            except mx.MXNetError:
+                pass
+            return [a.grad.asnumpy() for a in arrays]
+        return step
+
+    def good():
+        arrays, kw = inputs('good')
+        return mx.nd.mx_roi_DeformablePSROIPooling(*arrays, **kw).asnumpy().tolist()
+
+    out = {'good': good()}
+    for case in CASES:
+        wrap = zero_size if case == 'plane' else (lambda fn: fn)
+        out[case] = dict(ext=[message(wrap(call('ext', case))) for _ in range(REPEAT)],
+                         custom=message(wrap(call('custom', case))),
+                         backward=message(wrap(backward(case))), after=good())
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def deform_errors():
+    res = subprocess.run([sys.executable, "-c", _CHILD_MESSAGE + _DEFORM_CHILD,
+                          json.dumps(list(DEFORM_ERRORS)),
+                          str(REPEAT)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(DEFORM_ERRORS))
+def test_deformable_errors(deform_errors, case):
+    """The library's one message starts with the op and the problem and is the Custom
+    path's text; the tenth is as short as the first; the backward (when the forward ran)
+    says the same; the next good call works."""
+    expected, callback = DEFORM_ERRORS[case]
+    got = deform_errors[case]
+    first = got["ext"][0]
+    assert first and f"Error calling {callback} for custom operator 'mx_roi_{DEFORM}'" in first
+    own = _own_lines(first)
+    assert len(own) == 1 and own[0].startswith(expected), own
+    if case != "param":  # (the Custom op's constructor keeps it for list_arguments)
+        assert "Error: " + own[0] + "\n" in got["custom"], (own, got["custom"])
+    assert [_own_lines(m) for m in got["ext"]] == [own] * REPEAT
+    assert len(got["ext"][-1]) == len(first)
+    assert _own_lines(got["backward"] or "\t[0] none") == own
+    assert got["after"] == deform_errors["good"]
+
+
+# -- parameters: the C++ parser against DeformablePSROIPoolingParam
+def _deform_invalid_cases():
+    base = dict(spatial_scale="0.0625", output_dim="2", group_size="2", pooled_size="7")
+    for name in DeformablePSROIPoolingParam.field_names():
+        values = invalid_examples(DeformablePSROIPoolingParam, name)
+        assert values, name
+        for value in values:
+            yield {**base, name: str(value)}
+    for missing in base:
+        yield {k: v for k, v in base.items() if k != missing}
+    yield {"spatial_scale": "1"}                                  # three missing
+    yield {**base, "bogus": "1"}
+    yield {**base, "spatial_scale": "1e-400"}                     # 0.0 after parsing
+    yield {**base, "trans_std": "-1e-300"}
+    yield {**base, "pooled_size": "46341"}
+    yield {**base, "part_size": "32768"}
+    yield {**base, "output_dim": "2147483647"}                    # one past the bound
+
+
+def test_deformable_every_declared_invalid_value_gives_the_same_message():
+    _invalid_values_give_the_same_messages(
+        ((DeformablePSROIPoolingParam, kwargs) for kwargs in _deform_invalid_cases()),
+        at_least=30)
+
+
+def test_deformable_valid_values_parse_the_same():
+    spellings = {
+        "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", ".5"],
+        "output_dim": ["2", " 10 ", "3.0", "1e1", "2147483646"],
+        "group_size": ["1", "7", " 3 ", "2.0", "1_0", "2147483646"],
+        "pooled_size": ["7", " 3 ", "1e1", "46340"],
+        "part_size": ["0", "4", "32767", " 2.0 "],
+        "sample_per_part": ["1", "4", "1024"],
+        "trans_std": ["0", "0.1", "-0.0", "1e-3", " 2 "],
+        "no_trans": ["True", "false", "1", "0", "yes", "OFF"],
+        "deterministic": ["False", "true"],
+    }
+    _valid_spellings_parse_the_same(DeformablePSROIPoolingParam, spellings, seed=13,
+                                    required=("spatial_scale", "output_dim", "group_size",
+                                              "pooled_size"))

@@ -358,6 +358,49 @@ inline const int* ps_channel_map(const PsGrid& p) {
   return map.data();
 }
 
+// ---- an optional third input (DeformablePSROIPooling's trans) ---------------------------
+// An op that declares ``static int num_inputs(const Params&)`` (2 or 3) and ``EXTRA_INPUT``
+// (the input's name) takes a third input after data and rois when num_inputs says 3, of
+// the data's dtype; Callbacks then checks its shape with Op::check_extra_shape(p, shape, R)
+// once known, hands it (nullptr when absent) to Op::forward<T, A>(p, data, rois, extra,
+// out) and Op::backward<T, A>(p, grad, data, rois, extra, bottom, extra_grad) -- whole
+// calls: such an op runs its own checks, in its Custom path's order, and builds no Call --
+// and zeroes its gradient before the backward (as the rois').  Ops that declare neither
+// keep the two-input callbacks unchanged (ExtraInput's false case).
+template <typename Op, typename = void>
+struct ExtraInput : std::false_type {
+  static int count(const typename Op::Params&) { return 2; }
+  static std::string name() { return ""; }
+  static void check_shape(const typename Op::Params&,
+                          const std::vector<std::vector<unsigned int>>&) {}
+};
+
+template <typename Op>
+struct ExtraInput<Op, decltype((void)Op::num_inputs(std::declval<const typename Op::Params&>()))>
+    : std::true_type {
+  static int count(const typename Op::Params& p) { return Op::num_inputs(p); }
+  static std::string name() { return Op::EXTRA_INPUT; }
+  // its shape, once known (an unknown one, a free graph variable, is not inferred)
+  static void check_shape(const typename Op::Params& p,
+                          const std::vector<std::vector<unsigned int>>& in) {
+    if (in.size() > 2 && !in[2].empty()) Op::check_extra_shape(p, in[2], in[1][0]);
+  }
+};
+
+// An MXNet dtype code as NumPy names it (the Custom path's dtype messages)
+inline std::string dtype_name(int dtype) {
+  switch (dtype) {
+    case mxnet::ext::kFloat32: return "float32";
+    case mxnet::ext::kFloat64: return "float64";
+    case mxnet::ext::kFloat16: return "float16";
+    case mxnet::ext::kUint8: return "uint8";
+    case mxnet::ext::kInt32: return "int32";
+    case mxnet::ext::kInt8: return "int8";
+    case mxnet::ext::kInt64: return "int64";
+    default: return "dtype code " + std::to_string(dtype);
+  }
+}
+
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
 // and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
 // Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
@@ -405,7 +448,7 @@ struct Callbacks {
   }
 
   static MXReturnValue parse_attrs(const Attrs& attrs, int* num_in, int* num_out) {
-    MX_ROI_EXT_CALL(params(attrs); *num_in = 2; *num_out = 1;)
+    MX_ROI_EXT_CALL(*num_in = ExtraInput<Op>::count(params(attrs)); *num_out = 1;)
   }
 
   static MXReturnValue infer_type(const Attrs& attrs, std::vector<int>* in_types,
@@ -416,6 +459,15 @@ struct Callbacks {
       if (d < 0 || d == kUNSET) d = r;
       if (r < 0 || r == kUNSET) r = d;
       if (d != r) throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+      for (size_t i = 2; i < in_types->size(); ++i) {  // an extra input (ExtraInput)
+        int& e = (*in_types)[i];
+        if (e < 0 || e == kUNSET) e = d;
+        if (e != d) {
+          const std::string n = ExtraInput<Op>::name();  // registry's infer_type message
+          throw OpError(std::string(Op::OP) + ": data and " + n + " must have the same dtype, "
+                        "got data " + dtype_name(d) + " and " + n + " " + dtype_name(e));
+        }
+      }
       (*out_types)[0] = d;
     })
   }
@@ -435,6 +487,7 @@ struct Callbacks {
                       "x2, y2), got shape " + shape_repr(r));
       (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
                           (unsigned int)p.Q};
+      ExtraInput<Op>::check_shape(p, *in_shapes);
     })
   }
 
@@ -447,41 +500,74 @@ struct Callbacks {
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
-        if (rois.shape[0] > 0) {
-          const Call<Op, T, A> c(p, data, rois);
-          if (c.n > 0) Op::template forward<T, A>(p, c, data, (*outputs)[0]);
-        }
+        run_forward<T, A>(ExtraInput<Op>(), p, data, rois,
+                          inputs->size() > 2 ? &(*inputs)[2] : nullptr, (*outputs)[0]);
       });
     })
   }
 
-  // inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
+  template <typename T, typename A>
+  static void run_forward(std::false_type, const typename Op::Params& p, const MXTensor& data,
+                          const MXTensor& rois, const MXTensor*, MXTensor& out) {
+    if (rois.shape[0] > 0) {
+      const Call<Op, T, A> c(p, data, rois);
+      if (c.n > 0) Op::template forward<T, A>(p, c, data, out);
+    }
+  }
+
+  template <typename T, typename A>
+  static void run_forward(std::true_type, const typename Op::Params& p, const MXTensor& data,
+                          const MXTensor& rois, const MXTensor* extra, MXTensor& out) {
+    Op::template forward<T, A>(p, data, rois, extra, out);
+  }
+
+  // inputs: out-grad, data, rois, [extra,] output (lib_api's order); outputs: d data,
+  // d rois[, d extra] (one per input: an extra input is there when outputs has three)
   static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                 std::vector<MXTensor>* outputs, const OpResource& res) {
     MX_ROI_EXT_CALL({
       const typename Op::Params p = params(attrs);
       const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      const bool has_extra = outputs->size() > 2;
+      const MXTensor* extra = has_extra ? &(*inputs)[3] : nullptr;
+      MXTensor* extra_grad = has_extra ? &(*outputs)[2] : nullptr;
       check(data, rois);
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
         MXTensor &data_grad = (*outputs)[0], &rois_grad = (*outputs)[1];
         std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
+        if (extra_grad)  // zeros unless the op writes it
+          std::memset(extra_grad->data_ptr, 0, (size_t)numel(extra_grad->shape) * sizeof(T));
         const long long size = numel(data.shape);
         const bool direct = std::is_same<T, A>::value;  // float16: a float32 accumulator
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        if (rois.shape[0] > 0) {
-          const Call<Op, T, A> c(p, data, rois);
-          if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
-        }
+        run_backward<T, A>(ExtraInput<Op>(), p, grad, data, rois, extra, bottom, extra_grad);
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
         }
       });
     })
+  }
+
+  template <typename T, typename A>
+  static void run_backward(std::false_type, const typename Op::Params& p, const MXTensor& grad,
+                           const MXTensor& data, const MXTensor& rois, const MXTensor*, A* bottom,
+                           MXTensor*) {
+    if (rois.shape[0] > 0) {
+      const Call<Op, T, A> c(p, data, rois);
+      if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+    }
+  }
+
+  template <typename T, typename A>
+  static void run_backward(std::true_type, const typename Op::Params& p, const MXTensor& grad,
+                           const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
+                           A* bottom, MXTensor* extra_grad) {
+    Op::template backward<T, A>(p, grad, data, rois, extra, bottom, extra_grad);
   }
 };
 
