@@ -7,7 +7,9 @@ What it proves: every call goes to the caller's stream; a valid call has no host
 makes exactly the expected calls; each launch's argument list has the PTX entry's count
 and types, and its values are those the CuPy path's device geometry and ``forward_cuda``
 bind (the tables' layout in the workspace included); grid and block sizes as
-``loader.launch_config``; the status-word rule of docs/gpu.md, step by step.  Not proven
+``loader.launch_config``; the status-word rule of docs/gpu.md, step by step; the
+extension op's "gpu" forward as MXNet calls it (lib_api.cc's ``_opCallFCompute``: opt-in,
+MXNet's stream and workspace).  Not proven
 here: that the kernels compute the right numbers on a GPU (tests/test_ext_cuda_gpu.py,
 marked gpu; never run yet)."""
 import json
@@ -26,7 +28,7 @@ from mx_roi.cuda import source as S
 from mx_roi.registry import get_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STREAM, OTHER_STREAM = 0x5100, 0x5200
+STREAM, OTHER_STREAM, MX_STREAM = 0x5100, 0x5200, 0x5300
 N, C, H, W, R, P = 2, 3, 19, 25, 4, 7
 SYNC = {"cuCtxSynchronize", "cuStreamSynchronize", "cuStreamQuery", "cuMemcpyDtoH_v2",
         "cuMemcpy", "cuMemcpyAsync", "cuMemFree_v2", "cuMemAllocHost_v2",
@@ -180,17 +182,16 @@ def python_binding(dtype, R_, C_, params):
     return result, table.nbytes
 
 
-def c_binding(values, run, ws_bytes):
+def c_binding(values, run, ws_bytes, ws, status):
     ptr = run["ptr"]
-    roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out",
-             run["status"]: "status"}
+    roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status"}
     named = {}
     for k, v in values.items():
         if k in ("rois", "data", "out", "status", "argmax") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
-            elif ptr["ws"] <= v < ptr["ws"] + ws_bytes:
-                named[k] = ("ws", v - ptr["ws"])
+            elif ws <= v < ws + ws_bytes:
+                named[k] = ("ws", v - ws)
             else:
                 named[k] = hex(v)
         else:
@@ -209,6 +210,8 @@ CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
     "float64": ("float64", R, C, BASE),
     "many_items": ("float32", 2000, C, BASE),
     "grid_cap": ("float32", 2000, 200, BASE),
+    # the extension op's "gpu" forward, called as MXNet calls it (MXNet's workspace)
+    "mx_forward": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
 }
 
 
@@ -221,14 +224,19 @@ def test_launch_arguments_are_the_cupy_paths(run, step):
     dtype, R_, C_, params = CASES[step]
     expected, ws_bytes = python_binding(dtype, R_, C_, params)
     ptx = ptx_params(run["image"])
+    log = run["steps"][step]["log"]
     got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
+    own = [x for x in log if x.startswith("cuMemAlloc_v2")]  # a new channel's status word
+    status = int(own[0].split()[2], 16) if own else run["status"]
+    ws = run["mx_ws"] if step.startswith("mx_") else run["ptr"]["ws"]
+    want_stream = MX_STREAM if step.startswith("mx_") else STREAM
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
         assert expr.startswith(f"{kernel}<{t[dtype]}")
-        assert stream == STREAM and shared == 0 and block == (256, 1, 1)
+        assert stream == want_stream and shared == 0 and block == (256, 1, 1)
         assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
-        named = c_binding(values, run, ws_bytes)
+        named = c_binding(values, run, ws_bytes, ws, status)
         assert named["n"] == n
         for k, v in named.items():
             if k == "n":
@@ -268,7 +276,8 @@ def test_valid_calls_make_exactly_these_driver_calls(run):
             assert not SYNC & set(calls(step)), name
         for line in step["log"]:
             if " stream " in line:
-                want = OTHER_STREAM if name.startswith("other_stream") else STREAM
+                want = OTHER_STREAM if name.startswith("other_stream") else \
+                    MX_STREAM if name.startswith("mx_") else STREAM
                 assert line.endswith(f"stream {want:x}") or f"stream {want:x} " in line, line
 
 
@@ -363,3 +372,23 @@ def test_without_a_driver_the_call_says_so():
             cuda.roi_align_forward("float32", 1, 2, 3, (N, C, H, W), R, P, 0.5)
     else:  # pragma: no cover (a machine with a driver)
         pytest.skip("a driver is installed here")
+
+
+def test_extension_ops_gpu_forward_as_mxnet_calls_it(run):
+    """mx_roi_ROIAlign's "gpu" forward through lib_api.cc's _opCallFCompute (the call
+    MXNet's CUDA build makes): opt-in (a clear error until the launcher is handed over),
+    then the launcher on MXNet's stream with one workspace from MXNet's allocator; a bad
+    parameter fails before any driver call.  Only the forward has a GPU callback."""
+    s = run["steps"]
+    assert run["mx_contexts"] == ["backward/cpu", "forward/cpu", "forward/gpu"]
+    assert s["mx_not_enabled"]["rc"] == 0 and s["mx_not_enabled"]["log"] == []
+    assert s["mx_not_enabled"]["error"] == (
+        "ROIAlign: the native GPU path is opt-in and not enabled in this process: call "
+        "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts")
+    assert s["mx_forward"]["rc"] == 1 and s["mx_forward"]["error"] is None
+    assert len(launches(s["mx_forward"])) == 2  # (arguments: the launch-arguments test)
+    from mx_roi.ext import cuda
+    assert run["mx_ws_sizes"] == [cuda.roi_align_workspace("float32", R, P, H, W, 2)]
+    assert s["mx_bad_param"]["rc"] == 0 and s["mx_bad_param"]["log"] == []
+    assert s["mx_bad_param"]["error"] == ("ROIAlign: parameter 'pool_mode': expected one of "
+                                          "'avg', 'max', got 'median'")

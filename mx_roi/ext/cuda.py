@@ -15,8 +15,9 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's forward (:func:`roi_align_forward`).  Not yet: its backward and the
-other ops; the extension library's ``setForward(..., "gpu")`` registration.
+Today: ROIAlign's forward (:func:`roi_align_forward`), also registered as the extension
+op ``mx_roi_ROIAlign``'s ``"gpu"`` forward, which calls it once :func:`enable` has run.
+Not yet: the backward, the other ops.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ import numpy as np
 
 from ..cuda import loader
 from ..cuda import source as S
-from . import ExtLibraryError, _read, _run
+from . import ExtLibraryError, _read, _run, load_or_build
 
-__all__ = ["library_path", "kernel_expressions", "ptx_arch", "roi_align_workspace",
+__all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_align_workspace",
            "roi_align_forward", "check", "DTYPE_CODES", "CudaLaunchError"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -139,19 +140,26 @@ def library_path() -> str:
         if _STATE["path"]:
             return _STATE["path"]
         lib_path, files = _plan()
-        lib, why = loader._try_load(lib_path, 0)
-        if lib is None:
-            if why:
-                loader._warn_once(("heal", lib_path), f"mx_roi: rebuilding the damaged cache "
-                                                      f"entry {lib_path} ({why})")
-                loader._remove(lib_path)
-            _compile(lib_path, files)
-            lib, why = loader._try_load(lib_path, 0)
-            if lib is None:
-                raise ExtLibraryError(f"mx_roi's native GPU library cannot be loaded even "
-                                      f"after a rebuild: {why}")
+        lib = load_or_build(lib_path, lambda: _compile(lib_path, files), "native GPU library")
         _STATE["path"], _STATE["lib"] = lib_path, lib
         return lib_path
+
+
+def enable() -> str:
+    """Opt in to the native GPU path in this process: load the extension library into
+    MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
+    ``"gpu"`` forward of ``mx_roi_ROIAlign`` runs (on an MXNet CUDA build; GPU contexts of
+    ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).  Returns the launcher's path."""
+    from . import load
+    path = library_path()
+    ext = ctypes.CDLL(load())  # the library MXNet opened (the loader hands out the same)
+    fn = ext.mx_roi_ext_set_gpu_launcher
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    err = ctypes.create_string_buffer(2048)
+    if fn(path.encode(), err, len(err)):
+        raise ExtLibraryError(f"mx_roi: the native GPU launcher {path} cannot be opened: "
+                              f"{err.value.decode(errors='replace')}")
+    return path
 
 
 def _lib():
