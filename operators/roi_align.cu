@@ -718,7 +718,55 @@ struct ROIAlignOp {
 
 const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
 
+// ---- the native GPU path (opt-in; docs/gpu.md): the forward through mx_roi.ext.cuda's
+// launcher (ext_cuda.h: driver API, NVRTC's PTX of this file) on MXNet's stream, its
+// tables in MXNet's temporary workspace; no host wait.  No GPU backward yet.
+extern "C" void* mx_roi_ext_gpu_symbol(const char* name);  // ext_main.cc
+
+struct ROIAlignGpu {
+  typedef int (*Workspace)(int, long long, int, int, int, int, int, int, unsigned long long*,
+                           char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, int, int, float, int, int, int, int, void*,
+                         unsigned long long, void*, char*, size_t);
+
+  static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
+                               std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                               const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const ROIAlignOp::Params p = Callbacks<ROIAlignOp>::params(attrs);
+      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+      Callbacks<ROIAlignOp>::check(data, rois);
+      const Workspace workspace =
+          (Workspace)mx_roi_ext_gpu_symbol("mx_roi_ext_cuda_roi_align_workspace");
+      const Forward launch = (Forward)mx_roi_ext_gpu_symbol("mx_roi_ext_cuda_roi_align_forward");
+      if (!workspace || !launch)
+        throw OpError(std::string(ROIAlignOp::OP) +
+                      ": the native GPU path is opt-in and not enabled in this process: call "
+                      "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts");
+      const long long R = rois.shape[0];
+      const int H = (int)data.shape[2], W = (int)data.shape[3];
+      const int caffe = p.caffe() ? 1 : 0, sample = p.caffe() ? 0 : (int)p.sample_ratio;
+      char err[4096] = "";
+      unsigned long long bytes = 0;
+      if (workspace(data.dtype, R, (int)p.P, (int)p.Q, H, W, sample, caffe, &bytes, err,
+                    sizeof err))
+        throw OpError(err);
+      if (bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
+        throw OpError(std::string(ROIAlignOp::OP) + ": the call's device tables need " +
+                      std::to_string(bytes) + " bytes, more than MXNet's workspace hands out");
+      void* ws = bytes ? res.alloc_gpu((int)bytes) : nullptr;
+      if (launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
+                 data.shape[0], data.shape[1], H, W, R, (int)p.P, (int)p.Q,
+                 (float)p.spatial_scale, sample, p.aligned ? 1 : 0, p.pool_mode == "max",
+                 caffe, ws, bytes, res.get_cuda_stream(), err, sizeof err))
+        throw OpError(err);
+    })
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp);
+MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp)
+    .setForward(mx_roi_op::ROIAlignGpu::forward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER

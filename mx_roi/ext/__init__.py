@@ -203,19 +203,28 @@ def library_path() -> str:
         return path
 
 
-def _build_checked() -> str:
-    lib_path, files, include, lib_api, flags, ops = _plan()
+def load_or_build(lib_path: str, build, what: str):
+    """The checked library at ``lib_path`` (``loader._try_load``), built by ``build()``
+    first when there is none, and rebuilt once when the cached file must not be loaded
+    (a warning says why); :class:`ExtLibraryError` names ``what`` if even that fails."""
     lib, why = loader._try_load(lib_path, 0)
     if lib is None:
         if why:
             loader._warn_once(("heal", lib_path), f"mx_roi: rebuilding the damaged cache "
                                                   f"entry {lib_path} ({why})")
             loader._remove(lib_path)
-        _compile(lib_path, files, include, lib_api, flags, ops)
+        build()
         lib, why = loader._try_load(lib_path, 0)
         if lib is None:
-            raise ExtLibraryError(f"mx_roi's extension library cannot be loaded even after a "
+            raise ExtLibraryError(f"mx_roi's {what} cannot be loaded even after a "
                                   f"rebuild: {why}")
+    return lib
+
+
+def _build_checked() -> str:
+    lib_path, files, include, lib_api, flags, ops = _plan()
+    lib = load_or_build(lib_path, lambda: _compile(lib_path, files, include, lib_api, flags,
+                                                   ops), "extension library")
     # checked; MXNet opens it itself (load).  Closed here so that a later check of the
     # same name reads the file again (the dynamic loader hands out a loaded library by
     # its name, whatever the file now holds)

@@ -3,6 +3,10 @@
 // -DMX_ROI_EXT_LAUNCHER): the error channel, the library's initialize(), the no-op op
 // (the floor of an extension op's call) and the entry point the tests parse parameters
 // through.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <sstream>
 
@@ -82,6 +86,34 @@ extern "C" int mx_roi_ext_parse_params(const char* op, int n, const char* const*
   if ((int)text.size() + 1 > out_len) return -2;
   std::memcpy(out, text.c_str(), text.size() + 1);
   return rc;
+}
+
+// ---- the native GPU path (opt-in; mx_roi.ext.cuda, docs/gpu.md) --------------------------
+// The ops' "gpu" callbacks call the launcher library's C entries (mx_roi_ext_cuda_*) found
+// here; until mx_roi_ext_set_gpu_launcher has opened that library (mx_roi.ext.cuda.enable()
+// does, with the path it built and checked), a GPU call fails with a message saying so.
+// The CPU callbacks never look here.
+namespace {
+std::atomic<void*> gpu_launcher{nullptr};
+}
+
+// Opens the launcher library at ``path`` for the GPU callbacks: 0, or 1 (dlerror's text
+// in ``err``).
+extern "C" int mx_roi_ext_set_gpu_launcher(const char* path, char* err, int err_len) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* e = dlerror();
+    std::snprintf(err, (size_t)err_len, "%s", e ? e : "dlopen failed");
+    return 1;
+  }
+  gpu_launcher.store(lib);
+  return 0;
+}
+
+// The launcher's entry ``name``, or null when the native GPU path is not enabled.
+extern "C" void* mx_roi_ext_gpu_symbol(const char* name) {
+  void* lib = gpu_launcher.load();
+  return lib ? dlsym(lib, name) : nullptr;
 }
 
 // ---- mx_roi_noop: the floor of an extension op's call -----------------------------------

@@ -1,0 +1,204 @@
+// The native GPU path's op entry points (C functions, callable through ctypes with raw
+// device pointers and a stream handle; ext_cuda.h launches them).  Built by mx_roi.ext.cuda
+// into a library of its own (mx_roi_ext_cuda-<key>.so), with ext_cuda_kernels.h, the PTX
+// that NVRTC made of each op's .cu text at build time.  Today: ROIAlign's forward.
+//
+// Return value of every entry: 0 done (queued), 1 an error (its message in ``err``:
+// "<Op>: <problem>..."), nothing queued by the call except, after a reported status, the
+// status word's reset.
+#include "ext_cuda.h"
+#include "ext_cuda_kernels.h"
+
+namespace mx_roi_cuda {
+
+// mxnet::ext::MXDType codes (lib_api.h), the dtype argument of every entry
+const int DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2;
+// onednn.GUARD_BOUND; geometry.MAX_SAMPLES_PER_AXIS
+const double GUARD_BOUND = 3.0e38;
+const long long MAX_SAMPLES_PER_AXIS = 1LL << 22;
+// compiled_geometry.MODES
+const int MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3;
+
+// The kernels' template arguments (T, A) of a dtype (source.TYPE_PAIRS), the compute
+// dtype's size, and whether the roi check bounds coordinates (onednn.bounded_dtype).
+struct Types {
+  const char* T;
+  const char* A;
+  size_t acc_size;
+  bool bounded;
+};
+
+inline Types types_of(const std::string& op, int dtype) {
+  switch (dtype) {
+    case DTYPE_FLOAT32: return {"float", "float", 4, true};
+    case DTYPE_FLOAT64: return {"double", "double", 8, true};
+    case DTYPE_FLOAT16: return {"__half", "float", 4, false};
+    default:
+      throw Error(op + ": data must be float16, float32 or float64 (MXNet dtype code " +
+                  std::to_string(dtype) + ")");
+  }
+}
+
+// A sample grid's device tables over one workspace, as device_geometry.build lays them
+// out (_carve: 16-byte aligned, in this order): batch (R,), then per axis (y: P, x: Q)
+// count (R, pooled), low, high (R, pooled, G) int32, wl, wh (R, pooled, G) compute dtype,
+// then divisor (R, P, Q).  ``offset[k]`` of table k in that order; ``bytes`` in all.
+struct GridLayout {
+  int Gy = 0, Gx = 0;
+  size_t offset[12] = {};
+  size_t bytes = 0;
+};
+
+// device_geometry.grid_widths, then the layout; false where the tables cannot be built on
+// the device (more than MAX_SAMPLES_PER_AXIS points along an axis)
+inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long long R,
+                        size_t acc, GridLayout& g) {
+  long long gy, gx;
+  if (mode == MODE_ALIGN_GRID && sample > 0) {
+    gy = gx = sample;
+  } else {
+    gy = (H + 1 + P - 1) / P + 1;
+    gx = (W + 1 + Q - 1) / Q + 1;
+  }
+  if (gy < 1 || gy * P > MAX_SAMPLES_PER_AXIS || gx * Q > MAX_SAMPLES_PER_AXIS) return false;
+  g.Gy = (int)gy;
+  g.Gx = (int)gx;
+  const size_t sizes[12] = {
+      (size_t)R * 4,
+      (size_t)R * P * 4, (size_t)(R * P * gy) * 4, (size_t)(R * P * gy) * 4,
+      (size_t)(R * P * gy) * acc, (size_t)(R * P * gy) * acc,
+      (size_t)R * Q * 4, (size_t)(R * Q * gx) * 4, (size_t)(R * Q * gx) * 4,
+      (size_t)(R * Q * gx) * acc, (size_t)(R * Q * gx) * acc,
+      (size_t)(R * P * Q) * acc};
+  size_t total = 0;
+  for (int k = 0; k < 12; ++k) {
+    g.offset[k] = total;
+    total += (sizes[k] + 15) / 16 * 16;
+  }
+  g.bytes = total < 16 ? 16 : total;
+  return true;
+}
+
+inline GridLayout roi_align_layout(const std::string& op, int dtype, long long R, int P,
+                                   int Q, int H, int W, int sample_ratio, int caffe) {
+  const Types t = types_of(op, dtype);
+  GridLayout g;
+  if (!grid_layout(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID, P, Q, H, W,
+                   caffe ? 0 : sample_ratio, R, t.acc_size, g))
+    throw Error(op + ": the native GPU path cannot build this call's sample grid on the "
+                "device (more than " + std::to_string(MAX_SAMPLES_PER_AXIS) +
+                " sample points along an axis); use the Custom door");
+  return g;
+}
+
+// ROIAlign's forward (roi_align.py forward_cuda, on tables from device_geometry.build):
+// the geometry kernel, then roi_align_forward_avg or roi_align_forward_max (pool_mode
+// 'max' or legacy 'caffe'; no argmax kept: store_argmax 0), on ``stream``.
+inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
+                              long long N, long long C, long long H, long long W, long long R,
+                              int P, int Q, float spatial_scale, int sample_ratio, int aligned,
+                              int pool_max, int caffe, CUdeviceptr workspace,
+                              unsigned long long workspace_bytes, CUstream stream) {
+  const std::string op = "ROIAlign";
+  const Types t = types_of(op, dtype);
+  CUcontext ctx = current_context(op);
+  Channel& ch = channel(op, ctx, stream);
+  std::lock_guard<std::mutex> guard(ch.lock);
+  report(op, ch, stream, false);
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  const GridLayout g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
+  if (workspace_bytes < g.bytes)
+    throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
+                " bytes but the call's tables need " + std::to_string(g.bytes));
+  const bool is_max = pool_max || caffe;
+  if (is_max && (long long)g.Gy * g.Gx >= (1LL << 31))  // the kernels' running argmax is an int
+    throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
+                " sample points per bin are too many for pool_mode='max' on the CUDA backend");
+  CUdeviceptr tb[12];
+  for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
+  const std::string ta = std::string("<") + t.T + ", " + t.A;
+
+  Args geo;
+  geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
+      caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
+      (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
+  for (int k = 0; k < 12; ++k) geo(tb[k]);
+  geo(ch.status)((long long)R);
+  launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream, geo);
+
+  const long long n = R * C * P * Q;
+  Args k;
+  k(data);
+  for (int i = 0; i < 11; ++i) k(tb[i]);  // batch .. x_wh
+  if (!is_max) k(tb[11]);                 // divisor
+  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(out);
+  if (is_max) k(workspace)(0);            // argmax (never written: store_argmax 0)
+  k(n);
+  launch(op,
+         function(op, ctx, ROI_ALIGN_IMAGE,
+                  is_max ? "roi_align_forward_max" + ta + ", unsigned char>"
+                         : "roi_align_forward_avg" + ta + ">"),
+         n, stream, k);
+  record(op, ch, stream);
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a ROIAlign forward (the device tables): 0, or 1 with the message.
+int mx_roi_ext_cuda_roi_align_workspace(int dtype, long long R, int P, int Q, int H, int W,
+                                        int sample_ratio, int caffe, unsigned long long* bytes,
+                                        char* err, size_t err_len) {
+  try {
+    *bytes = R <= 0 ? 0
+                    : mx_roi_cuda::roi_align_layout("ROIAlign", dtype, R, P, Q, H, W,
+                                                    sample_ratio, caffe).bytes;
+    return 0;
+  } catch (const std::exception& e) {
+    mx_roi_cuda::put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
+// ROIAlign's forward on ``stream`` (a CUstream / cudaStream_t; 0: the legacy default
+// stream): data (N, C, H, W), rois (R, 5), out (R, C, P, Q), all device pointers of
+// ``dtype`` in the current context; ``workspace``: at least the workspace function's bytes
+// of device memory, free until the call's kernels have run.  No host synchronisation.
+int mx_roi_ext_cuda_roi_align_forward(int dtype, const void* data, const void* rois, void* out,
+                                      long long N, long long C, long long H, long long W,
+                                      long long R, int P, int Q, float spatial_scale,
+                                      int sample_ratio, int aligned, int pool_max, int caffe,
+                                      void* workspace, unsigned long long workspace_bytes,
+                                      void* stream, char* err, size_t err_len) {
+  try {
+    mx_roi_cuda::roi_align_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale, sample_ratio,
+        aligned, pool_max, caffe, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
+        (mx_roi_cuda::CUstream)stream);
+    return 0;
+  } catch (const std::exception& e) {
+    mx_roi_cuda::put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
+// The status report of ``op``'s channel on ``stream`` (ext_cuda.h): 0 nothing to report,
+// 1 the error (in ``err``).  ``wait``: first wait for the channel's latest call (the only
+// host wait of the native GPU path), else report only a call that has finished.
+int mx_roi_ext_cuda_check(const char* op, void* stream, int wait, char* err, size_t err_len) {
+  try {
+    const std::string name = op;
+    mx_roi_cuda::CUcontext ctx = mx_roi_cuda::current_context(name);
+    mx_roi_cuda::Channel& ch = mx_roi_cuda::channel(name, ctx, (mx_roi_cuda::CUstream)stream);
+    std::lock_guard<std::mutex> guard(ch.lock);
+    mx_roi_cuda::report(name, ch, (mx_roi_cuda::CUstream)stream, wait != 0);
+    return 0;
+  } catch (const std::exception& e) {
+    mx_roi_cuda::put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
+}  // extern "C"

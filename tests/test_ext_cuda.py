@@ -1,0 +1,394 @@
+"""The native GPU path's launcher (mx_roi/ext/ext_cuda.h, mx_roi.ext.cuda) without a GPU:
+its driver-API calls recorded by a stand-in ``libcuda.so.1`` (tests/fake_libcuda.c),
+driven by tests/ext_cuda_child.py in a child process (``LD_LIBRARY_PATH`` finds the
+stand-in, so a real driver in this process is never touched).
+
+What it proves: every call goes to the caller's stream; a valid call has no host wait and
+makes exactly the expected calls; each launch's argument list has the PTX entry's count
+and types, and its values are those the CuPy path's device geometry and ``forward_cuda``
+bind (the tables' layout in the workspace included); grid and block sizes as
+``loader.launch_config``; the status-word rule of docs/gpu.md, step by step; the
+extension op's "gpu" forward as MXNet calls it (lib_api.cc's ``_opCallFCompute``: opt-in,
+MXNet's stream and workspace).  Not proven
+here: that the kernels compute the right numbers on a GPU (tests/test_ext_cuda_gpu.py,
+marked gpu; never run yet)."""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mx_roi.cuda import device_geometry, nvrtc
+from mx_roi.cuda import source as S
+from mx_roi.registry import get_op
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STREAM, OTHER_STREAM, MX_STREAM = 0x5100, 0x5200, 0x5300
+N, C, H, W, R, P = 2, 3, 19, 25, 4, 7
+SYNC = {"cuCtxSynchronize", "cuStreamSynchronize", "cuStreamQuery", "cuMemcpyDtoH_v2",
+        "cuMemcpy", "cuMemcpyAsync", "cuMemFree_v2", "cuMemAllocHost_v2",
+        "cuDeviceSynchronize", "cuEventSynchronize"}
+WHERE = (" (found on the GPU by the device check of an earlier call of this op on this "
+         "stream, which treated the roi as padding: its output rows are zeros; the native "
+         "GPU path reports a bad roi at the next call after that call has finished)")
+
+
+def _nvrtc_ok():
+    try:
+        nvrtc.version()
+        return True
+    except nvrtc.NvrtcError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (shutil.which("g++") and shutil.which("cc")
+                                     and shutil.which("c++filt") and _nvrtc_ok()),
+                                reason="needs g++, cc, c++filt and NVRTC (the wheel)")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The child's JSON: {steps: {name: {log, error}}, ptr, status, image, arch}."""
+    tmp = tmp_path_factory.mktemp("fake_cuda")
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(tmp / "libcuda.so.1"), os.path.join(ROOT, "tests", "fake_libcuda.c")],
+                   check=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp), PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ext_cuda_child.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def calls(step):
+    return [line.split()[0] for line in step["log"]]
+
+
+def launches(step):
+    return [line for line in step["log"] if line.startswith("cuLaunchKernel")]
+
+
+# ---- the PTX entries: parameter types, and the name expression of each lowered name ----
+def ptx_params(image):
+    """{lowered name: [PTX parameter type, ...]}"""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(([^)]*)\)", image):
+        out[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    return out
+
+
+def expression_of(lowered):
+    """``roi_align_forward_max<float, float, unsigned char>`` of a mangled name."""
+    text = subprocess.run(["c++filt", lowered], capture_output=True, text=True).stdout.strip()
+    m = re.match(r"void (\w+<.*?>)\(", text)
+    assert m, text
+    return m.group(1)
+
+
+def decode(slot_hex, ptx_type, param):
+    """The value of an 8-byte slot as the PTX parameter's width reads it, signed as the
+    kernel's declaration says (PTX spells every 32-bit integer .u32)."""
+    raw = struct.pack("<Q", int(slot_hex, 16))
+    if not param.pointer and param.ctype in ("int", "long long"):
+        return int.from_bytes(raw[:4 if ptx_type.endswith("32") else 8], "little", signed=True)
+    if ptx_type in ("u64", "s64", "b64"):
+        return int.from_bytes(raw, "little")
+    if ptx_type in ("u32", "b32"):
+        return struct.unpack("<I", raw[:4])[0]
+    if ptx_type == "s32":
+        return struct.unpack("<i", raw[:4])[0]
+    if ptx_type == "f32":
+        return struct.unpack("<f", raw[:4])[0]
+    if ptx_type == "f64":
+        return struct.unpack("<d", raw)[0]
+    raise AssertionError(f"unexpected PTX parameter type {ptx_type}")
+
+
+def parse_launch(line, ptx):
+    """(expression, grid, block, shared, stream, {parameter name: value}) of a log line."""
+    f = line.split()
+    lowered, grid, block = f[1], tuple(map(int, f[3:6])), tuple(map(int, f[7:10]))
+    shared, stream, extra = int(f[11]), int(f[13], 16), int(f[15])
+    assert f[16] == "args" and extra == 0
+    slots = f[17:]
+    types_ = ptx[lowered]
+    expr = expression_of(lowered)
+    sig = S.instantiate("roi_align.cu", expr)
+    # the launcher's argument count = the PTX entry's = the kernel's declaration's
+    assert len(slots) == len(types_) == len(sig.params), (expr, len(slots), len(types_))
+    values = {p.name: decode(s, t, p) for p, s, t in zip(sig.params, slots, types_)}
+    return expr, grid, block, shared, stream, values
+
+
+# ---- what the CuPy path binds for the same call (device_geometry.build, forward_cuda) ----
+class Recorder:
+    """A stand-in for mx_roi.cuda.backend.Launch over NumPy: records each launch's
+    arguments by name."""
+
+    xp = np
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.acc = np.float64 if self.dtype == np.float64 else np.float32
+        self.calls = []
+
+    def forward(self, kernel, n, tables=None, **args):
+        self.calls.append((kernel, int(n), dict(tables or {}, **args)))
+
+    def output(self, shape):
+        return np.empty(shape, self.dtype)
+
+    def argmax(self, shape, max_candidates):
+        return np.empty((1,), np.uint8), False  # (no argmax kept, as the launcher)
+
+
+def python_binding(dtype, R_, C_, params):
+    """[(kernel, n, {name: value or ('ws', offset) / role})] of the CuPy path's call."""
+    cls = get_op("ROIAlign")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+    rois = np.zeros((R_, 5), dtype)
+    data = np.zeros((N, C_, H, W), dtype)
+    bufs = []
+
+    def empty(shape, dt):
+        bufs.append(np.empty(shape, dt))
+        return bufs[-1]
+
+    rec = Recorder(dtype)
+    dev = device_geometry.build(rec, op.geometry_spec(), rois, N, H, W, empty=empty)
+    out, _ = op.forward_cuda(rec, dev.geo, data)
+    status, table = bufs[0], bufs[1]
+    base, end = table.ctypes.data, table.ctypes.data + table.nbytes
+    roles = {id(rois): "rois", id(data): "data", id(out): "out", id(status): "status"}
+    result = []
+    for kernel, n, args in rec.calls:
+        named = {}
+        for k, v in args.items():
+            if isinstance(v, np.ndarray):
+                if id(v) in roles:
+                    named[k] = roles[id(v)]
+                elif base <= v.ctypes.data < end:
+                    named[k] = ("ws", v.ctypes.data - base)
+                else:
+                    named[k] = "other"
+            else:
+                named[k] = v
+        result.append((kernel, n, named))
+    return result, table.nbytes
+
+
+def c_binding(values, run, ws_bytes, ws, status):
+    ptr = run["ptr"]
+    roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status"}
+    named = {}
+    for k, v in values.items():
+        if k in ("rois", "data", "out", "status", "argmax") or k in TABLES:
+            if v in roles:
+                named[k] = roles[v]
+            elif ws <= v < ws + ws_bytes:
+                named[k] = ("ws", v - ws)
+            else:
+                named[k] = hex(v)
+        else:
+            named[k] = v
+    return named
+
+
+TABLES = ("batch", "y_count", "y_low", "y_high", "y_wl", "y_wh", "x_count", "x_low", "x_high",
+          "x_wl", "x_wh", "divisor")
+BASE = dict(pooled_size=(P, P), spatial_scale=0.5, sample_ratio=-1, aligned=False)
+CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
+    "first": ("float32", R, C, BASE),
+    "max": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
+    "caffe": ("float32", R, C, dict(BASE, sample_ratio=3, aligned=True, legacy="caffe")),
+    "float16": ("float16", R, C, BASE),
+    "float64": ("float64", R, C, BASE),
+    "many_items": ("float32", 2000, C, BASE),
+    "grid_cap": ("float32", 2000, 200, BASE),
+    # the extension op's "gpu" forward, called as MXNet calls it (MXNet's workspace)
+    "mx_forward": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
+}
+
+
+@pytest.mark.parametrize("step", sorted(CASES))
+def test_launch_arguments_are_the_cupy_paths(run, step):
+    """Each launch binds, parameter by parameter, what the CuPy path's device geometry and
+    ROIAlign.forward_cuda bind (table pointers at the same workspace offsets, the status
+    word, scalars of the same value and width); grid and block as launch_config; every
+    launch on the caller's stream."""
+    dtype, R_, C_, params = CASES[step]
+    expected, ws_bytes = python_binding(dtype, R_, C_, params)
+    ptx = ptx_params(run["image"])
+    log = run["steps"][step]["log"]
+    got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
+    own = [x for x in log if x.startswith("cuMemAlloc_v2")]  # a new channel's status word
+    status = int(own[0].split()[2], 16) if own else run["status"]
+    ws = run["mx_ws"] if step.startswith("mx_") else run["ptr"]["ws"]
+    want_stream = MX_STREAM if step.startswith("mx_") else STREAM
+    assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
+    t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
+    for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
+        assert expr.startswith(f"{kernel}<{t[dtype]}")
+        assert stream == want_stream and shared == 0 and block == (256, 1, 1)
+        assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
+        named = c_binding(values, run, ws_bytes, ws, status)
+        assert named["n"] == n
+        for k, v in named.items():
+            if k == "n":
+                continue
+            if k == "argmax":  # never written (store_argmax 0): any device address
+                assert named["store_argmax"] == want["store_argmax"] == 0
+                continue
+            w = want[k]
+            if isinstance(w, (float, np.floating)):
+                assert v == pytest.approx(float(np.float32(w)) if k == "spatial_scale"
+                                          else float(w), rel=0, abs=0), k
+            else:
+                assert v == (int(w) if isinstance(w, (bool, np.integer)) else w), (step, k)
+
+
+def test_grid_is_capped(run):
+    expr, grid, *_ = parse_launch(launches(run["steps"]["grid_cap"])[1], ptx_params(run["image"]))
+    assert grid == (65535, 1, 1)  # 2000 * 200 * 49 items: the grid-stride loops take the rest
+
+
+def test_valid_calls_make_exactly_these_driver_calls(run):
+    steps = run["steps"]
+    assert calls(steps["first"]) == [
+        "cuInit", "cuCtxGetCurrent", "cuMemAlloc_v2", "cuMemHostAlloc", "cuEventCreate",
+        "cuMemsetD8Async", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel",
+        "cuModuleGetFunction", "cuLaunchKernel", "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
+    assert calls(steps["second"]) == [
+        "cuCtxGetCurrent", "cuEventQuery", "cuLaunchKernel", "cuLaunchKernel",
+        "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
+    status = run["status"]
+    first = steps["first"]["log"]
+    assert f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}" in first
+    assert any(line.startswith(f"cuMemcpyDtoHAsync_v2 ") and f" {status:x} 16 stream "
+               f"{STREAM:x}" in line for line in first)
+    for name, step in steps.items():
+        if step["error"] is None:  # every valid call: no wait of any kind
+            assert not SYNC & set(calls(step)), name
+        for line in step["log"]:
+            if " stream " in line:
+                want = OTHER_STREAM if name.startswith("other_stream") else \
+                    MX_STREAM if name.startswith("mx_") else STREAM
+                assert line.endswith(f"stream {want:x}") or f"stream {want:x} " in line, line
+
+
+def test_one_module_load_and_the_ptx_image(run):
+    loads = [line for s in run["steps"].values() for line in s["log"]
+             if line.startswith("cuModuleLoadData")]
+    assert len(loads) == 1  # one module per context, one function lookup per kernel
+    lookups = [line.split()[1] for s in run["steps"].values() for line in s["log"]
+               if line.startswith("cuModuleGetFunction")]
+    assert len(lookups) == len(set(lookups)) == 7
+    image = run["image"]
+    assert f".target sm_{run['arch']}" in image and run["arch"] == min(
+        a for a in nvrtc.supported_archs() if a >= 52)
+    from mx_roi.ext import cuda
+    assert sorted(expression_of(n) for n in ptx_params(image)) == sorted(
+        cuda.kernel_expressions("roi_align.cu"))
+
+
+def test_status_word_rule(run):
+    s = run["steps"]
+    status = run["status"]
+    reset = f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}"
+    # the bad call and a call while it still runs: no error, no wait, kernels queued
+    assert s["bad"]["error"] is None and s["busy"]["error"] is None
+    assert "cuEventQuery e7 busy" in s["busy"]["log"] and len(launches(s["busy"])) == 2
+    # the first call once it has finished reports it, launches nothing, queues the reset
+    assert s["reported"]["error"] == ("ROIAlign: rois[3] has a NaN or infinite value; "
+                                      "coordinates must be finite" + WHERE)
+    assert s["reported"]["log"] == ["cuCtxGetCurrent", "cuEventQuery e7 ready", reset]
+    assert s["after_report"]["error"] is None and len(launches(s["after_report"])) == 2
+    # check(wait=True): the one host wait (cuEventSynchronize), then the report
+    assert s["check_wait"]["error"] == (
+        "ROIAlign: rois[1] has a batch index beyond the images of data (valid: 0..N-1; a "
+        "negative index marks a padding roi)" + WHERE)
+    assert s["check_wait"]["log"] == ["cuCtxGetCurrent", "cuEventSynchronize e7", reset]
+    assert s["check_overflow"]["error"] == (
+        "ROIAlign: rois: a box needs more sample points per bin side than the device "
+        "tables hold (a box far larger than the feature map); check the coordinates and "
+        "spatial_scale, or run such boxes through the Custom door" + WHERE)
+    assert s["check_clean"]["error"] is None and s["check_clean"]["log"] == ["cuCtxGetCurrent"]
+    # channels are per stream: stream A's bad roi is not stream B's error
+    assert s["other_stream"]["error"] is None and s["other_stream_again"]["error"] is None
+    assert "cuMemAlloc_v2" in calls(s["other_stream"])  # a status word of its own
+    assert s["report_rois0"]["error"].startswith("ROIAlign: rois[0] has a NaN or infinite")
+    assert s["max"]["error"] is None  # reported once, then gone
+
+
+def test_errors_before_any_launch(run):
+    s = run["steps"]
+    assert s["no_rois"]["error"] is None
+    assert calls(s["no_rois"]) == ["cuCtxGetCurrent", "cuEventQuery"]
+    from mx_roi.ext import cuda
+    need = cuda.roi_align_workspace("float32", R, P, H, W)
+    assert s["small_workspace"]["error"] == (f"ROIAlign: the workspace holds {need - 1} bytes "
+                                             f"but the call's tables need {need}")
+    assert not launches(s["small_workspace"])
+    assert s["no_context"]["error"] == ("ROIAlign: the native GPU path needs a current CUDA "
+                                        "context on this thread")
+
+
+def test_workspace_is_the_device_paths_table_block():
+    from mx_roi.ext import cuda
+    for dtype, R_, params in (("float32", 4, BASE), ("float16", 1, BASE),
+                              ("float64", 33, dict(BASE, sample_ratio=2)),
+                              ("float32", 5, dict(BASE, legacy="caffe", pool_mode="avg"))):
+        _, nbytes = python_binding(dtype, R_, C, params)
+        assert cuda.roi_align_workspace(dtype, R_, P, H, W, params["sample_ratio"],
+                                        params.get("legacy") == "caffe") == nbytes
+    assert cuda.roi_align_workspace("float32", 0, P, H, W) == 0
+    with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: data must be float16, "
+                                                   r"float32 or float64 \(MXNet dtype code 3\)"):
+        cuda._raise(*_workspace_raw(3))
+
+
+def _workspace_raw(dtype_code):
+    import ctypes
+    from mx_roi.ext import cuda
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    rc = cuda._lib().mx_roi_ext_cuda_roi_align_workspace(dtype_code, 4, P, P, H, W, -1, 0,
+                                                         ctypes.byref(out), err, len(err))
+    return rc, err
+
+
+def test_without_a_driver_the_call_says_so():
+    import ctypes
+    from mx_roi.ext import cuda
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: the native GPU path "
+                           r"cannot run: no NVIDIA driver: libcuda.so.1 not loadable"):
+            cuda.roi_align_forward("float32", 1, 2, 3, (N, C, H, W), R, P, 0.5)
+    else:  # pragma: no cover (a machine with a driver)
+        pytest.skip("a driver is installed here")
+
+
+def test_extension_ops_gpu_forward_as_mxnet_calls_it(run):
+    """mx_roi_ROIAlign's "gpu" forward through lib_api.cc's _opCallFCompute (the call
+    MXNet's CUDA build makes): opt-in (a clear error until the launcher is handed over),
+    then the launcher on MXNet's stream with one workspace from MXNet's allocator; a bad
+    parameter fails before any driver call.  Only the forward has a GPU callback."""
+    s = run["steps"]
+    assert run["mx_contexts"] == ["backward/cpu", "forward/cpu", "forward/gpu"]
+    assert s["mx_not_enabled"]["rc"] == 0 and s["mx_not_enabled"]["log"] == []
+    assert s["mx_not_enabled"]["error"] == (
+        "ROIAlign: the native GPU path is opt-in and not enabled in this process: call "
+        "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts")
+    assert s["mx_forward"]["rc"] == 1 and s["mx_forward"]["error"] is None
+    assert len(launches(s["mx_forward"])) == 2  # (arguments: the launch-arguments test)
+    from mx_roi.ext import cuda
+    assert run["mx_ws_sizes"] == [cuda.roi_align_workspace("float32", R, P, H, W, 2)]
+    assert s["mx_bad_param"]["rc"] == 0 and s["mx_bad_param"]["log"] == []
+    assert s["mx_bad_param"]["error"] == ("ROIAlign: parameter 'pool_mode': expected one of "
+                                          "'avg', 'max', got 'median'")

@@ -1,0 +1,129 @@
+"""The native GPU path's launcher (mx_roi.ext.cuda) on a real GPU: CuPy-allocated memory,
+a CuPy stream, the launch function through ctypes -- no MXNet GPU code (which cannot run
+on Hopper; docs/gpu.md).  Skipped without CuPy and a GPU; **never run yet** (written
+without a GPU; tests/test_ext_cuda.py proves the calls against a stand-in libcuda).
+
+ROIAlign's forward, bit for bit against ``emulated-cuda`` (both compiled with
+``--fmad=false``; the launcher's PTX without CuPy's ``-ftz=true``, which this data's
+float32 values never reach), every dtype and mode, the output pre-filled with NaN,
+padding rois, R = 0; the status-word rule on the device: a bad roi's call raises nothing,
+its row is zeros, the next call after the stream has finished raises the bad roi's error,
+and the call after that works."""
+import numpy as np
+import pytest
+
+import mxnet as mx
+
+from mx_roi import gpucheck
+from mx_roi.backends import get
+from mx_roi.opcheck import run as host_run
+from mx_roi.registry import get_op
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(gpucheck.cupy_gpu_count() == 0,
+                                 reason="needs CuPy and a GPU")]
+
+N, C, H, W, P = 2, 5, 19, 25, 7
+PARAMS = {
+    "avg": dict(pooled_size=(P, P), spatial_scale=0.5, sample_ratio=-1, aligned=False),
+    "avg_aligned_2": dict(pooled_size=(P, P), spatial_scale=0.5, sample_ratio=2, aligned=True),
+    "max": dict(pooled_size=(P, P), spatial_scale=0.5, sample_ratio=-1, pool_mode="max"),
+    "caffe": dict(pooled_size=(P, P), spatial_scale=0.5, legacy="caffe"),
+}
+
+
+def problem(dtype, R=6, seed=0):
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal((N, C, H, W)).astype(dtype)
+    x1, y1 = rng.uniform(0, 40, R), rng.uniform(0, 30, R)
+    rois = np.stack([rng.integers(0, N, R), x1, y1, x1 + rng.uniform(1, 20, R),
+                     y1 + rng.uniform(1, 16, R)], 1).astype(dtype)
+    if R > 2:
+        rois[2, 0] = -1  # a padding roi: zeros
+    return data, rois
+
+
+def native_gpu(data, rois, params, stream):
+    """ROIAlign's forward through the launcher on ``stream``; (output, the CuPy output)."""
+    import cupy
+    from mx_roi.ext import cuda
+    R = rois.shape[0]
+    caffe = params.get("legacy") == "caffe"
+    sample = params.get("sample_ratio", -1)
+    with stream:
+        x, r = cupy.asarray(data), cupy.asarray(rois)
+        out = cupy.full((R, C, P, P), np.nan, data.dtype)
+        nbytes = cuda.roi_align_workspace(data.dtype, R, P, H, W, sample, caffe)
+        ws = cupy.empty(max(nbytes, 16), cupy.uint8)
+        stream.synchronize()  # the inputs are in place; the launch itself waits for nothing
+        cuda.roi_align_forward(data.dtype, x.data.ptr, r.data.ptr, out.data.ptr, data.shape,
+                               R, P, params["spatial_scale"], sample,
+                               params.get("aligned", False), params.get("pool_mode", "avg"),
+                               caffe, ws.data.ptr, ws.nbytes, stream.ptr)
+    return out, (x, r, ws)
+
+
+def op_of(params):
+    cls = get_op("ROIAlign")
+    return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("mode", sorted(PARAMS))
+def test_forward_bits_equal_emulation(dtype, mode):
+    import cupy
+    params = PARAMS[mode]
+    data, rois = problem(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out, keep = native_gpu(data, rois, params, stream)
+    stream.synchronize()
+    op = op_of(params)
+    grad = np.ones(op.out_shape(data.shape, rois.shape), dtype)
+    want, _ = host_run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+    got = cupy.asnumpy(out)
+    np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8))
+    assert not np.any(got[2])  # the padding roi
+
+
+def test_no_rois_launches_nothing():
+    import cupy
+    data, rois = problem(np.float32, R=0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out, _ = native_gpu(data, rois, PARAMS["avg"], stream)
+    stream.synchronize()
+    assert out.shape == (0, C, P, P)
+
+
+def test_bad_roi_reported_by_the_next_call_then_gone():
+    import cupy
+    from mx_roi.ext import cuda
+    stream = cupy.cuda.Stream(non_blocking=True)
+    data, rois = problem(np.float32)
+    bad = rois.copy()
+    bad[1, 3] = np.nan
+    out, keep = native_gpu(data, bad, PARAMS["avg"], stream)  # no error: nothing waited
+    stream.synchronize()
+    got = cupy.asnumpy(out)
+    assert not np.any(got[1])  # the bad roi was padding
+    with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: rois\[1\] has a NaN or "
+                                                   r"infinite value; coordinates must be finite"):
+        native_gpu(data, rois, PARAMS["avg"], stream)
+    out, keep = native_gpu(data, rois, PARAMS["avg"], stream)  # reported once: works again
+    stream.synchronize()
+    op = op_of(PARAMS["avg"])
+    want, _ = host_run(get("emulated-cuda"), op, data, rois,
+                       np.ones(op.out_shape(data.shape, rois.shape), np.float32), mx.cpu())
+    np.testing.assert_array_equal(cupy.asnumpy(out), np.asarray(want))
+
+
+def test_bad_batch_index_reported_by_check_wait():
+    import cupy
+    from mx_roi.ext import cuda
+    stream = cupy.cuda.Stream(non_blocking=True)
+    data, rois = problem(np.float64)
+    rois[4, 0] = N  # one past the last image
+    kept = native_gpu(data, rois, PARAMS["max"], stream)  # noqa: F841 (alive until checked)
+    with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: rois\[4\] has a batch index "
+                                                   r"beyond the images of data"):
+        cuda.check("ROIAlign", stream.ptr, wait=True)
+    cuda.check("ROIAlign", stream.ptr, wait=True)  # nothing left to report
