@@ -37,7 +37,8 @@ def format_header(m: dict, args) -> str:
         f"{m['threads']['numpy_blas'] or '?'} outside)",
         f"workload: data ({BATCH}, C, {FEAT_H}, {FEAT_W}) float32 = {IMAGE_H}x{IMAGE_W} image "
         f"at stride {STRIDE}; seeded random proposals; median of {args.repeat} interleaved "
-        f"runs (ours, builtin, ...) after 1 warm-up each"
+        + ("runs (Custom door, native door, ...)" if getattr(args, "doors", False) else
+           "runs (ours, builtin, ...)") + " after 1 warm-up each"
         + ("; QUICK (reduced sizes)" if args.quick else ""),
     ]
     tv = m.get("torchvision")
