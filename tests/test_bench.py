@@ -101,26 +101,193 @@ def test_overhead_and_header(quick_run):
     assert not any(k.startswith("tv_") for r in payload["results"] for k in r)
 
 
+def _native_ops():
+    """The ops whose native door (``mx_roi_<Op>``) the extension library registers here."""
+    import mxnet as mx
+    import mx_roi
+    from mx_roi import ext
+    ext.load()
+    return {op for op in mx_roi.OP_TYPES if hasattr(mx.nd, "mx_roi_" + op)}
+
+
 def test_fixed_cost_section(quick_run):
-    """Every op family, both directions: the small call against the no-op Custom op, the
-    extra cost and whether it meets the issue's target."""
+    """Every op family, both directions: the small call through both doors against their
+    no-op floors, the built-in's whole call, the costs above each floor and the targets."""
+    from mx_roi.bench.small_call import NATIVE_TARGET_FAMILIES, SIDES
     proc, payload = quick_run
     rows = payload["fixed_cost"]
     families = {r["key"].split("/")[0] for r in payload["results"]}
-    assert {(r["key"], r["direction"]) for r in rows} == {(f, d) for f in families
-                                                          for d in DIRECTIONS}
+    assert [(r["key"], r["direction"]) for r in rows] == [
+        (f, d) for f in dict.fromkeys(r["key"].split("/")[0] for r in payload["results"])
+        for d in DIRECTIONS]
+    native_ops = _native_ops()
+    assert {"ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign"} <= native_ops
+    # a native row for every op whose mx_roi_<Op> is registered, and only for those
+    assert {r["op"] for r in rows if r["ms"]["native"] is not None} == native_ops
     for r in rows:
-        assert _positive(r["ours_ms"]) and _positive(r["noop_ms"])
-        # the median of the paired differences of the interleaved runs
-        pairs = list(zip(r["ours_runs_ms"], r["noop_runs_ms"]))
-        assert len(pairs) == len(r["ours_runs_ms"]) == len(r["noop_runs_ms"]) >= 5
-        assert math.isclose(r["extra_ms"], statistics.median(o - n for o, n in pairs))
-        assert r["ours_ms"] == statistics.median(r["ours_runs_ms"])
+        ms, runs = r["ms"], r["runs_ms"]
+        assert list(ms) == list(SIDES)
+        assert _positive(ms["Custom"]) and _positive(ms["noop Custom"])
+        assert _positive(ms["noop native"])  # the extension floor, on every row
+        assert len({len(v) for v in runs.values()}) == 1 and len(runs["Custom"]) >= 5
+        for side, v in runs.items():
+            assert ms[side] == statistics.median(v)
+        # the medians of the paired differences of the interleaved runs, one per door
+        assert math.isclose(r["extra_ms"], statistics.median(
+            o - n for o, n in zip(runs["Custom"], runs["noop Custom"])))
         assert r["target_ms"] == {"fwd": 0.25, "fwd+bwd": 0.5}[r["direction"]]  # issue 34
         assert r["met"] == (r["extra_ms"] <= r["target_ms"])
         assert r["data_shape"][0] == 1 and r["data_shape"][1] <= 64
         assert r["data_shape"][2:] == [19, 25] and r["out_shape"][0] == 16
-    assert "Fixed cost of a small call" in proc.stdout
+        has_builtin = EXPECTED[next(k for k in EXPECTED if k.split("/")[0] == r["key"])]
+        builtin_here = has_builtin is True or r["direction"] in (has_builtin or ())
+        assert (ms["built-in"] is not None) == builtin_here, r["key"]
+        if r["op"] not in native_ops:
+            assert r["native_missing"] == f"no native op mx_roi_{r['op']} in the extension library"
+            assert ms["native"] is ms["native add_safe"] is None
+            assert r["native_extra_ms"] is r["native_met"] is r["whole_met"] is None
+            continue
+        assert r["native_missing"] == ""
+        assert _positive(ms["native"]) and _positive(ms["native add_safe"])
+        assert math.isclose(r["native_extra_ms"], statistics.median(
+            o - n for o, n in zip(runs["native"], runs["noop native"])))
+        if r["key"] in NATIVE_TARGET_FAMILIES:  # issue 42: fwd <= 0.05, fwd+bwd <= 0.2 ms
+            assert r["native_target_ms"] == {"fwd": 0.05, "fwd+bwd": 0.2}[r["direction"]]
+            assert r["native_met"] == (r["native_extra_ms"] <= r["native_target_ms"])
+        else:
+            assert r["native_target_ms"] is r["native_met"] is None
+        assert r["whole_met"] == (None if not builtin_here else ms["native"] <= ms["built-in"])
+    # the printed section: one line per row, with the verdicts of both doors
+    assert "Fixed cost of a small call, Custom door and native door" in proc.stdout
+    lines = proc.stdout.split("Fixed cost of a small call, Custom door")[1].splitlines()[2:]
+    for r, line in zip(rows, lines):
+        cells = line.split()
+        assert cells[:2] == [r["key"], r["direction"]], line
+        assert line.count("NOT met") == (r["met"] is False) + (r["native_met"] is False), line
+        if r["whole_met"] is not None:
+            assert cells[-1] == ("yes" if r["whole_met"] else "NO"), line
+    assert families == {r["key"] for r in rows}
+
+
+def test_ext_bench_is_the_fixed_cost_section(quick_run):
+    """``python -m mx_roi.ext.bench`` measures with the bench's own function: the same
+    rows (families, sides, verdict fields) as the fixed-cost section."""
+    from mx_roi.bench.small_call import SIDES
+    proc = subprocess.run([sys.executable, "-m", "mx_roi.ext.bench", "--repeat", "3",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    fixed = quick_run[1]["fixed_cost"]
+    assert [(r["key"], r["direction"]) for r in rows] == \
+        [(r["key"], r["direction"]) for r in fixed]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in fixed]
+    assert all(list(r["ms"]) == list(SIDES) and len(r["runs_ms"]["Custom"]) == 3
+               for r in rows)
+    assert {r["op"] for r in rows if r["ms"]["native"] is not None} == _native_ops()
+
+
+@pytest.fixture(scope="module")
+def doors_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("doors")
+    proc = _run(["--quick", "--doors", "--json", str(tmp / "doors.json"), "--markdown",
+                 str(tmp / "doors.md")], timeout=300)
+    with open(tmp / "doors.json") as f:
+        payload = json.load(f)
+    return proc, payload, (tmp / "doors.md").read_text()
+
+
+def test_doors_mode_rows_and_verdicts(doors_run):
+    """``--doors``: every detector-sized workload and direction through the Custom door and
+    the native door (where mx_roi_<Op> is registered), interleaved, the verdict native <=
+    Custom on the medians and the per-run wins, the outputs compared bit for bit."""
+    proc, payload, _ = doors_run
+    rows = payload["doors"]
+    assert payload["mode"] == "doors" and payload["failures"] == []
+    assert "results" not in payload and "fixed_cost" not in payload  # only this section
+    from mx_roi.bench.workloads import build_workloads
+    assert [(r["key"], r["direction"]) for r in rows] == [
+        (w.key, d) for w in build_workloads(quick=True, variants=False) for d in DIRECTIONS]
+    assert {r["key"] for r in rows} == set(EXPECTED)
+    native_ops = _native_ops()
+    assert {r["op"] for r in rows if r["native_ms"] is not None} == native_ops
+    repeat = payload["config"]["repeat"]
+    assert repeat == 2  # --quick; 7 by default (test_doors_default_repeat)
+    for r in rows:
+        assert _positive(r["custom_ms"]) and len(r["custom_runs_ms"]) == repeat
+        assert r["custom_ms"] == statistics.median(r["custom_runs_ms"]) and r["error"] is None
+        if r["op"] not in native_ops:
+            assert r["native_missing"] == f"no native op mx_roi_{r['op']} in the extension library"
+            assert r["native_ms"] is r["wins"] is r["median_ok"] is r["check"] is None
+            continue
+        assert len(r["native_runs_ms"]) == repeat and r["runs"] == repeat
+        assert r["native_ms"] == statistics.median(r["native_runs_ms"])
+        assert math.isclose(r["ratio"], r["native_ms"] / r["custom_ms"])
+        assert r["wins"] == sum(n <= c for n, c in zip(r["native_runs_ms"],
+                                                       r["custom_runs_ms"]))
+        assert r["median_ok"] == (r["native_ms"] <= r["custom_ms"])
+        assert r["check"]["ok"] and r["bit_equal"] is True, (r["key"], r["check"])
+        assert ("grad_ok" in r["check"]) == (r["direction"] == "fwd+bwd")
+    # the printed table: one line per row, the verdict and the wins
+    table = proc.stdout.split("Detector-sized workloads through the Custom door")[1]
+    lines = [ln for ln in table.splitlines() if ln.split()[:1] and ln.split()[0] in EXPECTED]
+    assert len(lines) == len(rows)
+    for r, line in zip(rows, lines):
+        cells = line.split()
+        assert cells[:2] == [r["key"], r["direction"]]
+        if r["native_ms"] is not None:
+            assert cells[5:9] == [f"{r['wins']}/{repeat}",
+                                  "yes" if r["median_ok"] else "NO", "ok", "same"], line
+        else:
+            assert line.endswith(r["native_missing"])
+    judged = [r for r in rows if r["median_ok"] is not None]
+    assert (f"native <= Custom (medians) in {sum(r['median_ok'] for r in judged)} of "
+            f"{len(judged)} rows with both doors") in proc.stdout
+
+
+def test_doors_mode_markdown(doors_run):
+    _, payload, text = doors_run
+    lines = text.splitlines()
+    assert lines[2].startswith("| workload | dir | defaults: Custom ms / native ms, wins, "
+                               "native <= Custom |")
+    body = lines[4:]
+    assert len(body) == len(payload["doors"])
+    for r, line in zip(payload["doors"], body):
+        if r["native_ms"] is None:
+            assert line == f"| {r['key']} | {r['direction']} | {r['custom_ms']:.2f} / - (no native op) |"
+        else:
+            assert line == (f"| {r['key']} | {r['direction']} | {r['custom_ms']:.2f} / "
+                            f"{r['native_ms']:.2f}, {r['wins']}/2, "
+                            + ("yes" if r["median_ok"] else "**no**") + " |")
+
+
+def test_doors_default_repeat_and_thread_settings(tmp_path):
+    """Seven runs per door unless told; ``--threads`` runs the mode once per setting and
+    sets the ratios side by side, with the wins and a mark where native is slower."""
+    from mx_roi.bench.cli import _parse_args
+    assert _parse_args(["--doors"]).repeat == 7
+    assert _parse_args(["--doors", "--quick"]).repeat == 2
+    assert _parse_args(["--doors", "--repeat", "3"]).repeat == 3
+    assert _parse_args([]).repeat == 5
+    proc = _run(["--quick", "--doors", "--only", "ROIPooling/7x7,PrRoIPool/7x7", "--threads",
+                 "default,1", "--json", str(tmp_path / "t.json")], timeout=300)
+    with open(tmp_path / "t.json") as f:
+        runs = json.load(f)["threads_runs"]
+    assert set(runs) == {"default", "1"}
+    summary = proc.stdout.split("native / Custom median per thread setting")[1].splitlines()
+    by_key = {tuple(ln.split()[:2]): ln for ln in summary if ln.startswith(("ROIPool", "PrRoI"))}
+    assert set(by_key) == {(k, d) for k in ("ROIPooling/7x7", "PrRoIPool/7x7")
+                           for d in DIRECTIONS}
+    for (key, direction), line in by_key.items():
+        cells = line.split()[2:]
+        if key.startswith("PrRoI") and "PrRoIPool" not in _native_ops():
+            assert cells == ["-", "-"]
+            continue
+        rs = [next(r for r in runs[s]["doors"] if (r["key"], r["direction"]) == (key, direction))
+              for s in ("default", "1")]
+        want = []
+        for r in rs:
+            want += [f"{r['ratio']:.2f}", f"{r['wins']}/2"] + ([] if r["median_ok"] else ["!"])
+        assert cells == want, line
 
 
 def test_compare_takes_non_finite_values_without_warnings():
@@ -291,7 +458,8 @@ def test_bench_is_not_imported_and_registers_only_its_overhead_ops():
         "base = len(names)\n"
         "import mx_roi.bench\n"
         "for m in ('workloads', 'timing', 'memory', 'machine', 'roofline', 'busy', 'threads',\n"
-        "          'report', 'step', 'step_model', 'step_profile', 'torchvision_ops'):\n"
+        "          'report', 'step', 'step_model', 'step_profile', 'torchvision_ops',\n"
+        "          'doors', 'small_call'):\n"
         "    __import__('mx_roi.bench.' + m)\n"
         "assert names[base:] == [], names[base:]\n"
         "import mx_roi.bench.overhead\n"
@@ -410,13 +578,32 @@ def test_markdown_table_from_runs():
     assert format_markdown({"1": None}) == "(no bench run to tabulate)"
     # the fixed-cost section, one column per setting (a run without it: "-")
     runs = {"default": run(1, 2, 1.0), "1": run(1, 1, 2.0)}
-    runs["default"]["fixed_cost"] = [dict(key="ROIPooling", direction="fwd", extra_ms=0.3,
-                                          noop_ms=0.4, met=False)]
+    ms = {"noop Custom": 0.4, "noop native": 0.1, "Custom": 0.7, "native": 0.17,
+          "native add_safe": 0.2, "built-in": 0.16}
+    fixed = dict(key="ROIPooling", direction="fwd", extra_ms=0.3, met=False, ms=ms,
+                 native_extra_ms=0.07, native_met=False, whole_met=False)
+    runs["default"]["fixed_cost"] = [
+        fixed, dict(fixed, direction="fwd+bwd", extra_ms=0.2, met=True,
+                    native_extra_ms=0.15, native_met=True, whole_met=True),
+        dict(fixed, key="ROIAlign-max", native_met=None, whole_met=None,
+             ms=dict(ms, **{"built-in": None})),
+        dict(fixed, key="PrRoIPool", native_extra_ms=None, native_met=None, whole_met=None,
+             ms=dict(ms, **{"native": None, "native add_safe": None, "built-in": None}))]
     lines = format_markdown(runs).splitlines()
     k = lines.index("| op | dir | defaults | both 1 thread |")
     assert lines[k - 2].startswith("Fixed cost of a small call") and \
         "fwd <= 0.25, fwd+bwd <= 0.5" in lines[k - 2]
     assert lines[k + 2] == "| ROIPooling | fwd | 0.30 (0.40) **not met** | - |"
+    assert lines[k + 3] == "| ROIPooling | fwd+bwd | 0.20 (0.40) met | - |"
+    # the native door's table: above the extension floor, the whole call against the built-in
+    n = lines.index("| op | dir | defaults | both 1 thread |", k + 1)
+    assert "`mx_roi_noop`" in lines[n - 2] and "fwd <= 0.05, fwd+bwd <= 0.2 for " \
+        "ROIPooling, ROIAlign, PSROIPooling, PSROIAlign" in lines[n - 2]
+    assert lines[n + 2:n + 6] == [
+        "| ROIPooling | fwd | 0.070 (0.100) **not met**; 0.170 vs built-in 0.160 **slower** | - |",
+        "| ROIPooling | fwd+bwd | 0.150 (0.100) met; 0.170 vs built-in 0.160 ok | - |",
+        "| ROIAlign-max | fwd | 0.070 (0.100) no target | - |",
+        "| PrRoIPool | fwd | - (no native op) | - |"]
 
 
 def test_markdown_of_a_single_run(quick_run):
@@ -430,9 +617,15 @@ def test_markdown_of_a_single_run(quick_run):
             if ln.startswith(("| ROI", "| PSROI", "| RROI", "| PrRoI", "| Deformable"))]
     assert len(rows) == len(payload["results"])
     # and the fixed-cost table: one row per op configuration and direction
+    # and the fixed-cost tables, one row per op configuration and direction: the Custom
+    # door's, then the native door's
     fixed = [ln for ln in lines[end:] if ln.startswith("| ") and not ln.startswith("| op")]
-    assert len(fixed) == len(payload["fixed_cost"]) and all(
-        ln.endswith(("met |", "**not met** |")) for ln in fixed)
+    n = len(payload["fixed_cost"])
+    assert len(fixed) == 2 * n and all(
+        ln.endswith(("met |", "**not met** |")) for ln in fixed[:n])
+    assert all(ln.endswith((" ok |", "**slower** |", "no target |", "(no native op) |"))
+               or (r["whole_met"] is None and ln.endswith(("met |", "**not met** |")))
+               for ln, r in zip(fixed[n:], payload["fixed_cost"]))
     r = payload["results"][0]
     assert rows[0].startswith(f"| {r['op']} | {r['config']} | {r['direction']} | "
                               f"{r['backend']} | {r['ours_ms']:.2f} / ")

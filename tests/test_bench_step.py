@@ -55,6 +55,52 @@ def test_both_sides_ran_the_same_step(step_run):
                             min(r["builtin_runs_ms"]) - 1)
 
 
+def test_native_door_column(step_run):
+    """The third side: the same step with the RoI node built as ``mx.sym.mx_roi_<Op>``,
+    interleaved with the other two, checked against the built-in, and the verdict native
+    no slower than the Custom door."""
+    proc, payload = step_run
+    rows = payload["settings"][0]["results"]
+    for r in rows:
+        n = r["native"]
+        assert n["missing"] == "" and n["graph_same"], (r["name"], n)
+        assert n["check"]["ok"] and n["check"]["max_rel_err"] <= 1e-3, (r["name"], n["check"])
+        assert math.isclose(n["check"]["losses"]["native"], n["check"]["losses"]["builtin"],
+                            rel_tol=1e-5)
+        assert len(n["runs_ms"]) == payload["steps"] and all(_positive(t) for t in n["runs_ms"])
+        assert n["ms"] == min(n["runs_ms"])
+        assert math.isclose(n["ratio"], n["ms"] / r["ours_ms"])
+        assert math.isclose(n["median_ratio"], statistics.median(n["runs_ms"]) /
+                            statistics.median(r["ours_runs_ms"]))
+        assert n["no_slower"] == (n["ms"] <= r["ours_ms"])
+        # the RoI node is the extension op: its forward and backward in the profile
+        entries = r["profile"]["native"]["op_entries"]
+        assert f"mx_roi_{r['op']}" in entries and f"_backward_mx_roi_{r['op']}" in entries
+        assert not any(k.endswith("::pure_python") for k in entries)
+    table = proc.stdout.split("nat<=ours")[1]
+    for r in rows:
+        line = next(ln for ln in table.splitlines() if ln.startswith(r["name"] + " "))
+        n = r["native"]
+        assert f"{n['ms']:8.1f} {n['ratio']:8.3f} {n['median_ratio']:6.3f} " \
+            f"{'yes' if n['no_slower'] else 'NO':>9}" in line, line
+    ok = sum(r["native"]["no_slower"] for r in rows)
+    assert f"native no slower than Custom (min steps) in {ok} of {len(rows)} rows" in proc.stdout
+
+
+def test_sides_are_built_through_the_doors():
+    """The step's RoI nodes: Custom for ours, mx_roi_<Op> for native, the built-in's op."""
+    import json as _json
+    import mx_roi  # noqa: F401
+    from mx_roi.bench.step_model import QUICK_CONFIGS, build_symbol
+    for cfg in QUICK_CONFIGS:
+        ops = {side: [n["op"] for n in _json.loads(build_symbol(cfg, side, "quick")
+                                                   .tojson())["nodes"]]
+               for side in ("ours", "native", "builtin")}
+        assert f"mx_roi_{cfg.op}" in ops["native"] and "Custom" not in ops["native"]
+        assert "Custom" in ops["ours"] and f"mx_roi_{cfg.op}" not in ops["ours"]
+        assert "Custom" not in ops["builtin"]
+
+
 def test_profile_finds_each_side_op(step_run):
     proc, payload = step_run
     for r in payload["settings"][0]["results"]:

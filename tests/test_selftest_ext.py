@@ -40,16 +40,24 @@ def test_library_path_at_the_top_is_the_extension_library():
 
 
 def test_ext_bench_markdown_marks_the_cost_above_the_extension_floor():
+    """``python -m mx_roi.ext.bench --markdown`` (the bench's fixed-cost rows): every side's
+    whole call, the cost above each floor, issue 42's target and the whole-call verdict."""
     from mx_roi.ext import bench
-    ms = {"noop Custom": 0.3, "noop ext": 0.1, "ext": 0.15, "ext add_safe": 0.2,
-          "Custom native": 0.5, "built-in": 0.4}
-    rows = [dict(config="X 7x7", direction="fwd", ms=ms),
-            dict(config="X 7x7", direction="fwd+bwd", ms=dict(ms, ext=0.31))]
+    ms = {"noop Custom": 0.3, "noop native": 0.1, "Custom": 0.5, "native": 0.15,
+          "native add_safe": 0.2, "built-in": 0.4}
+    row = dict(key="X", direction="fwd", ms=ms, extra_ms=0.2, native_extra_ms=0.05,
+               native_target_ms=0.05, native_met=True, whole_met=True)
+    rows = [row, dict(row, direction="fwd+bwd", native_extra_ms=0.21, native_target_ms=0.2,
+                      native_met=False, whole_met=False),
+            dict(row, key="Y", native_target_ms=None, native_met=None, whole_met=None,
+                 ms=dict(ms, **{"built-in": None}))]
     text = bench.markdown(rows, 5)
     assert text.startswith("`python -m mx_roi.ext.bench --repeat 5 --markdown` at git ")
     lines = text.splitlines()
-    assert lines[-2] == ("| X 7x7 | fwd | 0.300 | 0.100 | 0.150 | 0.200 | 0.500 | 0.400 | "
-                         "0.050 | <= 0.05 |")
-    assert lines[-1].endswith("| 0.210 | > 0.2 |")
-    assert [c[0] for c in bench.CONFIGS] == ["ROIAlign", "ROIAlign", "ROIPooling",
-                                             "PSROIPooling", "PSROIAlign"]
+    assert lines[-5] == ("| op | dir | noop Custom | noop native | Custom | native | "
+                         "native add_safe | built-in | Custom above floor | native above floor "
+                         "| native target | native <= built-in |")
+    assert lines[-3] == ("| X | fwd | 0.300 | 0.100 | 0.500 | 0.150 | 0.200 | 0.400 | 0.200 | "
+                         "0.050 | <= 0.05 | yes |")
+    assert lines[-2].endswith("| 0.210 | **>** 0.2 | **no** |")
+    assert lines[-1].endswith("| - | 0.200 | 0.050 | - | - |")

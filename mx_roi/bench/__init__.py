@@ -25,7 +25,10 @@ each.  Each in ``fwd`` and ``fwd+bwd`` (autograd: ``attach_grad`` on data, ``rec
 
 Also reported: the cost of the ``Custom`` call itself (two trivial custom ops registered
 here with the same shapes: one that does nothing, one that only moves the inputs to
-NumPy and writes a zero output / gradient, the floor of any NumPy-backed custom op),
+NumPy and writes a zero output / gradient, the floor of any NumPy-backed custom op), the
+fixed cost of a small call through both front doors against their floors (the no-op
+``Custom`` op, the extension library's ``mx_roi_noop``) and the built-in, with issue 34's
+and 42's targets flagged (:mod:`.small_call`),
 the peak extra resident memory of one fwd+bwd (``ru_maxrss`` delta in a fresh
 subprocess per op and side; ``--memory``) and, with ``--plot out.png``, time against
 the number of boxes (64 ... 2048) for ours and the built-in.  When torch and torchvision
@@ -38,6 +41,10 @@ until :mod:`.overhead` is imported):
 * :mod:`.workloads` -- the seeded inputs and the workload table;
 * :mod:`.timing`    -- synchronised, interleaved timing and the agreement check;
 * :mod:`.overhead`  -- the two trivial Custom ops (registered when imported) and their timing;
+* :mod:`.doors`     -- an op through the Custom door or the native door (``mx_roi_<Op>``);
+* :mod:`.small_call` -- the small call through both doors (the fixed-cost section, also
+  ``python -m mx_roi.ext.bench``) and ``--doors``: the detector-sized workloads through
+  both doors, interleaved, with a verdict per row (one timing function for both);
 * :mod:`.memory`    -- peak extra RSS of one fwd+bwd in a fresh subprocess;
 * :mod:`.machine`   -- machine description and both sides' thread counts;
 * :mod:`.roofline`  -- first-principles lower bounds and the bandwidth / FMA probe;
@@ -47,7 +54,8 @@ until :mod:`.overhead` is imported):
   on the CPU and, in :mod:`.gpu_kernels`, on the GPU;
 * :mod:`.gpu_kernels` -- ``--ctx gpu`` with MXNet's CPU build: our calls on CuPy arrays;
 * :mod:`.report`    -- the printed tables and the plot;
-* :mod:`.step`      -- ``--step``: a detector's train step, built-in against ours
+* :mod:`.step`      -- ``--step``: a detector's train step, built-in against ours through
+  the Custom door and through the native door
   (:mod:`.step_model`: the graphs, inputs and check; :mod:`.step_profile`: the profile);
 * :mod:`.cli`       -- the options and ``main``.
 """

@@ -16,8 +16,9 @@ from . import report, torchvision_ops
 from .busy import add_busy_ratios, busy_core
 from .machine import machine_info
 from .memory import bench_memory, memory_child
-from .overhead import SMALL_REPEAT, bench_fixed_cost, bench_overhead
+from .overhead import bench_overhead
 from .roofline import add_bounds, probe_hardware
+from .small_call import DOORS_REPEAT, SMALL_REPEAT, bench_doors, bench_fixed_cost
 from .threads import run_thread_settings
 from .timing import bench_all, sweep
 from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_W, RTOL,
@@ -61,6 +62,11 @@ def _parse_args(argv=None):
     p.add_argument("--step", action="store_true",
                    help="step-level benchmark: Faster R-CNN / R-FCN train steps with the "
                         "built-in op and ours (mx_roi.bench.step; --step --help for its options)")
+    p.add_argument("--doors", action="store_true",
+                   help="only the detector-sized workloads through the Custom door "
+                        "(mx.nd.Custom) against the native door (mx.nd.mx_roi_<Op>), "
+                        f"interleaved, {DOORS_REPEAT} runs each (--repeat), a verdict native "
+                        "<= Custom per row; with --threads per thread setting")
     p.add_argument("--threads", default=None,
                    help="comma-separated thread settings, each run in a child process with "
                         "both sides at that count: 'default' (the environment as it is), "
@@ -79,7 +85,7 @@ def _parse_args(argv=None):
     p.add_argument("--side", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeat is None:
-        args.repeat = 2 if args.quick else 5
+        args.repeat = 2 if args.quick else DOORS_REPEAT if args.doors else 5
     if args.variants is None:
         args.variants = not args.quick
     if args.memory is None:
@@ -102,6 +108,44 @@ def _load_torchvision(args, machine):
         return None, torchvision_ops.gpu_available(tv) + "; no torchvision column"
     machine["torchvision"] = tv.info
     return tv, ""
+
+
+def _write_outputs(args, payload):
+    """``--json`` (the payload) and ``--markdown`` (its tables) of one run."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.format_markdown({"default": payload}) + "\n")
+
+
+def _doors_main(args, ctx, argv) -> int:
+    """``--doors``: the detector-sized workloads through both doors (small_call.bench_doors)."""
+    t_start = time.perf_counter()
+    machine = machine_info(args.ctx)
+    print(report.format_header(machine, args), flush=True)
+    workloads = select_workloads(build_workloads(args.quick, args.variants), args.only)
+    if not workloads:
+        print(f"--only {args.only!r} matches no workload", file=sys.stderr)
+        return 3
+    inputs = Inputs(ctx, max(w.boxes for w in workloads))
+    rows = bench_doors(workloads, inputs, args.repeat)
+    failures = [f"{r['key']} {r['direction']}" + (" (error)" if r["error"] else "")
+                for r in rows if r["error"] or (r["check"] is not None and not r["check"]["ok"])]
+    print()
+    print(report.format_doors(rows))
+    elapsed = time.perf_counter() - t_start
+    print(f"\ntotal bench time {elapsed:.1f} s")
+    if failures:
+        print("ERROR: the native door and the Custom door disagree on: " + ", ".join(failures),
+              file=sys.stderr)
+    payload = dict(machine=machine, mode="doors",
+                   config=dict(argv=list(argv), quick=args.quick, repeat=args.repeat,
+                               variants=args.variants, seed=SEED, rtol=RTOL, atol=ATOL),
+                   doors=rows, failures=failures, total_seconds=elapsed)
+    _write_outputs(args, payload)
+    return 2 if failures else 0
 
 
 def main(argv=None) -> int:
@@ -127,6 +171,8 @@ def main(argv=None) -> int:
         ctx = mx.cpu()
     if args.threads:
         return run_thread_settings(args, sys.argv[1:] if argv is None else list(argv))
+    if args.doors:
+        return _doors_main(args, ctx, argv)
     t_start = time.perf_counter()
     machine = machine_info(args.ctx)
     tv, tv_missing = _load_torchvision(args, machine)
@@ -225,10 +271,5 @@ def main(argv=None) -> int:
                        overhead=overhead, fixed_cost=fixed, memory=memory, sweep=sweep_result,
                        failures=failures,
                        total_seconds=elapsed)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(report.format_markdown({"default": payload}) + "\n")
+    _write_outputs(args, payload)
     return 2 if failures else 0

@@ -3,7 +3,7 @@ memory / thread-setting summaries, and the time-vs-boxes plot."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 from .memory import mb
 from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, FIXED_COST_TARGET_MS, IMAGE_H,
@@ -12,6 +12,7 @@ from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, FIXED_COST_TARG
 
 __all__ = ["format_header", "format_table", "format_hardware", "format_legend",
            "format_tv_summary", "format_busy", "format_overhead", "format_memory", "format_thread_summary",
+           "format_fixed_cost", "format_fixed_cost_markdown", "format_doors", "format_doors_summary",
            "format_markdown",
            "geomean", "plot"]
 
@@ -36,7 +37,8 @@ def format_header(m: dict, args) -> str:
         f"{m['threads']['numpy_blas'] or '?'} outside)",
         f"workload: data ({BATCH}, C, {FEAT_H}, {FEAT_W}) float32 = {IMAGE_H}x{IMAGE_W} image "
         f"at stride {STRIDE}; seeded random proposals; median of {args.repeat} interleaved "
-        f"runs (ours, builtin, ...) after 1 warm-up each"
+        + ("runs (Custom door, native door, ...)" if getattr(args, "doors", False) else
+           "runs (ours, builtin, ...)") + " after 1 warm-up each"
         + ("; QUICK (reduced sizes)" if args.quick else ""),
     ]
     tv = m.get("torchvision")
@@ -136,18 +138,124 @@ def format_overhead(overhead) -> str:
     return "\n".join(lines)
 
 
+def _flag(ok, yes="met", no="NOT met") -> str:
+    """A target's verdict: ``yes`` / ``no``, '-' where it does not apply (None)."""
+    return "-" if ok is None else (yes if ok else no)
+
+
+def fixed_cost_legend() -> str:
+    """What the fixed-cost columns are, with the targets (text and Markdown)."""
+    from .small_call import NATIVE_TARGET_FAMILIES, NATIVE_TARGET_MS
+    t, n = FIXED_COST_TARGET_MS, NATIVE_TARGET_MS
+    return ("small call: 1 image, 64-channel 19x25 map, 16 boxes (PS ops: output_dim * P * Q "
+            "<= 64 channels); whole calls in ms, medians of interleaved runs; above = the "
+            "door minus its own no-op floor (median of the paired runs): the Custom door "
+            f"above a no-op Custom op (target fwd <= {t['fwd']}, fwd+bwd <= {t['fwd+bwd']}), "
+            f"the native door above the no-op extension op mx_roi_noop (target fwd <= "
+            f"{n['fwd']}, fwd+bwd <= {n['fwd+bwd']}, for "
+            + ", ".join(NATIVE_TARGET_FAMILIES) + "; '-': no target); native <= bi: the "
+            "native door's whole call against the built-in's; add_safe: the native door "
+            "behind mx_roi.ext.add_safe (grad_req='add' made right)")
+
+
 def format_fixed_cost(rows) -> str:
-    lines = ["Fixed cost of a small call (1 image, 64-channel 19x25 map, 16 boxes; PS ops: "
-             "output_dim * P * Q <= 64 channels): ours and a no-op Custom op with the same "
-             "shapes, interleaved medians; extra = ours - no-op (target: fwd <= "
-             f"{FIXED_COST_TARGET_MS['fwd']} ms, fwd+bwd <= {FIXED_COST_TARGET_MS['fwd+bwd']} "
-             "ms):",
-             f"  {'op':<17} {'dir':<8} {'ours ms':>8} {'no-op ms':>9} {'extra ms':>9}  target"]
+    """The fixed-cost section (:func:`mx_roi.bench.small_call.bench_fixed_cost` rows)."""
+    head = (f"  {'op':<32} {'dir':<8} {'noop C':>7} {'Custom':>7} {'above':>6} {'target':<8}"
+            f"| {'noop N':>7} {'native':>7} {'above':>6} {'target':<8} {'add_safe':>8} "
+            f"| {'built-in':>8} {'native<=bi':<10}")
+    lines = ["Fixed cost of a small call, Custom door and native door against their floors "
+             "(" + fixed_cost_legend() + "):", head]
     for r in rows:
-        lines.append(f"  {r['key']:<17} {r['direction']:<8} {r['ours_ms']:8.3f} "
-                     f"{r['noop_ms']:9.3f} {r['extra_ms']:9.3f}  "
-                     f"{'met' if r['met'] else 'NOT met'} (<= {r['target_ms']:.2f})")
+        ms = r["ms"]
+        lines.append(
+            f"  {r['key']:<32} {r['direction']:<8} {_ms(ms['noop Custom'], '.3f'):>7} "
+            f"{_ms(ms['Custom'], '.3f'):>7} {_ms(r['extra_ms'], '.3f'):>6} "
+            f"{_flag(r['met']):<8}| {_ms(ms['noop native'], '.3f'):>7} "
+            f"{_ms(ms['native'], '.3f'):>7} {_ms(r['native_extra_ms'], '.3f'):>6} "
+            f"{_flag(r['native_met']):<8} {_ms(ms['native add_safe'], '.3f'):>8} "
+            f"| {_ms(ms['built-in'], '.3f'):>8} {_flag(r['whole_met'], 'yes', 'NO'):<10}"
+            + (f"  ({r['native_missing']})" if r.get("native_missing") else ""))
     return "\n".join(lines)
+
+
+def format_fixed_cost_markdown(rows) -> List[str]:
+    """One run's fixed-cost rows as a Markdown table: every side's whole call, the cost
+    above each floor and the verdicts (``python -m mx_roi.ext.bench --markdown``)."""
+    from .small_call import SIDES
+    head = ["op", "dir", *SIDES, "Custom above floor", "native above floor",
+            "native target", "native <= built-in"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        target = ("-" if r["native_target_ms"] is None else
+                  ("<= " if r["native_met"] else "**>** ") + f"{r['native_target_ms']}")
+        cells = [r["key"], r["direction"], *(_ms(r["ms"][s], ".3f") for s in SIDES),
+                 _ms(r["extra_ms"], ".3f"), _ms(r["native_extra_ms"], ".3f"), target,
+                 _flag(r["whole_met"], "yes", "**no**")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def format_doors(rows) -> str:
+    """The detector-sized rows through both doors (``--doors``)."""
+    head = (f"{'workload':<36} {'dir':<8} {'Custom ms':>10} {'native ms':>10} "
+            f"{'native/C':>8} {'wins':>5} {'native<=C':<9}  {'check':<5} {'bits':<5} note")
+    lines = ["Detector-sized workloads through the Custom door and the native door, "
+             "interleaved: medians; wins = runs where native <= Custom (run k of each "
+             "paired); native<=C: the verdict on the medians; check = np.allclose of the "
+             "outputs and data gradients, bits = identical:", head, "-" * len(head)]
+    for r in rows:
+        check = ("-" if r["check"] is None else "ok" if r["check"]["ok"] else "FAIL")
+        bits = "-" if r["bit_equal"] is None else "same" if r["bit_equal"] else "diff"
+        wins = "-" if r["wins"] is None else f"{r['wins']}/{len(r['native_runs_ms'])}"
+        note = r.get("error") or r.get("native_missing") or ""
+        lines.append(f"{r['key']:<36} {r['direction']:<8} {_ms(r['custom_ms']):>10} "
+                     f"{_ms(r['native_ms']):>10} {_ms(r['ratio']):>8} {wins:>5} "
+                     f"{_flag(r['median_ok'], 'yes', 'NO'):<9}  {check:<5} {bits:<5} {note}")
+    judged = [r for r in rows if r["median_ok"] is not None]
+    lines.append(f"native <= Custom (medians) in {sum(r['median_ok'] for r in judged)} of "
+                 f"{len(judged)} rows with both doors")
+    return "\n".join(lines)
+
+
+def format_doors_summary(runs) -> str:
+    """``--doors --threads ...``: native / Custom per thread setting, with the verdict."""
+    settings, lines, table = _per_setting(
+        runs, "doors", 36, "native / Custom median per thread setting (MXNet threads / "
+        "mx_roi threads); '!' marks native slower than Custom:")
+    for (key, direction), by in table.items():
+        cells = []
+        for s in settings:
+            r = by.get(s) or {}
+            cells.append("-" if r.get("ratio") is None else
+                         f"{r['ratio']:.2f} {r['wins']}/{len(r['native_runs_ms'])}"
+                         + ("" if r["median_ok"] else " !"))
+        lines.append(f"{key:<36} {direction:<8}" + "".join(f" {c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _markdown_doors(runs, settings) -> List[str]:
+    """``--doors`` runs as one Markdown table: per setting, Custom ms / native ms, the wins
+    and the verdict native <= Custom."""
+    by_key = _rows_by_key(runs, settings, "doors")
+    if not by_key:
+        return []
+    head = ["workload", "dir"] + [f"{_setting_label(s, runs[s]).split(' (')[0]}: Custom ms / "
+                                  "native ms, wins, native <= Custom" for s in settings]
+    lines = ["Detector-sized workloads, the Custom door against the native door (medians of "
+             "interleaved runs; wins: runs where native <= Custom):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (key, direction), rs in by_key.items():
+        cells = [key, direction]
+        for s in settings:
+            r = rs.get(s)
+            if r is None or r["native_ms"] is None:
+                cells.append("-" if r is None else f"{_ms(r['custom_ms'])} / - (no native op)")
+                continue
+            cells.append(f"{r['custom_ms']:.2f} / {r['native_ms']:.2f}, "
+                         f"{r['wins']}/{len(r['native_runs_ms'])}, "
+                         + _flag(r["median_ok"], "yes", "**no**"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def format_memory(memory) -> str:
@@ -167,16 +275,29 @@ def format_memory(memory) -> str:
     return "\n".join(lines)
 
 
-def format_thread_summary(runs) -> str:
+def _per_setting(runs, section: str, width: int, title: str):
+    """``(settings, [title, head, rule], {(key, direction): {setting: row}})`` of the rows
+    of ``section`` ('results', 'doors') of every thread setting's run."""
     settings = list(runs)
-    lines = ["Ratios ours / built-in per thread setting (MXNet threads / mx_roi threads):"]
-    head = f"{'workload':<27} {'dir':<8}" + "".join(
+    head = f"{'workload':<{width}} {'dir':<8}" + "".join(
         f" {s + ' ' + _threads_tag(runs[s]):>16}" for s in settings)
-    lines += [head, "-" * len(head)]
+    return settings, [title, head, "-" * len(head)], _rows_by_key(runs, settings, section)
+
+
+def _rows_by_key(runs, settings, section: str) -> dict:
+    """``{(key, direction): {setting: row}}`` of ``section`` of each setting's run."""
     table = {}
     for s in settings:
-        for r in (runs[s] or {}).get("results", []):
-            table.setdefault((r["key"], r["direction"]), {})[s] = r.get("ratio")
+        for r in (runs[s] or {}).get(section) or []:
+            table.setdefault((r["key"], r["direction"]), {})[s] = r
+    return table
+
+
+def format_thread_summary(runs) -> str:
+    settings, lines, table = _per_setting(
+        runs, "results", 27, "Ratios ours / built-in per thread setting (MXNet threads / "
+        "mx_roi threads):")
+    table = {k: {s: r.get("ratio") for s, r in by.items()} for k, by in table.items()}
     for (key, direction), by in table.items():
         lines.append(f"{key:<27} {direction:<8}" + "".join(
             f" {'-' if by.get(s) is None else format(by[s], '.2f'):>16}"
@@ -214,6 +335,8 @@ def format_markdown(runs) -> str:
     settings = [s for s in runs if runs[s]]
     if not settings:
         return "(no bench run to tabulate)"
+    if not any(runs[s].get("results") for s in settings):  # --doors runs
+        return "\n".join(_markdown_doors(runs, settings)) or "(no bench run to tabulate)"
     by_key = {}
     for s in settings:
         for r in runs[s].get("results", []):
@@ -254,29 +377,47 @@ def format_markdown(runs) -> str:
 
 
 def _markdown_fixed_cost(runs, settings) -> list:
-    """The fixed-cost section's rows of every setting as one Markdown table (ours minus
-    the no-op Custom call, ms, and whether the target is met); nothing when no run has
-    them."""
-    by_key = {}
-    for s in settings:
-        for r in runs[s].get("fixed_cost") or []:
-            by_key.setdefault((r["key"], r["direction"]), {})[s] = r
+    """The fixed-cost section's rows of every setting as two Markdown tables: the Custom
+    door minus the no-op Custom call (issue 34's target), and the native door minus the
+    no-op extension op (issue 42's target) with its whole call against the built-in's;
+    nothing when no run has them."""
+    from .small_call import NATIVE_TARGET_FAMILIES, NATIVE_TARGET_MS
+    by_key = _rows_by_key(runs, settings, "fixed_cost")
     if not by_key:
         return []
-    target = FIXED_COST_TARGET_MS
-    lines = ["", f"Fixed cost of a small call (1 image, 64-channel 19x25 map, 16 boxes): ours "
-                 f"minus a no-op `Custom` op with the same shapes, ms (target: fwd <= "
-                 f"{target['fwd']}, fwd+bwd <= {target['fwd+bwd']}); in brackets the no-op "
-                 "call itself:", ""]
+    target, native = FIXED_COST_TARGET_MS, NATIVE_TARGET_MS
     head = ["op", "dir"] + [_setting_label(s, runs[s]).split(" (")[0] for s in settings]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table_head = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["", f"Fixed cost of a small call (1 image, 64-channel 19x25 map, 16 boxes): the "
+                 f"Custom door minus a no-op `Custom` op with the same shapes, ms (target: fwd "
+                 f"<= {target['fwd']}, fwd+bwd <= {target['fwd+bwd']}); in brackets the no-op "
+                 "call itself:", ""] + table_head
     for (key, direction), rs in by_key.items():
         cells = [key, direction]
         for s in settings:
             r = rs.get(s)
             cells.append("-" if r is None else
-                         f"{r['extra_ms']:.2f} ({r['noop_ms']:.2f}) "
+                         f"{r['extra_ms']:.2f} ({r['ms']['noop Custom']:.2f}) "
                          + ("met" if r["met"] else "**not met**"))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"The same small call through the native door: `mx_roi_<Op>` minus the no-op "
+                  f"extension op `mx_roi_noop`, ms (target: fwd <= {native['fwd']}, fwd+bwd <= "
+                  f"{native['fwd+bwd']} for " + ", ".join(NATIVE_TARGET_FAMILIES) + "), in "
+                  "brackets the no-op call; then the native door's whole call against the "
+                  "built-in's (ms):", ""] + table_head
+    for (key, direction), rs in by_key.items():
+        cells = [key, direction]
+        for s in settings:
+            r = rs.get(s)
+            if r is None or r["ms"]["native"] is None:
+                cells.append("-" if r is None else "- (no native op)")
+                continue
+            verdict = {None: "no target", True: "met", False: "**not met**"}[r["native_met"]]
+            whole = ("" if r["whole_met"] is None else
+                     f"; {r['ms']['native']:.3f} vs built-in {r['ms']['built-in']:.3f} "
+                     + ("ok" if r["whole_met"] else "**slower**"))
+            cells.append(f"{r['native_extra_ms']:.3f} ({r['ms']['noop native']:.3f}) "
+                         f"{verdict}{whole}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -1,15 +1,17 @@
 """Step-level benchmark: a detector's train step with MXNet's built-in RoI op and with ours.
 
 Run as ``python -m mx_roi.bench --step`` (or ``python -m mx_roi.bench.step``).  Op-level
-ratios do not reach the user; the training step does.  For every configuration two
-executors are bound from the *same* graph, once with the built-in op
-(``mx.sym.ROIPooling`` / ``mx.sym.contrib.ROIAlign`` / ``mx.sym.contrib.PSROIPooling``)
-and once with the drop-in from :mod:`mx_roi.sym` (``Custom`` + the oneDNN guard), given
-the same weights, and stepped forward+backward alternately (ours, built-in, built-in,
-ours, ...); the least-disturbed (minimum) step time of each side is reported with the
-ratio ours / built-in.  Before timing, the first step's outputs (losses) and every
-parameter gradient of the two sides are compared (``check``); a mismatch makes the run
-exit with status 2.
+ratios do not reach the user; the training step does.  For every configuration three
+executors are bound from the *same* graph: with the built-in op (``mx.sym.ROIPooling`` /
+``mx.sym.contrib.ROIAlign`` / ``mx.sym.contrib.PSROIPooling``), with ours through the
+Custom door (``mx.sym.Custom``, with the oneDNN guard; "ours") and with ours through the
+native door (``mx.sym.mx_roi_<Op>``, :mod:`.doors`; "native", where the extension
+library registers the op), given the same weights, and stepped forward+backward in
+rotating order; the least-disturbed (minimum) step time of each side is reported with
+the ratios ours / built-in and native / ours and the verdict native no slower than ours.
+Before timing, the first step's outputs (losses) and every parameter gradient of each
+mx_roi side are compared with the built-in's (``check``); a mismatch makes the run exit
+with status 2.
 
 Models (2 images 224x320, fixed seeded proposals fed as an input, so both sides pool the
 same boxes; no optimizer update, so every step does the same work):
@@ -50,8 +52,10 @@ import time
 from dataclasses import asdict
 from typing import Dict, List
 
-from .step_model import (CONFIGS, IMAGES, QUICK_CONFIGS, StepConfig, bind, build_symbol,
-                         compare_sides, graph_ops, load_params, param_values, run_step)
+from .doors import native_missing
+from .step_model import (CONFIGS, IMAGES, QUICK_CONFIGS, SIDES, StepConfig, bind,
+                         build_symbol, compare_sides, graph_ops, load_params, param_values,
+                         run_step)
 from .step_profile import instrument, profile_side
 
 __all__ = ["main", "run_setting", "StepConfig", "CONFIGS", "QUICK_CONFIGS", "build_symbol"]
@@ -67,22 +71,25 @@ def run_setting(configs: List[StepConfig], steps: int, model: str, profile: bool
     from .machine import machine_info
     results = []
     for cfg in configs:
-        syms = {side: build_symbol(cfg, side, model) for side in ("ours", "builtin")}
+        missing = native_missing(cfg.op)
+        sides = [s for s in SIDES if s != "native" or not missing]
+        syms = {side: build_symbol(cfg, side, model) for side in sides}
         exes = {side: bind(s, cfg) for side, s in syms.items()}
         params = param_values(exes["builtin"])
         for exe in exes.values():
             load_params(exe, params)
-        for side in ("ours", "builtin"):
+        for side in sides:
             run_step(exes[side])
         check = compare_sides(exes)
+        native_check = None if missing else compare_sides(exes, "native")
         graph = dict(same=graph_ops(syms["ours"]) == graph_ops(syms["builtin"]),
                      nodes={s: len(json.loads(v.tojson())["nodes"]) for s, v in syms.items()},
                      params_equal=sorted(exes["ours"].arg_dict) ==
                      sorted(exes["builtin"].arg_dict))
-        runs: Dict[str, List[float]] = {"ours": [], "builtin": []}
+        runs: Dict[str, List[float]] = {s: [] for s in sides}
         for i in range(steps):
-            order = ("ours", "builtin") if i % 2 == 0 else ("builtin", "ours")
-            for side in order:
+            # rotating order (ours, builtin, native; builtin, native, ours; ...)
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 runs[side].append(1e3 * run_step(exes[side]))
         del exes
         best = {s: min(v) for s, v in runs.items()}
@@ -93,7 +100,8 @@ def run_setting(configs: List[StepConfig], steps: int, model: str, profile: bool
                    statistics.median(runs["builtin"]),
                    builtin_spread=max(runs["builtin"]) / min(runs["builtin"]) - 1,
                    ours_runs_ms=runs["ours"], builtin_runs_ms=runs["builtin"],
-                   check=check, graph=graph)
+                   check=check, graph=graph,
+                   native=_native_row(runs, missing, native_check, syms))
         if profile:
             # bulk execution merges operators into one profiler entry: off for this pass
             os.environ["MXNET_EXEC_BULK_EXEC_TRAIN"] = "0"
@@ -105,12 +113,28 @@ def run_setting(configs: List[StepConfig], steps: int, model: str, profile: bool
                 timers = instrument(cfg.op)
                 row["profile"] = {side: profile_side(mx, pexes[side], side, cfg,
                                                       timers if side == "ours" else None)
-                                  for side in ("builtin", "ours")}
+                                  for side in ("builtin", "ours", "native") if side in pexes}
                 del pexes
             finally:
                 os.environ["MXNET_EXEC_BULK_EXEC_TRAIN"] = "1"
         results.append(row)
     return dict(machine=machine_info("cpu"), results=results)
+
+
+def _native_row(runs, missing: str, check, syms) -> dict:
+    """The native door's column of a step row: its least-disturbed step, native / ours
+    (the Custom door) on the min and on the median steps, the verdict ``no_slower``
+    (min native <= min ours), its first-step check against the built-in and whether its
+    graph is the same apart from the RoI node; ``missing`` says why there is none."""
+    if missing:
+        return dict(missing=missing, ms=None, runs_ms=None, ratio=None, median_ratio=None,
+                    no_slower=None, check=None, graph_same=None)
+    ms, ours = min(runs["native"]), min(runs["ours"])
+    return dict(missing="", ms=ms, runs_ms=runs["native"], ratio=ms / ours,
+                median_ratio=statistics.median(runs["native"]) /
+                statistics.median(runs["ours"]),
+                no_slower=ms <= ours, check=check,
+                graph_same=graph_ops(syms["native"]) == graph_ops(syms["builtin"]))
 
 
 # --------------------------------------------------------------------------- driver
@@ -153,7 +177,9 @@ def _report(settings: List[dict]) -> List[str]:
         lines.append(f"\n== threads: {s['threads']} ({s['env_note']}); load average "
                      f"{m.get('loadavg')}")
         lines.append(f"{'config':<20} {'rois':>5} {'ours ms':>8} {'builtin':>8} {'ours/bi':>7} "
-                     f"{'median':>6} {'spread':>6} {'op%bi':>6} {'op%ours':>7} {'guard%':>6}  check")
+                     f"{'median':>6} {'spread':>6} {'op%bi':>6} {'op%ours':>7} {'guard%':>6} "
+                     f"{'native':>8} {'nat/ours':>8} {'median':>6} {'nat<=ours':>9} "
+                     f"{'op%nat':>6}  check")
         for r in s["results"]:
             p = r.get("profile") or {}
             bi, ou = p.get("builtin", {}), p.get("ours", {})
@@ -161,12 +187,19 @@ def _report(settings: List[dict]) -> List[str]:
             def pct(d, key):
                 v, w = d.get(key), d.get("wall_ms")
                 return f"{100 * v / w:5.1f}%" if v is not None and w else "    -"
-            ok = "ok" if r["check"]["ok"] and r["graph"]["same"] else "MISMATCH"
+            n = r["native"]
+            ok = "ok" if _row_ok(r) else "MISMATCH"
+            verdict = "-" if n["no_slower"] is None else "yes" if n["no_slower"] else "NO"
             lines.append(f"{r['name']:<20} {r['rois']:>5} {_fmt_ms(r['ours_ms'])} "
                          f"{_fmt_ms(r['builtin_ms'])} {r['ratio']:7.3f} {r['median_ratio']:6.3f} "
                          f"{100 * r['builtin_spread']:5.0f}% {pct(bi, 'op_ms'):>6} "
-                         f"{pct(ou, 'op_ms'):>7} {pct(ou, 'guard_ms'):>6}  {ok} "
-                         f"(rel err {r['check']['max_rel_err']:.1e})")
+                         f"{pct(ou, 'op_ms'):>7} {pct(ou, 'guard_ms'):>6} "
+                         f"{_fmt_ms(n['ms'])} {_fmt_ratio(n['ratio'], 8)} "
+                         f"{_fmt_ratio(n['median_ratio'], 6)} {verdict:>9} "
+                         f"{pct(p.get('native', {}), 'op_ms'):>6}  {ok} "
+                         f"(rel err {r['check']['max_rel_err']:.1e}"
+                         + (f", native {n['check']['max_rel_err']:.1e})" if n["check"] else ")")
+                         + (f" [{n['missing']}]" if n["missing"] else ""))
         for r in s["results"]:
             p = r.get("profile")
             if not p:
@@ -182,13 +215,34 @@ def _report(settings: List[dict]) -> List[str]:
                          f"; guard {ou['guard_ms']:.1f}: " + ", ".join(
                              f"{k} {v:.1f}" for k, v in ou["guard_entries"].items()) +
                          f"; inside the callbacks: {parts})")
+            na = p.get("native")
+            if na:
+                lines.append(f"  {r['name']}: profiled step native {na['wall_ms']:.0f} ms (op "
+                             f"{na['op_ms']:.1f}: " + ", ".join(
+                                 f"{k} {v:.1f}" for k, v in na["op_entries"].items()) +
+                             f"; guard {na['guard_ms']:.1f})")
     lines.append("\nours/bi: least-disturbed (min) step time, ours / built-in (< 1: ours is "
                  "faster); median: the same for the median steps; spread: the built-in's "
                  "slowest / fastest step - 1 (the machine's noise: a ratio closer to 1 than "
                  "this says nothing); op%: the RoI op's share of a profiled step (forward + backward; "
                  "ours: the Custom op's Python callbacks), guard%: oneDNN guard "
-                 "(_copy/clip/_backward_clip) share; all times in ms.")
+                 "(_copy/clip/_backward_clip) share; ours = the Custom door (mx.sym.Custom), "
+                 "native = the native door (mx.sym.mx_roi_<Op>): nat/ours its min (median) "
+                 "step / ours's, nat<=ours the verdict on the min steps, op%nat its "
+                 "operators' share; all times in ms.")
     return lines
+
+
+def _fmt_ratio(v, width):
+    return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
+
+
+def _row_ok(r) -> bool:
+    """Both mx_roi sides computed the built-in's step on the same graph (the native side
+    where it ran)."""
+    n = r["native"]
+    return bool(r["check"]["ok"] and r["graph"]["same"] and
+                (n["missing"] or (n["check"]["ok"] and n["graph_same"])))
 
 
 def _parse_args(argv):
@@ -255,14 +309,20 @@ def main(argv=None) -> int:
           "steps per side (forward+backward, no update), min reported")
     print("\n".join(_report(settings)))
     failures = [f"{s['threads']}:{r['name']}" for s in settings for r in s["results"]
-                if not (r["check"]["ok"] and r["graph"]["same"])]
+                if not _row_ok(r)]
+    slower = [f"{s['threads']}:{r['name']}" for s in settings for r in s["results"]
+              if r["native"]["no_slower"] is False]
+    judged = [r for s in settings for r in s["results"] if r["native"]["no_slower"] is not None]
+    print(f"\nnative no slower than Custom (min steps) in {len(judged) - len(slower)} of "
+          f"{len(judged)} rows" + (f"; slower: {', '.join(slower)}" if slower else ""))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(mode="step", model=args.model, steps=args.steps, quick=args.quick,
                            settings=settings, failures=failures), f, indent=1)
     if failures:
-        print("MISMATCH between ours and the built-in: " + ", ".join(failures),
+        print("MISMATCH between ours (Custom or native door) and the built-in: "
+              + ", ".join(failures),
               file=sys.stderr)
         return 2
     return 0

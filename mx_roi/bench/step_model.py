@@ -10,7 +10,9 @@ from typing import Dict, List
 
 import numpy as np
 
-__all__ = ["StepConfig", "CONFIGS", "QUICK_CONFIGS", "build_symbol", "bind", "param_values",
+from .doors import NATIVE_PREFIX
+
+__all__ = ["StepConfig", "CONFIGS", "QUICK_CONFIGS", "SIDES", "build_symbol", "bind", "param_values",
            "load_params", "graph_ops", "run_step", "compare_sides"]
 
 NUM_CLASSES = 21
@@ -61,22 +63,34 @@ GUARD_OPS = ("_copy", "_backward_copy", "clip", "_backward_clip")
 # --------------------------------------------------------------------------- graphs
 
 
+#: the sides of a step: MXNet's built-in RoI op, ours through the Custom door, ours
+#: through the native door (:mod:`mx_roi.bench.doors`)
+SIDES = ("ours", "builtin", "native")
+BUILTIN_SYMS = {"ROIPooling": "ROIPooling", "ROIAlign": "contrib.ROIAlign",
+                "PSROIPooling": "contrib.PSROIPooling"}
+
+
 def _roi_op(mx, side, cfg, data, rois, name, output_dim=None):
-    """The RoI node: the built-in (``side == 'builtin'``) or mx_roi's drop-in."""
-    import mx_roi
+    """The RoI node: the built-in (``side == 'builtin'``), or mx_roi's op through the
+    Custom door (``'ours'``) or the native door (``'native'``)."""
+    from .doors import door
+    if cfg.op not in BUILTIN_SYMS:
+        raise ValueError(f"unknown op {cfg.op!r}")
+    if side == "builtin":
+        f = mx.sym
+        for part in BUILTIN_SYMS[cfg.op].split("."):
+            f = getattr(f, part)
+        fn = lambda *inputs, **kw: f(*inputs, **kw)  # noqa: E731
+    else:
+        fn = door(mx.sym, cfg.op, {"ours": "custom", "native": "native"}[side])
     k, scale = (cfg.pooled, cfg.pooled), 1.0 / 16
     if cfg.op == "ROIPooling":
-        f = mx.sym.ROIPooling if side == "builtin" else mx_roi.sym.ROIPooling
-        return f(data=data, rois=rois, pooled_size=k, spatial_scale=scale, name=name)
+        return fn(data, rois, pooled_size=k, spatial_scale=scale, name=name)
     if cfg.op == "ROIAlign":
-        f = mx.sym.contrib.ROIAlign if side == "builtin" else mx_roi.sym.ROIAlign
-        return f(data=data, rois=rois, pooled_size=k, spatial_scale=scale,
-                 sample_ratio=cfg.sample_ratio, name=name)
-    if cfg.op == "PSROIPooling":
-        f = mx.sym.contrib.PSROIPooling if side == "builtin" else mx_roi.sym.PSROIPooling
-        return f(data=data, rois=rois, spatial_scale=scale, output_dim=output_dim,
-                 pooled_size=cfg.pooled, group_size=cfg.pooled, name=name)
-    raise ValueError(f"unknown op {cfg.op!r}")
+        return fn(data, rois, pooled_size=k, spatial_scale=scale,
+                  sample_ratio=cfg.sample_ratio, name=name)
+    return fn(data, rois, spatial_scale=scale, output_dim=output_dim,
+              pooled_size=cfg.pooled, group_size=cfg.pooled, name=name)
 
 
 def _bn(mx, x, name):
@@ -133,7 +147,7 @@ def _head(mx, roi_feat, model):
 
 
 def build_symbol(cfg: StepConfig, side: str, model: str = "lite"):
-    """The train-step symbol of ``cfg`` with the built-in op or ours.
+    """The train-step symbol of ``cfg`` with the RoI node of ``side`` (:data:`SIDES`).
 
     Inputs ``data (2, 3, H, W)``, ``rois (R, 5)``, ``label (R,)``, ``bbox_target`` and
     ``bbox_weight``; outputs the class probabilities and the box loss."""
@@ -228,7 +242,8 @@ def load_params(exe, params):
 def graph_ops(sym) -> List[str]:
     """The operators of ``sym`` without the RoI op and the oneDNN guard, in graph order."""
     skip = set(GUARD_OPS) | {"Custom", "null"} | {v[0] for v in BUILTIN_OPS.values()}
-    return [n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"] not in skip]
+    return [n["op"] for n in json.loads(sym.tojson())["nodes"]
+            if n["op"] not in skip and not n["op"].startswith(NATIVE_PREFIX)]
 
 
 def run_step(exe):
@@ -240,12 +255,13 @@ def run_step(exe):
     return time.perf_counter() - t0
 
 
-def compare_sides(exes) -> dict:
-    """First-step check: outputs and every parameter gradient, ours against the built-in."""
+def compare_sides(exes, side: str = "ours") -> dict:
+    """First-step check: outputs and every parameter gradient, ``side`` against the
+    built-in."""
     worst, ok, where = 0.0, True, None
     pairs = [(f"output{i}", a, b) for i, (a, b) in
-             enumerate(zip(exes["ours"].outputs, exes["builtin"].outputs))]
-    pairs += [(f"grad:{k}", exes["ours"].grad_dict[k], g)
+             enumerate(zip(exes[side].outputs, exes["builtin"].outputs))]
+    pairs += [(f"grad:{k}", exes[side].grad_dict[k], g)
               for k, g in sorted(exes["builtin"].grad_dict.items()) if g is not None]
     for name, a, b in pairs:
         a, b = a.asnumpy().astype(np.float64), b.asnumpy().astype(np.float64)
@@ -256,6 +272,6 @@ def compare_sides(exes) -> dict:
             where = where or name
         if err > worst:
             worst = err
-    losses = {side: float(np.sum(exe.outputs[1].asnumpy())) for side, exe in exes.items()}
+    losses = {s: float(np.sum(exes[s].outputs[1].asnumpy())) for s in (side, "builtin")}
     return dict(ok=ok, max_rel_err=worst, first_bad=where, compared=len(pairs), losses=losses)
 

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Dict, Optional
 
+from .doors import NATIVE_PREFIX
 from .step_model import BUILTIN_OPS, GUARD_OPS, StepConfig, run_step
 
 __all__ = ["Timers", "TIMERS", "instrument", "parse_aggregate", "profile_side"]
@@ -110,6 +111,11 @@ def profile_side(mx, exe, side: str, cfg: StepConfig, timers: Optional[Timers]) 
     if side == "builtin":
         res["op_ms"] = sum(ops.get(n, 0.0) for n in BUILTIN_OPS[cfg.op])
         res["op_entries"] = {n: ops[n] for n in BUILTIN_OPS[cfg.op] if n in ops}
+    elif side == "native":  # the extension op and its backward, as MXNet operators
+        res["op_entries"] = {k: v for k, v in ops.items() if NATIVE_PREFIX + cfg.op in k}
+        res["op_ms"] = sum(res["op_entries"].values())
+        res["guard_ms"] = sum(ops.get(n, 0.0) for n in GUARD_OPS)
+        res["guard_entries"] = {n: ops[n] for n in GUARD_OPS if n in ops}
     else:
         py = {k: v for k, v in custom.items() if cfg.op in k}
         res["op_ms"] = sum(v for k, v in py.items() if k.endswith("pure_python"))

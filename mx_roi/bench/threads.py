@@ -9,7 +9,7 @@ import sys
 from typing import List
 
 from .machine import usable_cores
-from .report import format_markdown, format_thread_summary
+from .report import format_doors_summary, format_markdown, format_thread_summary
 
 __all__ = ["thread_env", "run_thread_settings"]
 
@@ -73,7 +73,7 @@ def run_thread_settings(args, argv) -> int:
                 runs[s] = None
                 status = max(status, 2)
     print()
-    print(format_thread_summary(runs))
+    print(format_doors_summary(runs) if getattr(args, "doors", False) else format_thread_summary(runs))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(runs) + "\n")
