@@ -68,6 +68,36 @@ std::string roi_error(const std::string& op, unsigned long long word, const T* r
          std::to_string(images - 1) + "; a negative index marks a padding roi)";
 }
 
+// ---- the rois' columns (RoIOp.rois_columns / rois_layout) ----------------------------
+// Callbacks<Op> takes rois (R, 5) = (batch index, x1, y1, x2, y2) unless Op declares
+// ROI_COLUMNS and ROI_LAYOUT (RROIAlign: (R, 6)); detected here (C++14: no void_t).
+template <typename...>
+struct make_void { typedef void type; };
+template <typename Op, typename = void>
+struct RoiLayout {
+  static constexpr int columns = 5;
+  static const char* layout() { return "(batch index, x1, y1, x2, y2)"; }
+};
+template <typename Op>
+struct RoiLayout<Op, typename make_void<decltype(Op::ROI_COLUMNS)>::type> {
+  static constexpr int columns = Op::ROI_COLUMNS;
+  static const char* layout() { return Op::ROI_LAYOUT; }
+};
+
+// The roi check of an op whose kernels read the rois themselves (RoIOp.kernels_read_rois;
+// native_program's recorded call: the roi_check kernel into a status word first); throws
+// the Custom path's message (roi_error) for a bad roi.  R >= 1.
+template <typename T, typename A>
+void check_rois_status(const std::string& op, const T* rois, long long R, int columns,
+                       long long N) {
+  unsigned long long status[2] = {0, 0};
+  mx_roi_launch_serial(1, 1, [&]() {
+    roi_check<T, A>(rois, columns, N, GUARD_BOUND, std::is_same<T, __half>::value ? 0 : 1,
+                    status, R);
+  });
+  if (status[0]) throw OpError(roi_error(op, status[0], rois, N, columns));
+}
+
 // A sample grid's tables (geometry.SampleGrid; coordinates only in the exact build).
 template <typename A>
 struct Grid {
@@ -358,25 +388,33 @@ inline const int* ps_channel_map(const PsGrid& p) {
   return map.data();
 }
 
-// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
-// and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
+// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5), or (R,
+// Op::ROI_COLUMNS): RoiLayout) of one dtype and output (R, Op::out_channels(p, C), P, Q).
+// Op gives: OP (its name in messages),
 // Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
 // forward<T, A>(p, call, data, out) and backward<T, A>(p, call, grad, data, bottom) -- call:
 // the Call (channels checked, geometry built; only with R >= 1, and the op's kernels only
 // with n >= 1), bottom: the zeroed accumulator of the input gradient, in the compute dtype A.
-// The backward writes the rois' gradient as zeros and, for float16, rounds the float32
+// The backward writes the rois' gradient as zeros (over which an optional
+// Op::rois_backward writes its own) and, for float16, rounds the float32
 // accumulator into the gradient once (the Custom path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
 template <typename Op>
 struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
 
+  // rois of another shape than (R, RoiLayout<Op>::columns)
+  static std::string rois_shape_error(const std::string& got) {
+    return std::string(Op::OP) + ": rois must be (R, " +
+           std::to_string(RoiLayout<Op>::columns) + ") = " + RoiLayout<Op>::layout() +
+           ", got shape " + got;
+  }
+
   static void check(const MXTensor& data, const MXTensor& rois) {
     if (data.shape.size() != 4)
       throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
                     shape_repr(data.shape));
-    if (rois.shape.size() != 2 || rois.shape[1] != 5)
-      throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, "
-                    "y2), got shape " + shape_repr(rois.shape));
+    if (rois.shape.size() != 2 || rois.shape[1] != RoiLayout<Op>::columns)
+      throw OpError(rois_shape_error(shape_repr(rois.shape)));
     if (rois.dtype != data.dtype)
       throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
   }
@@ -430,9 +468,8 @@ struct Callbacks {
       if (d.size() != 4)
         throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
                       shape_repr(d));
-      if (r.size() != 2 || r[1] != 5)
-        throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, "
-                      "x2, y2), got shape " + shape_repr(r));
+      if (r.size() != 2 || r[1] != (unsigned int)RoiLayout<Op>::columns)
+        throw OpError(rois_shape_error(shape_repr(r)));
       (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
                           (unsigned int)p.Q};
     })
@@ -455,6 +492,20 @@ struct Callbacks {
     })
   }
 
+  // Op::rois_backward<T, A>(p, call, grad, data, rois, rois_grad) where Op has one (the
+  // rois' gradient, RoIOp.differentiates_rois; chosen by overload: int beats long), else
+  // nothing: the rois keep the zeros
+  template <typename T, typename A, typename O = Op>
+  static auto rois_backward(int, const typename Op::Params& p, const Call<Op, T, A>& c,
+                            const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
+                            MXTensor& rois_grad)
+      -> decltype(O::template rois_backward<T, A>(p, c, grad, data, rois, rois_grad)) {
+    return O::template rois_backward<T, A>(p, c, grad, data, rois, rois_grad);
+  }
+  template <typename T, typename A>
+  static void rois_backward(long, const typename Op::Params&, const Call<Op, T, A>&,
+                            const MXTensor&, const MXTensor&, const MXTensor&, MXTensor&) {}
+
   // inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
   static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                 std::vector<MXTensor>* outputs, const OpResource& res) {
@@ -475,6 +526,9 @@ struct Callbacks {
         if (rois.shape[0] > 0) {
           const Call<Op, T, A> c(p, data, rois);
           if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+          // an op that differentiates its rois (PrRoIPool) writes their gradient over the
+          // zeros (the Custom path gives zeros for an empty map)
+          if (numel(data.shape) > 0) rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
         }
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
