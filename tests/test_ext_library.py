@@ -62,20 +62,23 @@ def _custom(data, rois, op="ROIAlign", out=None, **kw):
     return mx.nd.Custom(data, rois, op_type=op, out=out, **kw)
 
 
-def _run(fn, data_np, rois_np, grad_np, kw, garbage):
+def _run(fn, data_np, rois_np, grad_np, kw, garbage, rois_grad=False):
     """Output and data gradient of one training call, every buffer MXNet hands the op
-    prefilled with ``garbage`` (the output through ``out=``, the gradient buffer)."""
+    prefilled with ``garbage`` (the output through ``out=``, the gradient buffer);
+    ``rois_grad``: the rois' gradient too (after the data's)."""
     data = mx.nd.array(data_np, dtype=data_np.dtype)
     rois = mx.nd.array(rois_np, dtype=rois_np.dtype)
-    data.attach_grad()
-    data.grad[:] = garbage
+    grads = [data] + ([rois] if rois_grad else [])
+    for x in grads:
+        x.attach_grad()
+        x.grad[:] = garbage
     with mx.autograd.record():
         out = fn(data, rois, **kw)
     out.backward(mx.nd.array(grad_np, dtype=grad_np.dtype))
     # an inference call into a garbage-filled output
     inf = mx.nd.full(out.shape, garbage, dtype=out.dtype)
     fn(data, rois, out=inf, **kw)
-    return out.asnumpy(), data.grad.asnumpy(), inf.asnumpy()
+    return (out.asnumpy(), *(x.grad.asnumpy() for x in grads), inf.asnumpy())
 
 
 CASES = [
@@ -875,23 +878,6 @@ ROI_OPS = {
 ROI_OP_CASES = [(op, kw) for op, spec in ROI_OPS.items() for kw in spec["cases"]]
 
 
-def _run_with_rois_grad(fn, data_np, rois_np, grad_np, kw, garbage):
-    """:func:`_run` with the rois' gradient too: output, data gradient, rois gradient,
-    inference output, every buffer prefilled with ``garbage``."""
-    data = mx.nd.array(data_np, dtype=data_np.dtype)
-    rois = mx.nd.array(rois_np, dtype=rois_np.dtype)
-    data.attach_grad()
-    rois.attach_grad()
-    data.grad[:] = garbage
-    rois.grad[:] = garbage
-    with mx.autograd.record():
-        out = fn(data, rois, **kw)
-    out.backward(mx.nd.array(grad_np, dtype=grad_np.dtype))
-    inf = mx.nd.full(out.shape, garbage, dtype=out.dtype)
-    fn(data, rois, out=inf, **kw)
-    return out.asnumpy(), data.grad.asnumpy(), rois.grad.asnumpy(), inf.asnumpy()
-
-
 def _roi_op_problem(op, dtype, seed=6):
     """data (2, 20, 19, 25) (16 + 4 channels: the lanes walks and their tail), 16 random
     rois (rois[5] padding) and the op's rois off the map, all in ``dtype``."""
@@ -911,8 +897,8 @@ def test_roi_reading_ops_bits_equal_custom_path(op, kw, dtype):
     P, Q = kw["pooled_size"]
     grad = np.random.default_rng(7).standard_normal((len(rois), 20, P, Q)).astype(dtype)
     kw = dict(kw, op=op)
-    ours = _run_with_rois_grad(_ext, data, rois, grad, kw, 7.0)
-    theirs = _run_with_rois_grad(_custom, data, rois, grad, kw, -3.0)
+    ours = _run(_ext, data, rois, grad, kw, 7.0, rois_grad=True)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0, rois_grad=True)
     for a, b, what in zip(ours, theirs, ("output", "data gradient", "rois gradient",
                                          "inference output")):
         assert a.dtype == b.dtype == dtype
@@ -934,8 +920,8 @@ def test_roi_reading_ops_without_rois(op):
     grad = np.zeros((0, 4, 2, 2), np.float32)
     kw = dict(op=op, pooled_size=2, spatial_scale=1.0)
     with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
-        ours = _run_with_rois_grad(_ext, data, rois, grad, kw, 9.0)
-        theirs = _run_with_rois_grad(_custom, data, rois, grad, kw, 9.0)
+        ours = _run(_ext, data, rois, grad, kw, 9.0, rois_grad=True)
+        theirs = _run(_custom, data, rois, grad, kw, 9.0, rois_grad=True)
     assert ours[0].shape == theirs[0].shape == (0, 4, 2, 2)
     assert ours[2].shape == theirs[2].shape == (0, columns)
     assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()

@@ -293,6 +293,34 @@ inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spat
            "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
 }
 
+// The parameters of an op with only pooled_size, spatial_scale and deterministic
+// (ROIPoolingParam, PrRoIPoolParam: the same fields, defaults and checks), parsed as
+// their from_kwargs and spelt as their to_kwargs
+struct PooledParams {
+  long long P = 0, Q = 0;
+  double spatial_scale = 0;
+  bool deterministic = false;
+};
+
+inline PooledParams parse_pooled_params(const char* op,
+                                        const std::unordered_map<std::string, std::string>& attrs) {
+  Kwargs kw(op, attrs, {"pooled_size", "spatial_scale", "deterministic"},
+            {"pooled_size", "spatial_scale"});
+  PooledParams p;
+  std::tie(p.P, p.Q) = kw.size2("pooled_size");
+  p.spatial_scale = kw.real("spatial_scale", 0);
+  p.deterministic = kw.boolean("deterministic", false);
+  kw.finish();
+  check_pooled(kw, p.P, p.Q, p.spatial_scale);
+  return p;
+}
+
+inline std::string format_pooled_params(const PooledParams& p) {
+  return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+         ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+         ";deterministic=" + (p.deterministic ? "True" : "False");
+}
+
 // One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
 // (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
 // n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
