@@ -445,12 +445,7 @@ struct RROIAlignOp {
     p.deterministic = kw.boolean("deterministic", false);
     kw.finish();
     check_pooled(kw, p.P, p.Q, p.spatial_scale);
-    const std::string ratio = std::to_string(p.sampling_ratio);
-    kw.check("sampling_ratio", p.sampling_ratio <= MAX_SAMPLES_PER_SIDE,
-             "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)",
-             ratio);
-    kw.check("sampling_ratio", p.sampling_ratio >= -(1LL << 31),
-             "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", ratio);
+    check_adaptive_samples(kw, "sampling_ratio", p.sampling_ratio);
     return p;
   }
 

@@ -293,6 +293,16 @@ inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spat
            "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
 }
 
+// params.ADAPTIVE_SAMPLES_BOUNDS of the sampling ratio ``name`` (sample_ratio_field: <= 0
+// means adaptive; ROIAlign's and PSROIAlign's sample_ratio, RROIAlign's sampling_ratio)
+inline void check_adaptive_samples(const Kwargs& kw, const char* name, long long ratio) {
+  const std::string value = std::to_string(ratio);
+  kw.check(name, ratio <= MAX_SAMPLES_PER_SIDE,
+           "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", value);
+  kw.check(name, ratio >= -(1LL << 31),
+           "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", value);
+}
+
 // The parameters of an op with only pooled_size, spatial_scale and deterministic
 // (ROIPoolingParam, PrRoIPoolParam: the same fields, defaults and checks), parsed as
 // their from_kwargs and spelt as their to_kwargs
