@@ -963,6 +963,32 @@ def test_rotated_box_size_bound_is_exact(dtype):
     assert _ext(data, at, **kw).asnumpy().tobytes() == ours.tobytes()
 
 
+def test_precise_rois_gradient_add_through_add_safe():
+    """PrRoIPool's rois get a gradient, and MXNet drops their grad_req='add' as the
+    data's: two passes through ext.add_safe accumulate twice the Custom path's one pass;
+    without it the op overwrote (one pass)."""
+    rng = np.random.default_rng(8)
+    data = mx.nd.array(rng.standard_normal((1, 3, 9, 9)), dtype=np.float64)
+    rois_np = np.array([[0, 1.5, 2.25, 6.5, 7.75], [0, 0.5, 0.5, 3.0, 8.5]])
+    kw = dict(op="PrRoIPool", pooled_size=(2, 3), spatial_scale=1.0)
+    grad = mx.nd.array(rng.standard_normal((2, 3, 2, 3)), dtype=np.float64)
+
+    def rois_grad(fn, wrap, passes):
+        rois = mx.nd.array(rois_np, dtype=np.float64)
+        rois.attach_grad(grad_req="add")
+        rois.grad[:] = 0
+        for _ in range(passes):
+            with mx.autograd.record():
+                out = fn(data, wrap(rois), **kw)
+            out.backward(grad)
+        return rois.grad.asnumpy()
+
+    once = rois_grad(_custom, lambda r: r, 1)
+    assert once[:, 1:].all()
+    assert np.array_equal(rois_grad(_ext, ext.add_safe, 2), 2 * once)
+    assert np.array_equal(rois_grad(_ext, lambda r: r, 2), once)  # MXNet dropped 'add'
+
+
 # ---- the parameter parity of every op with a section -------------------------------------
 #: param class -> (a valid base, spellings of every field, the op's own invalid kwargs)
 PARAM_PARITY = {
