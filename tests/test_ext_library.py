@@ -343,6 +343,17 @@ _CHILD = textwrap.dedent("""
             out[name + '_after'] = good_output()
         out['param'] = [message(call('ext', data, good, **bad_param)) for _ in range(REPEAT)]
         out['param_after'] = good_output()
+        with mx.util.np_shape(True):  # an empty map (H = 0): zeros, the rois still checked
+            empty = mx.nd.zeros((2, channels, 0, 9))
+            out['empty_map'] = [call(path, empty, good)().tolist() for path in ('ext', 'custom')]
+            bad = good.copy(); bad[1, 3] = float(bad_value)
+            out['empty_map_bad'] = [message(call(path, empty, bad)) for path in ('ext', 'custom')]
+            d = empty.copy(); d.attach_grad()
+            with mx.autograd.record():
+                o = ext_op(d, good, **kw)
+            o.backward()
+            out['empty_map_grad'] = list(d.grad.shape)
+        out['empty_map_after'] = good_output()
         if wrong_channels:
             c, extra = wrong_channels
             wrong = mx.nd.ones((1, c, 9, 9))
@@ -418,6 +429,21 @@ def test_bad_roi_message_is_the_custom_paths(child_errors, op, case):
     assert len(messages[-1]) == len(first)
     assert _own_lines(errors[case + "_backward"] or "\t[0] none") == own
     assert errors[case + "_after"] == errors["good"]
+
+
+@pytest.mark.parametrize("op", list(ERROR_OPS))
+def test_empty_map_gives_the_custom_paths_zeros(child_errors, op):
+    """An empty map (H = 0 under np_shape; the kernels once divided by it: SIGFPE, or read
+    off it: SIGSEGV): the Custom path's zeros, a bad roi still refused with its message."""
+    errors = child_errors[op]
+    ours, theirs = errors["empty_map"]
+    assert ours == theirs and np.asarray(ours).size and not np.asarray(ours).any()
+    ours, theirs = errors["empty_map_bad"]
+    own = _own_lines(ours)
+    assert len(own) == 1 and own[0].startswith(f"{op}: rois[1] has a NaN or infinite value")
+    assert "ValueError: " + own[0] + "\n" in theirs
+    assert errors["empty_map_grad"] == [2, ERROR_OPS[op]["channels"], 0, 9]
+    assert errors["empty_map_after"] == errors["good"]
 
 
 PARAM_MESSAGES = {

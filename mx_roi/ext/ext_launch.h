@@ -522,7 +522,10 @@ struct Callbacks {
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
-        if (rois.shape[0] > 0) {
+        if (rois.shape[0] > 0 && empty_map<T, A>(data, rois)) {
+          MXTensor& out = (*outputs)[0];
+          std::memset(out.data_ptr, 0, (size_t)numel(out.shape) * sizeof(T));
+        } else if (rois.shape[0] > 0) {
           const Call<Op, T, A> c(p, data, rois);
           if (c.n > 0) Op::template forward<T, A>(p, c, data, (*outputs)[0]);
         }
@@ -544,6 +547,18 @@ struct Callbacks {
   static void rois_backward(long, const typename Op::Params&, const Call<Op, T, A>&,
                             const MXTensor&, const MXTensor&, const MXTensor&, MXTensor&) {}
 
+  // Whether data is an empty map (H or W = 0 under np_shape; R >= 1): after the rois'
+  // check (RoIOp.check_inputs' rule), the Custom path's answer is zeros (backend._forward),
+  // and no geometry or kernel may run on it (they divide by and index the map's sides:
+  // SIGFPE / SIGSEGV seen)
+  template <typename T, typename A>
+  static bool empty_map(const MXTensor& data, const MXTensor& rois) {
+    if (numel(data.shape) > 0) return false;
+    check_rois_status<T, A>(Op::OP, (const T*)rois.data_ptr, rois.shape[0],
+                            RoiLayout<Op>::columns, data.shape[0]);
+    return true;
+  }
+
   // inputs: out-grad, data, rois, output (lib_api's order); outputs: d data, d rois
   static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                 std::vector<MXTensor>* outputs, const OpResource& res) {
@@ -561,12 +576,12 @@ struct Callbacks {
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        if (rois.shape[0] > 0) {
+        if (rois.shape[0] > 0 && !empty_map<T, A>(data, rois)) {
           const Call<Op, T, A> c(p, data, rois);
           if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
           // an op that differentiates its rois (PrRoIPool) writes their gradient over the
-          // zeros (the Custom path gives zeros for an empty map)
-          if (numel(data.shape) > 0) rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
+          // zeros
+          rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
         }
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
