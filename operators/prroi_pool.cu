@@ -417,3 +417,88 @@ __global__ void prroi_pool_geometry(const T* __restrict__ rois, float spatial_sc
     }
   }
 }
+
+#ifdef MX_ROI_EXT_LAUNCHER
+// ==== mx_roi_PrRoIPool: this op in mx_roi's MXNet extension library (mx_roi.ext) ==========
+// Compiled only into that library (see roi_align.cu's section): PrRoIPoolParam's
+// parameters (pooled_size, spatial_scale, deterministic: the native build is deterministic
+// anyway).  The kernels derive the bins' integrals from the rois (RoIOp.kernels_read_rois),
+// so the call runs as the native backend runs it: the roi_check kernel's status word (the
+// Custom path's message), then this file's kernels; the backward also writes the rois'
+// gradient (prroi_pool_rois_backward, one roi per item, in A; float16 rounded once).
+#include "ext_launch.h"
+
+namespace mx_roi_op {
+
+struct PrRoIPoolOp {
+  static constexpr const char* OP = "PrRoIPool";
+
+  typedef PooledParams Params;
+
+  // PrRoIPoolParam.from_kwargs / to_kwargs (the tests compare them with params.py)
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    return parse_pooled_params(OP, attrs);
+  }
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    return format_pooled_params(parse(attrs));
+  }
+
+  static long long out_channels(const Params&, long long C) { return C; }
+
+  // the call's roi check; the kernels read the rois themselves (the "geometry": the rois)
+  template <typename T, typename A>
+  static const T* geometry(const Params&, const MXTensor& data, const MXTensor& rois) {
+    const T* r = (const T*)rois.data_ptr;
+    check_rois_status<T, A>(OP, r, rois.shape[0], 5, data.shape[0]);
+    return r;
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const Call<PrRoIPoolOp, T, A>& c, const MXTensor& data,
+                      MXTensor& out) {
+    c.launch([&]() {
+      prroi_pool_forward<T, A>((const T*)data.data_ptr, c.g, (float)p.spatial_scale, c.C, c.H,
+                               c.W, c.P, c.Q, (T*)out.data_ptr, c.n);
+    });
+  }
+
+  template <typename T, typename A>
+  static void backward(const Params& p, const Call<PrRoIPoolOp, T, A>& c, const MXTensor& grad,
+                       const MXTensor&, A* bottom) {
+    c.launch([&]() {
+      prroi_pool_backward<T, A, A>((const T*)grad.data_ptr, c.g, (float)p.spatial_scale, c.C,
+                                   c.H, c.W, c.P, c.Q, bottom, 1.0, c.n);
+    });
+  }
+
+  // PrRoIPool.rois_backward_cuda: (R, 5) in A from zeros, one roi per item (the launch's
+  // "channels" are the rois), then stored in T (float16: rounded once, as the Custom path
+  // writes its float32 result into the float16 gradient)
+  template <typename T, typename A>
+  static void rois_backward(const Params& p, const Call<PrRoIPoolOp, T, A>& c,
+                            const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
+                            MXTensor& rois_grad) {
+    const long long R = rois.shape[0];
+    const bool direct = std::is_same<T, A>::value;
+    static thread_local std::vector<A> buf;  // (float16: the float32 result)
+    if (!direct) buf.resize((size_t)R * 5);
+    A* out = direct ? (A*)rois_grad.data_ptr : buf.data();
+    std::memset(out, 0, (size_t)R * 5 * sizeof(A));  // (launch.empty(...).fill(0))
+    mx_roi_launch_channels((int)R, native_threads(R), [&]() {
+      prroi_pool_rois_backward<T, A>((const T*)grad.data_ptr, (const T*)data.data_ptr, c.g,
+                                     (float)p.spatial_scale, c.C, c.H, c.W, c.P, c.Q, (int)R,
+                                     out, R);
+    });
+    if (!direct) {
+      T* g = (T*)rois_grad.data_ptr;
+      for (long long i = 0; i < R * 5; ++i) g[i] = mx_roi::Traits<T>::store(buf[(size_t)i]);
+    }
+  }
+};
+
+const RegisterParams prroi_pool_params("PrRoIPool", PrRoIPoolOp::format);
+
+}  // namespace mx_roi_op
+
+MX_ROI_EXT_REGISTER(mx_roi_PrRoIPool, mx_roi_op::PrRoIPoolOp);
+#endif  // MX_ROI_EXT_LAUNCHER

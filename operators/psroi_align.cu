@@ -222,7 +222,7 @@ struct PSROIAlignOp {
     // ParamBase.__post_init__: _positive in order, then each field's bounds in field
     // order; then _GroupGrid's group rule; then _check_axis_samples
     const std::string size = py_pair_repr(p.P, p.Q), dim = std::to_string(p.output_dim);
-    const std::string ratio = std::to_string(p.sample_ratio), num = std::to_string(p.sample_num);
+    const std::string num = std::to_string(p.sample_num);
     const std::string grp = py_pair_repr(p.group_h, p.group_w);
     kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
     kw.positive("output_dim", p.output_dim > 0, dim);
@@ -233,9 +233,7 @@ struct PSROIAlignOp {
         "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)";
     kw.check("pooled_size", p.P <= MAX_ELEMENTS && p.Q <= MAX_ELEMENTS, most_size, size);
     kw.check("output_dim", p.output_dim <= MAX_ELEMENTS, most_size, dim);
-    kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE, most_side, ratio);
-    kw.check("sample_ratio", p.sample_ratio >= -(1LL << 31),
-             "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", ratio);
+    check_adaptive_samples(kw, "sample_ratio", p.sample_ratio);
     kw.check("group_size", p.group_h <= MAX_ELEMENTS && p.group_w <= MAX_ELEMENTS, most_size,
              grp);
     kw.check("sample_num", p.sample_num <= MAX_SAMPLES_PER_SIDE, most_side, num);

@@ -632,11 +632,8 @@ struct ROIAlignOp {
     // ParamBase.__post_init__: positive, then bounds in field order; then ROIAlignParam's
     // samples per axis (not for the Caffe grid, which ignores sample_ratio)
     check_pooled(kw, p.P, p.Q, p.spatial_scale);
+    check_adaptive_samples(kw, "sample_ratio", p.sample_ratio);
     const std::string ratio = std::to_string(p.sample_ratio);
-    kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE,
-             "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", ratio);
-    kw.check("sample_ratio", p.sample_ratio >= -(1LL << 31),
-             "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", ratio);
     if (!p.caffe()) {
       const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
       kw.check("sample_ratio", p.sample_ratio <= most,

@@ -296,30 +296,14 @@ namespace mx_roi_op {
 struct ROIPoolingOp {
   static constexpr const char* OP = "ROIPooling";
 
-  struct Params {
-    long long P = 0, Q = 0;
-    double spatial_scale = 0;
-    bool deterministic = false;
-  };
+  typedef PooledParams Params;
 
-  // ROIPoolingParam.from_kwargs
+  // ROIPoolingParam.from_kwargs / to_kwargs (the tests compare them with params.py)
   static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
-    Kwargs kw(OP, attrs, {"pooled_size", "spatial_scale", "deterministic"},
-              {"pooled_size", "spatial_scale"});
-    Params p;
-    std::tie(p.P, p.Q) = kw.size2("pooled_size");
-    p.spatial_scale = kw.real("spatial_scale", 0);
-    p.deterministic = kw.boolean("deterministic", false);
-    kw.finish();
-    check_pooled(kw, p.P, p.Q, p.spatial_scale);
-    return p;
+    return parse_pooled_params(OP, attrs);
   }
-
   static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
-    const Params p = parse(attrs);
-    return "pooled_size=" + py_pair_repr(p.P, p.Q) +
-           ";spatial_scale=" + py_float_repr(p.spatial_scale) +
-           ";deterministic=" + (p.deterministic ? "True" : "False");
+    return format_pooled_params(parse(attrs));
   }
 
   static long long out_channels(const Params&, long long C) { return C; }

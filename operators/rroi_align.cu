@@ -399,3 +399,123 @@ __global__ void rroi_align_geometry(const T* __restrict__ rois, float spatial_sc
     }
   }
 }
+
+#ifdef MX_ROI_EXT_LAUNCHER
+// ==== mx_roi_RROIAlign: this op in mx_roi's MXNet extension library (mx_roi.ext) ==========
+// Compiled only into that library (see roi_align.cu's section): contrib.RROIAlign's
+// parameters (pooled_size, spatial_scale, sampling_ratio) plus RROIAlignParam's (aligned,
+// clockwise, deterministic: the native build is deterministic anyway), rois (R, 6).  The
+// kernels derive each bin's samples from the rois (RoIOp.kernels_read_rois), so the call
+// runs as the native backend runs it: the roi_check kernel's status word (the Custom
+// path's message), for an adaptive grid (sampling_ratio <= 0) RROIAlign.check_inputs' box
+// size check, then this file's kernels (their per-thread sample cache included).
+#include "ext_launch.h"
+
+namespace mx_roi_op {
+
+// geometry.MAX_ROTATED_SAMPLES (the rroi kernels' MX_ROI_MAX_ROTATED_SAMPLES)
+const double MAX_ROTATED_SAMPLES = (double)MX_ROI_MAX_ROTATED_SAMPLES;
+
+struct RROIAlignOp {
+  static constexpr const char* OP = "RROIAlign";
+  // RROIAlign.rois_columns / rois_layout
+  static constexpr int ROI_COLUMNS = 6;
+  static constexpr const char* ROI_LAYOUT =
+      "(batch_index, x_center, y_center, width, height, angle_degrees)";
+
+  struct Params {
+    long long P = 0, Q = 0;
+    double spatial_scale = 0;
+    long long sampling_ratio = -1;
+    bool aligned = false, clockwise = false, deterministic = false;
+  };
+
+  // RROIAlignParam.from_kwargs: fields in order, then ParamBase's checks (positive, then
+  // bounds in field order: pooled_size, sampling_ratio's ADAPTIVE_SAMPLES_BOUNDS)
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    Kwargs kw(OP, attrs, {"pooled_size", "spatial_scale", "sampling_ratio", "aligned",
+                          "clockwise", "deterministic"},
+              {"pooled_size", "spatial_scale"});
+    Params p;
+    std::tie(p.P, p.Q) = kw.size2("pooled_size");
+    p.spatial_scale = kw.real("spatial_scale", 0);
+    p.sampling_ratio = kw.integer("sampling_ratio", -1);
+    p.aligned = kw.boolean("aligned", false);
+    p.clockwise = kw.boolean("clockwise", false);
+    p.deterministic = kw.boolean("deterministic", false);
+    kw.finish();
+    check_pooled(kw, p.P, p.Q, p.spatial_scale);
+    check_adaptive_samples(kw, "sampling_ratio", p.sampling_ratio);
+    return p;
+  }
+
+  // RROIAlignParam.to_kwargs, "name=value;..." (the tests compare it with params.py)
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    const Params p = parse(attrs);
+    return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+           ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+           ";sampling_ratio=" + std::to_string(p.sampling_ratio) +
+           ";aligned=" + (p.aligned ? "True" : "False") +
+           ";clockwise=" + (p.clockwise ? "True" : "False") +
+           ";deterministic=" + (p.deterministic ? "True" : "False");
+  }
+
+  static long long out_channels(const Params&, long long C) { return C; }
+
+  // RROIAlign.check_inputs' box size rule (adaptive grid only): the first roi whose bins
+  // need more than MAX_ROTATED_SAMPLES samples, in float64 as NumPy computes it
+  template <typename T, typename A>
+  static void check_box_sizes(const Params& p, const T* rois, long long R) {
+    const double s = (double)(A)(float)p.spatial_scale;  // cdt.type(np.float32(scale))
+    for (long long r = 0; r < R; ++r) {
+      const double w = to_double(rois[r * ROI_COLUMNS + 3]);
+      const double h = to_double(rois[r * ROI_COLUMNS + 4]);
+      const double per_bin = std::ceil(std::fabs(h) * s / (double)p.P) *
+                             std::ceil(std::fabs(w) * s / (double)p.Q);
+      if (per_bin > MAX_ROTATED_SAMPLES) {
+        char b[160];
+        std::snprintf(b, sizeof b, "is a box of %g x %g: %.3g samples per bin", w, h, per_bin);
+        throw OpError(std::string(OP) + ": rois[" + std::to_string(r) + "] " + b +
+                      " with sampling_ratio <= 0, more than " +
+                      std::to_string((long long)MAX_ROTATED_SAMPLES) +
+                      "; check the box size and spatial_scale, or set sampling_ratio");
+      }
+    }
+  }
+
+  // the call's checks; the kernels read the rois themselves (the "geometry": the rois)
+  template <typename T, typename A>
+  static const T* geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    const T* r = (const T*)rois.data_ptr;
+    check_rois_status<T, A>(OP, r, rois.shape[0], ROI_COLUMNS, data.shape[0]);
+    if (p.sampling_ratio <= 0) check_box_sizes<T, A>(p, r, rois.shape[0]);
+    return r;
+  }
+
+  template <typename T, typename A>
+  static void forward(const Params& p, const Call<RROIAlignOp, T, A>& c, const MXTensor& data,
+                      MXTensor& out) {
+    c.launch([&]() {
+      rroi_align_forward<T, A>((const T*)data.data_ptr, c.g, (float)p.spatial_scale,
+                               (int)p.sampling_ratio, p.aligned, p.clockwise, c.C, c.H, c.W,
+                               c.P, c.Q, (T*)out.data_ptr, c.n);
+    });
+  }
+
+  template <typename T, typename A>
+  static void backward(const Params& p, const Call<RROIAlignOp, T, A>& c, const MXTensor& grad,
+                       const MXTensor&, A* bottom) {
+    c.launch([&]() {
+      rroi_align_backward<T, A, A>((const T*)grad.data_ptr, c.g, (float)p.spatial_scale,
+                                   (int)p.sampling_ratio, p.aligned, p.clockwise, c.C, c.H,
+                                   c.W, c.P, c.Q, bottom, 1.0, c.n);
+    });
+  }
+};
+
+const RegisterParams rroi_align_params("RROIAlign", RROIAlignOp::format);
+
+}  // namespace mx_roi_op
+
+MX_ROI_EXT_REGISTER(mx_roi_RROIAlign, mx_roi_op::RROIAlignOp);
+#endif  // MX_ROI_EXT_LAUNCHER

@@ -62,20 +62,23 @@ def _custom(data, rois, op="ROIAlign", out=None, **kw):
     return mx.nd.Custom(data, rois, op_type=op, out=out, **kw)
 
 
-def _run(fn, data_np, rois_np, grad_np, kw, garbage):
+def _run(fn, data_np, rois_np, grad_np, kw, garbage, rois_grad=False):
     """Output and data gradient of one training call, every buffer MXNet hands the op
-    prefilled with ``garbage`` (the output through ``out=``, the gradient buffer)."""
+    prefilled with ``garbage`` (the output through ``out=``, the gradient buffer);
+    ``rois_grad``: the rois' gradient too (after the data's)."""
     data = mx.nd.array(data_np, dtype=data_np.dtype)
     rois = mx.nd.array(rois_np, dtype=rois_np.dtype)
-    data.attach_grad()
-    data.grad[:] = garbage
+    grads = [data] + ([rois] if rois_grad else [])
+    for x in grads:
+        x.attach_grad()
+        x.grad[:] = garbage
     with mx.autograd.record():
         out = fn(data, rois, **kw)
     out.backward(mx.nd.array(grad_np, dtype=grad_np.dtype))
     # an inference call into a garbage-filled output
     inf = mx.nd.full(out.shape, garbage, dtype=out.dtype)
     fn(data, rois, out=inf, **kw)
-    return out.asnumpy(), data.grad.asnumpy(), inf.asnumpy()
+    return (out.asnumpy(), *(x.grad.asnumpy() for x in grads), inf.asnumpy())
 
 
 CASES = [
@@ -262,7 +265,9 @@ def test_valid_values_parse_the_same():
 # ---- errors through MXNet: in a child process (an abort must not take the run down) -------
 #: each op's errors in the child: its parameters (kw) on data of ``channels`` channels, the
 #: value planted in rois[1] for the 'nonfinite' case, parameters that fail to parse, and
-#: (PS ops) a channel-count error: (data channels, parameters over kw) or None
+#: (PS ops) a channel-count error: (data channels, parameters over kw) or None; optional:
+#: good_rois (another layout than the default (3, 5) rois) and plants, the op's own bad
+#: rois (case name, row, column, value) beside 'nonfinite' and 'batch'
 ERROR_OPS = {
     "ROIAlign": dict(kw=dict(pooled_size=(2, 2), spatial_scale=1.0), channels=8,
                      bad_value="nan", bad_param=dict(pooled_size=0), wrong_channels=None),
@@ -272,6 +277,13 @@ ERROR_OPS = {
     "PSROIPooling": dict(kw=dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0,
                                  group_size=(2, 1)), channels=4, bad_value="inf",
                          bad_param=dict(output_dim=0), wrong_channels=(5, {})),
+    # rois (R, 6); an adaptive grid's box too large for the kernels (RROIAlign.check_inputs)
+    "RROIAlign": dict(kw=dict(pooled_size=(2, 2), spatial_scale=1.0), channels=4,
+                      bad_value="nan", bad_param=dict(sampling_ratio=1025), wrong_channels=None,
+                      good_rois=[[0, 4, 4, 3, 3, 30], [1, 4, 4, 8, 8, -45], [0, 3, 4, 2, 2, 0]],
+                      plants=[("box", 0, 3, 1e7)]),
+    "PrRoIPool": dict(kw=dict(pooled_size=(2, 3), spatial_scale=1.0), channels=4,
+                      bad_value="-inf", bad_param=dict(pooled_size=0), wrong_channels=None),
 }
 REPEAT = 10  # bad calls in a row: the tenth message must be as short as the first
 
@@ -293,10 +305,12 @@ _CHILD = textwrap.dedent("""
     import mx_roi, mx_roi.ext as ext
     ext.load()
     OPS, REPEAT = ast.literal_eval(sys.argv[1]), int(sys.argv[2])
-    good = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
+    GOOD = mx.nd.array([[0, 1, 1, 6, 6], [1, 0, 0, 8, 8], [0, 2, 3, 4, 5]])
 
-    def errors(op, kw, channels, bad_value, bad_param, wrong_channels):
+    def errors(op, kw, channels, bad_value, bad_param, wrong_channels, good_rois=None,
+               plants=()):
         out = {}
+        good = mx.nd.array(good_rois) if good_rois else GOOD
         data = mx.nd.array(np.random.RandomState(0).standard_normal((2, channels, 9, 9))
                            .astype(np.float32))
         ext_op = getattr(mx.nd, 'mx_roi_' + op)
@@ -322,16 +336,28 @@ _CHILD = textwrap.dedent("""
                 return d.grad.asnumpy()
             return step
 
-        nonfinite = good.copy(); nonfinite[1, 3] = float(bad_value)
-        batch = good.copy(); batch[2, 0] = 7
         out['good'] = good_output()
-        for name, rois in (('nonfinite', nonfinite), ('batch', batch)):
+        # (name, row, column, value) planted in the good rois; an op's own after these two
+        for name, row, column, value in [('nonfinite', 1, 3, bad_value),
+                                         ('batch', 2, 0, 7)] + list(plants):
+            rois = good.copy(); rois[row, column] = float(value)
             out[name] = [message(call('ext', data, rois)) for _ in range(REPEAT)]
             out[name + '_custom'] = message(call('custom', data, rois))
             out[name + '_backward'] = message(bwd(rois))
             out[name + '_after'] = good_output()
         out['param'] = [message(call('ext', data, good, **bad_param)) for _ in range(REPEAT)]
         out['param_after'] = good_output()
+        with mx.util.np_shape(True):  # an empty map (H = 0): zeros, the rois still checked
+            empty = mx.nd.zeros((2, channels, 0, 9))
+            out['empty_map'] = [call(path, empty, good)().tolist() for path in ('ext', 'custom')]
+            bad = good.copy(); bad[1, 3] = float(bad_value)
+            out['empty_map_bad'] = [message(call(path, empty, bad)) for path in ('ext', 'custom')]
+            d = empty.copy(); d.attach_grad()
+            with mx.autograd.record():
+                o = ext_op(d, good, **kw)
+            o.backward()
+            out['empty_map_grad'] = list(d.grad.shape)
+        out['empty_map_after'] = good_output()
         if wrong_channels:
             c, extra = wrong_channels
             wrong = mx.nd.ones((1, c, 9, 9))
@@ -346,7 +372,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def child_errors():
-    """ERROR_OPS's calls, all three ops in one child process (one start-up)."""
+    """ERROR_OPS's calls, every op in one child process (one start-up)."""
     res = subprocess.run([sys.executable, "-c", _CHILD_MESSAGE + _CHILD, repr(ERROR_OPS),
                           str(REPEAT)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600,
@@ -377,6 +403,18 @@ BAD_ROI_MESSAGES = {
                                    "[1.0, 0.0, 0.0, inf, 8.0]; coordinates must be finite",
     ("PSROIPooling", "batch"):
         "PSROIPooling: rois[2] has batch index 7 but data holds only 2 image(s)",
+    ("RROIAlign", "nonfinite"):
+        "RROIAlign: rois[1] has a NaN or infinite value [1.0, 4.0, 4.0, nan, 8.0, -45.0]; "
+        "coordinates must be finite",
+    ("RROIAlign", "batch"): "RROIAlign: rois[2] has batch index 7 but data holds only 2 "
+                            "image(s) (valid: 0..1; a negative index marks a padding roi)",
+    ("RROIAlign", "box"): "RROIAlign: rois[0] is a box of 1e+07 x 3: 1e+07 samples per bin "
+                          "with sampling_ratio <= 0, more than 1048576; check the box size and "
+                          "spatial_scale, or set sampling_ratio",
+    ("PrRoIPool", "nonfinite"): "PrRoIPool: rois[1] has a NaN or infinite value "
+                                "[1.0, 0.0, 0.0, -inf, 8.0]; coordinates must be finite",
+    ("PrRoIPool", "batch"):
+        "PrRoIPool: rois[2] has batch index 7 but data holds only 2 image(s)",
 }
 
 
@@ -398,10 +436,28 @@ def test_bad_roi_message_is_the_custom_paths(child_errors, op, case):
     assert errors[case + "_after"] == errors["good"]
 
 
+@pytest.mark.parametrize("op", list(ERROR_OPS))
+def test_empty_map_gives_the_custom_paths_zeros(child_errors, op):
+    """An empty map (H = 0 under np_shape; the kernels once divided by it: SIGFPE, or read
+    off it: SIGSEGV): the Custom path's zeros, a bad roi still refused with its message."""
+    errors = child_errors[op]
+    ours, theirs = errors["empty_map"]
+    assert ours == theirs and np.asarray(ours).size and not np.asarray(ours).any()
+    ours, theirs = errors["empty_map_bad"]
+    own = _own_lines(ours)
+    assert len(own) == 1 and own[0].startswith(f"{op}: rois[1] has a NaN or infinite value")
+    assert "ValueError: " + own[0] + "\n" in theirs
+    assert errors["empty_map_grad"] == [2, ERROR_OPS[op]["channels"], 0, 9]
+    assert errors["empty_map_after"] == errors["good"]
+
+
 PARAM_MESSAGES = {
     "ROIAlign": "ROIAlign: parameter 'pooled_size': expected positive value(s), got (0, 0)",
     "PSROIAlign": "PSROIAlign: parameter 'output_dim': expected positive value(s), got 0",
     "PSROIPooling": "PSROIPooling: parameter 'output_dim': expected positive value(s), got 0",
+    "RROIAlign": "RROIAlign: parameter 'sampling_ratio': expected at most 1024 (samples per bin "
+                 "side), got 1025",
+    "PrRoIPool": "PrRoIPool: parameter 'pooled_size': expected positive value(s), got (0, 0)",
 }
 
 
@@ -1221,3 +1277,221 @@ def test_deformable_valid_values_parse_the_same():
     _valid_spellings_parse_the_same(DeformablePSROIPoolingParam, spellings, seed=13,
                                     required=("spatial_scale", "output_dim", "group_size",
                                               "pooled_size"))
+
+
+# ---- ops whose kernels read the rois themselves: mx_roi_RROIAlign, mx_roi_PrRoIPool -------
+# (rroi_align.cu's and prroi_pool.cu's sections).  One table of op configurations drives
+# the bit parity, the empty call and the parameter parity: an op added here is covered by
+# each (ROI_OPS' rois_grad: the rois get a gradient of their own, compared too).
+from mx_roi.operators.prroi_pool import PrRoIPoolParam  # noqa: E402
+from mx_roi.operators.rroi_align import RROIAlignParam  # noqa: E402
+from mx_roi.registry import get_op  # noqa: E402
+
+
+def _rotated_edge_rois(dtype):
+    """RROIAlign rois off and across the map (19 x 25 cells at scale 1/8: 152 x 200 image
+    pixels): centred beyond each side, a box wider than the map, a thin one, a padding one."""
+    return np.array([[0, -40, -40, 60, 30, 15], [1, 260, 80, 50, 50, 90],
+                     [0, 100, 76, 400, 300, -30], [1, 100, 76, 2, 0.5, 45],
+                     [-1, 50, 50, 40, 40, 0], [0, 0, 0, 0, 0, 0]], dtype)
+
+
+def _precise_edge_rois(dtype):
+    """PrRoIPool rois off and across the map (19 x 25 cells at scale 1/8): beyond the top
+    left, across the whole map and past it, a reversed box (area 0), a degenerate one, a
+    padding one."""
+    return np.array([[0, -80, -60, 20, 30], [1, -30, -20, 260, 200],
+                     [0, 120, 90, 40, 30], [1, 50, 50, 50, 90],
+                     [-2, 10, 10, 90, 90], [0, 190, 140, 230, 170]], dtype)
+
+
+#: op -> its configurations (parameters over (P, Q) = pooled_size), the rois off the map,
+#: whether the rois get a gradient
+ROI_OPS = {
+    "RROIAlign": dict(edge_rois=_rotated_edge_rois, rois_grad=False, cases=[
+        dict(pooled_size=(2, 2), spatial_scale=1 / 8.0),                     # adaptive grid
+        dict(pooled_size=(3, 4), spatial_scale=1 / 8.0, sampling_ratio=2, aligned=True,
+             clockwise=True),
+        dict(pooled_size=(7, 7), spatial_scale=1 / 8.0, sampling_ratio=0, aligned=True),
+        dict(pooled_size=(2, 3), spatial_scale=1 / 8.0, sampling_ratio=1, deterministic=True),
+    ]),
+    "PrRoIPool": dict(edge_rois=_precise_edge_rois, rois_grad=True, cases=[
+        dict(pooled_size=(2, 2), spatial_scale=1 / 8.0),
+        dict(pooled_size=(7, 7), spatial_scale=1 / 8.0),
+        dict(pooled_size=(3, 5), spatial_scale=1 / 8.0, deterministic=True),
+    ]),
+}
+ROI_OP_CASES = [(op, kw) for op, spec in ROI_OPS.items() for kw in spec["cases"]]
+
+
+def _roi_op_problem(op, dtype, seed=6):
+    """data (2, 20, 19, 25) (16 + 4 channels: the lanes walks and their tail), 16 random
+    rois (rois[5] padding) and the op's rois off the map, all in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal((2, 20, 19, 25)).astype(dtype)
+    rois = get_op(op).random_rois(rng, 16, 2, 19, 25, 1 / 8.0)
+    rois[5, 0] = -1
+    return data, np.concatenate([rois.astype(dtype), ROI_OPS[op]["edge_rois"](dtype)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("op, kw", ROI_OP_CASES,
+                         ids=[f"{op}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+                              for op, kw in ROI_OP_CASES])
+def test_roi_reading_ops_bits_equal_custom_path(op, kw, dtype):
+    data, rois = _roi_op_problem(op, dtype)
+    P, Q = kw["pooled_size"]
+    grad = np.random.default_rng(7).standard_normal((len(rois), 20, P, Q)).astype(dtype)
+    kw = dict(kw, op=op)
+    ours = _run(_ext, data, rois, grad, kw, 7.0, rois_grad=True)
+    theirs = _run(_custom, data, rois, grad, kw, -3.0, rois_grad=True)
+    for a, b, what in zip(ours, theirs, ("output", "data gradient", "rois gradient",
+                                         "inference output")):
+        assert a.dtype == b.dtype == dtype
+        assert a.shape == b.shape
+        assert a.tobytes() == b.tobytes(), what
+    out, data_grad, rois_grad, _ = ours
+    padding = rois[:, 0] < 0
+    assert not out[padding].any() and not rois_grad[padding].any()  # padding rois: zeros
+    assert out.any() and data_grad.any()  # (not a comparison of zeros)
+    assert rois_grad.any() == ROI_OPS[op]["rois_grad"]
+    assert not rois_grad[:, 0].any()  # the batch index gets no gradient
+
+
+@pytest.mark.parametrize("op", list(ROI_OPS))
+def test_roi_reading_ops_without_rois(op):
+    columns = get_op(op).rois_columns
+    data = np.ones((1, 4, 5, 5), np.float32)
+    rois = np.zeros((0, columns), np.float32)
+    grad = np.zeros((0, 4, 2, 2), np.float32)
+    kw = dict(op=op, pooled_size=2, spatial_scale=1.0)
+    with mx.util.np_shape(True):  # zero-size arrays need np_shape semantics in MXNet
+        ours = _run(_ext, data, rois, grad, kw, 9.0, rois_grad=True)
+        theirs = _run(_custom, data, rois, grad, kw, 9.0, rois_grad=True)
+    assert ours[0].shape == theirs[0].shape == (0, 4, 2, 2)
+    assert ours[2].shape == theirs[2].shape == (0, columns)
+    assert ours[1].tobytes() == theirs[1].tobytes() == np.zeros_like(data).tobytes()
+
+
+def test_rotated_rois_of_five_columns_are_refused_and_the_next_call_works():
+    data = mx.nd.ones((1, 4, 5, 5))
+    with pytest.raises(mx.MXNetError) as info:
+        _ext(data, mx.nd.array([[0, 1, 1, 3, 3]]), op="RROIAlign", pooled_size=2,
+             spatial_scale=1.0).asnumpy()
+    assert "RROIAlign: rois must be (R, 6) = (batch_index, x_center, y_center, width, " \
+           "height, angle_degrees), got shape (1, 5)" in str(info.value)
+    rois = mx.nd.array([[0, 2, 2, 3, 3, 30]])
+    out = _ext(data, rois, op="RROIAlign", pooled_size=2, spatial_scale=1.0).asnumpy()
+    assert out.tobytes() == _custom(data, rois, op="RROIAlign", pooled_size=2,
+                                    spatial_scale=1.0).asnumpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rotated_box_size_bound_is_exact(dtype):
+    """An adaptive grid's box of exactly geometry.MAX_ROTATED_SAMPLES = 1024 * 1024 samples
+    per bin runs (and matches the Custom path); one more column of samples is refused with
+    the Custom path's message, and the next call works."""
+    data = mx.nd.array(np.random.default_rng(3).standard_normal((1, 2, 6, 7)), dtype=dtype)
+    kw = dict(op="RROIAlign", pooled_size=1, spatial_scale=1.0, aligned=True)
+    at = mx.nd.array([[0, 3, 3, 1024, 1024, 30], [0, 2, 2, 3, 3, 0]], dtype=dtype)
+    ours = _ext(data, at, **kw).asnumpy()
+    assert ours.tobytes() == _custom(data, at, **kw).asnumpy().tobytes() and ours.any()
+    beyond = mx.nd.array([[0, 3, 3, 2, 2, 0], [0, 3, 3, 1025, 1024, 30]], dtype=dtype)
+    with pytest.raises(mx.MXNetError) as info:
+        _ext(data, beyond, **kw).asnumpy()
+    assert _own_lines(str(info.value)) == [
+        "RROIAlign: rois[1] is a box of 1025 x 1024: 1.05e+06 samples per bin with "
+        "sampling_ratio <= 0, more than 1048576; check the box size and spatial_scale, or "
+        "set sampling_ratio"]
+    with pytest.raises(mx.MXNetError, match=r"ValueError: RROIAlign: rois\[1\] is a box of "
+                                            r"1025 x 1024: 1\.05e\+06 samples per bin"):
+        _custom(data, beyond, **kw).asnumpy()
+    assert _ext(data, at, **kw).asnumpy().tobytes() == ours.tobytes()
+
+
+def test_precise_rois_gradient_add_through_add_safe():
+    """PrRoIPool's rois get a gradient, and MXNet drops their grad_req='add' as the
+    data's: two passes through ext.add_safe accumulate twice the Custom path's one pass;
+    without it the op overwrote (one pass)."""
+    rng = np.random.default_rng(8)
+    data = mx.nd.array(rng.standard_normal((1, 3, 9, 9)), dtype=np.float64)
+    rois_np = np.array([[0, 1.5, 2.25, 6.5, 7.75], [0, 0.5, 0.5, 3.0, 8.5]])
+    kw = dict(op="PrRoIPool", pooled_size=(2, 3), spatial_scale=1.0)
+    grad = mx.nd.array(rng.standard_normal((2, 3, 2, 3)), dtype=np.float64)
+
+    def rois_grad(fn, wrap, passes):
+        rois = mx.nd.array(rois_np, dtype=np.float64)
+        rois.attach_grad(grad_req="add")
+        rois.grad[:] = 0
+        for _ in range(passes):
+            with mx.autograd.record():
+                out = fn(data, wrap(rois), **kw)
+            out.backward(grad)
+        return rois.grad.asnumpy()
+
+    once = rois_grad(_custom, lambda r: r, 1)
+    assert once[:, 1:].all()
+    assert np.array_equal(rois_grad(_ext, ext.add_safe, 2), 2 * once)
+    assert np.array_equal(rois_grad(_ext, lambda r: r, 2), once)  # MXNet dropped 'add'
+
+
+# ---- the parameter parity of every op with a section -------------------------------------
+#: param class -> (a valid base, spellings of every field, the op's own invalid kwargs)
+PARAM_PARITY = {
+    RROIAlignParam: (
+        dict(pooled_size="(7, 7)", spatial_scale="0.0625"),
+        {"pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,",
+                         "2147483646"],
+         "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", "6.25e-05", ".5"],
+         "sampling_ratio": ["-1", "0", "2", "3.0", " 4 ", "1e1", "1024", "-2147483648"],
+         "aligned": ["True", "false", "1", "0", "yes", "OFF", " on "],
+         "clockwise": ["False", "true", "1", "off"],
+         "deterministic": ["False", "true"]},
+        [dict(sample_ratio="2"),  # ROIAlign's name: unknown here
+         dict(sampling_ratio="1025"), dict(sampling_ratio="-2147483649"),
+         dict(pooled_size="(2147483647, 2)")]),
+    PrRoIPoolParam: (
+        dict(pooled_size="(7, 7)", spatial_scale="0.0625"),
+        {"pooled_size": ["7", "(7, 7)", "[3,5]", "(2,)", " ( 4 , 6 ) ", "7.0", "0x7", "14,",
+                         "2147483646"],
+         "spatial_scale": ["0.0625", "1", "1e-3", " 0.5 ", "1_000.5", "6.25e-05", ".5"],
+         "deterministic": ["False", "true", "1", "off"]},
+        [dict(sampling_ratio="2"), dict(pooled_size="(0, 3)")]),
+}
+#: the ops whose parsers the tests above compare with params.py, each in its own tests
+PARITY_ELSEWHERE = {"ROIAlign", "ROIPooling", "PSROIAlign", "PSROIPooling",
+                    "DeformablePSROIPooling"}
+
+
+def test_every_op_with_a_section_has_a_parameter_parity_test():
+    from mx_roi.registry import REGISTERED
+    with_section = {name for name, cls in REGISTERED.items()
+                    if cls.cuda_source in ext.op_sources()}
+    covered = PARITY_ELSEWHERE | {cls.op_name for cls in PARAM_PARITY}
+    assert with_section - covered == set()
+    assert {"RROIAlign", "PrRoIPool"} <= with_section
+
+
+def _table_invalid_cases(param_cls):
+    base, _, own = PARAM_PARITY[param_cls]
+    for name in param_cls.field_names():
+        for value in invalid_examples(param_cls, name):
+            yield param_cls, {**base, name: str(value)}
+    for missing in base:
+        yield param_cls, {k: v for k, v in base.items() if k != missing}
+    yield param_cls, {**base, "bogus": "1"}
+    yield param_cls, {**base, "spatial_scale": "1e-400"}  # 0.0 after parsing
+    for kwargs in own:
+        yield param_cls, {**base, **kwargs}
+
+
+@pytest.mark.parametrize("param_cls", list(PARAM_PARITY), ids=lambda c: c.op_name)
+def test_table_ops_invalid_values_give_the_same_messages(param_cls):
+    _invalid_values_give_the_same_messages(_table_invalid_cases(param_cls), at_least=15)
+
+
+@pytest.mark.parametrize("param_cls", list(PARAM_PARITY), ids=lambda c: c.op_name)
+def test_table_ops_valid_values_parse_the_same(param_cls):
+    base, spellings, _ = PARAM_PARITY[param_cls]
+    assert sorted(spellings) == sorted(param_cls.field_names())  # every field spelt
+    _valid_spellings_parse_the_same(param_cls, spellings, seed=13, required=tuple(base))

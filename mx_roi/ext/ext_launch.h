@@ -68,6 +68,36 @@ std::string roi_error(const std::string& op, unsigned long long word, const T* r
          std::to_string(images - 1) + "; a negative index marks a padding roi)";
 }
 
+// ---- the rois' columns (RoIOp.rois_columns / rois_layout) ----------------------------
+// Callbacks<Op> takes rois (R, 5) = (batch index, x1, y1, x2, y2) unless Op declares
+// ROI_COLUMNS and ROI_LAYOUT (RROIAlign: (R, 6)); detected here (C++14: no void_t).
+template <typename...>
+struct make_void { typedef void type; };
+template <typename Op, typename = void>
+struct RoiLayout {
+  static constexpr int columns = 5;
+  static const char* layout() { return "(batch index, x1, y1, x2, y2)"; }
+};
+template <typename Op>
+struct RoiLayout<Op, typename make_void<decltype(Op::ROI_COLUMNS)>::type> {
+  static constexpr int columns = Op::ROI_COLUMNS;
+  static const char* layout() { return Op::ROI_LAYOUT; }
+};
+
+// The roi check of an op whose kernels read the rois themselves (RoIOp.kernels_read_rois;
+// native_program's recorded call: the roi_check kernel into a status word first); throws
+// the Custom path's message (roi_error) for a bad roi.  R >= 1.
+template <typename T, typename A>
+void check_rois_status(const std::string& op, const T* rois, long long R, int columns,
+                       long long N) {
+  unsigned long long status[2] = {0, 0};
+  mx_roi_launch_serial(1, 1, [&]() {
+    roi_check<T, A>(rois, columns, N, GUARD_BOUND, std::is_same<T, __half>::value ? 0 : 1,
+                    status, R);
+  });
+  if (status[0]) throw OpError(roi_error(op, status[0], rois, N, columns));
+}
+
 // A sample grid's tables (geometry.SampleGrid; coordinates only in the exact build).
 template <typename A>
 struct Grid {
@@ -263,6 +293,44 @@ inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spat
            "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")", size);
 }
 
+// params.ADAPTIVE_SAMPLES_BOUNDS of the sampling ratio ``name`` (sample_ratio_field: <= 0
+// means adaptive; ROIAlign's and PSROIAlign's sample_ratio, RROIAlign's sampling_ratio)
+inline void check_adaptive_samples(const Kwargs& kw, const char* name, long long ratio) {
+  const std::string value = std::to_string(ratio);
+  kw.check(name, ratio <= MAX_SAMPLES_PER_SIDE,
+           "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", value);
+  kw.check(name, ratio >= -(1LL << 31),
+           "at least " + std::to_string(-(1LL << 31)) + " (samples per bin side)", value);
+}
+
+// The parameters of an op with only pooled_size, spatial_scale and deterministic
+// (ROIPoolingParam, PrRoIPoolParam: the same fields, defaults and checks), parsed as
+// their from_kwargs and spelt as their to_kwargs
+struct PooledParams {
+  long long P = 0, Q = 0;
+  double spatial_scale = 0;
+  bool deterministic = false;
+};
+
+inline PooledParams parse_pooled_params(const char* op,
+                                        const std::unordered_map<std::string, std::string>& attrs) {
+  Kwargs kw(op, attrs, {"pooled_size", "spatial_scale", "deterministic"},
+            {"pooled_size", "spatial_scale"});
+  PooledParams p;
+  std::tie(p.P, p.Q) = kw.size2("pooled_size");
+  p.spatial_scale = kw.real("spatial_scale", 0);
+  p.deterministic = kw.boolean("deterministic", false);
+  kw.finish();
+  check_pooled(kw, p.P, p.Q, p.spatial_scale);
+  return p;
+}
+
+inline std::string format_pooled_params(const PooledParams& p) {
+  return "pooled_size=" + py_pair_repr(p.P, p.Q) +
+         ";spatial_scale=" + py_float_repr(p.spatial_scale) +
+         ";deterministic=" + (p.deterministic ? "True" : "False");
+}
+
 // One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
 // (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
 // n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
@@ -401,25 +469,33 @@ inline std::string dtype_name(int dtype) {
   }
 }
 
-// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
-// and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
+// The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5), or (R,
+// Op::ROI_COLUMNS): RoiLayout) of one dtype and output (R, Op::out_channels(p, C), P, Q).
+// Op gives: OP (its name in messages),
 // Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
 // forward<T, A>(p, call, data, out) and backward<T, A>(p, call, grad, data, bottom) -- call:
 // the Call (channels checked, geometry built; only with R >= 1, and the op's kernels only
 // with n >= 1), bottom: the zeroed accumulator of the input gradient, in the compute dtype A.
-// The backward writes the rois' gradient as zeros and, for float16, rounds the float32
+// The backward writes the rois' gradient as zeros (over which an optional
+// Op::rois_backward writes its own) and, for float16, rounds the float32
 // accumulator into the gradient once (the Custom path's grad_buffer / grad_value).  MXNet passes no req (see mx_roi.ext.add_safe).
 template <typename Op>
 struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
 
+  // rois of another shape than (R, RoiLayout<Op>::columns)
+  static std::string rois_shape_error(const std::string& got) {
+    return std::string(Op::OP) + ": rois must be (R, " +
+           std::to_string(RoiLayout<Op>::columns) + ") = " + RoiLayout<Op>::layout() +
+           ", got shape " + got;
+  }
+
   static void check(const MXTensor& data, const MXTensor& rois) {
     if (data.shape.size() != 4)
       throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
                     shape_repr(data.shape));
-    if (rois.shape.size() != 2 || rois.shape[1] != 5)
-      throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, "
-                    "y2), got shape " + shape_repr(rois.shape));
+    if (rois.shape.size() != 2 || rois.shape[1] != RoiLayout<Op>::columns)
+      throw OpError(rois_shape_error(shape_repr(rois.shape)));
     if (rois.dtype != data.dtype)
       throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
   }
@@ -482,9 +558,8 @@ struct Callbacks {
       if (d.size() != 4)
         throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
                       shape_repr(d));
-      if (r.size() != 2 || r[1] != 5)
-        throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, "
-                      "x2, y2), got shape " + shape_repr(r));
+      if (r.size() != 2 || r[1] != (unsigned int)RoiLayout<Op>::columns)
+        throw OpError(rois_shape_error(shape_repr(r)));
       (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
                           (unsigned int)p.Q};
       ExtraInput<Op>::check_shape(p, *in_shapes);
@@ -506,10 +581,38 @@ struct Callbacks {
     })
   }
 
+  // Op::rois_backward<T, A>(p, call, grad, data, rois, rois_grad) where Op has one (the
+  // rois' gradient, RoIOp.differentiates_rois; chosen by overload: int beats long), else
+  // nothing: the rois keep the zeros
+  template <typename T, typename A, typename O = Op>
+  static auto rois_backward(int, const typename Op::Params& p, const Call<Op, T, A>& c,
+                            const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
+                            MXTensor& rois_grad)
+      -> decltype(O::template rois_backward<T, A>(p, c, grad, data, rois, rois_grad)) {
+    return O::template rois_backward<T, A>(p, c, grad, data, rois, rois_grad);
+  }
+  template <typename T, typename A>
+  static void rois_backward(long, const typename Op::Params&, const Call<Op, T, A>&,
+                            const MXTensor&, const MXTensor&, const MXTensor&, MXTensor&) {}
+
+  // Whether data is an empty map (H or W = 0 under np_shape; R >= 1): after the rois'
+  // check (RoIOp.check_inputs' rule), the Custom path's answer is zeros (backend._forward),
+  // and no geometry or kernel may run on it (they divide by and index the map's sides:
+  // SIGFPE / SIGSEGV seen)
+  template <typename T, typename A>
+  static bool empty_map(const MXTensor& data, const MXTensor& rois) {
+    if (numel(data.shape) > 0) return false;
+    check_rois_status<T, A>(Op::OP, (const T*)rois.data_ptr, rois.shape[0],
+                            RoiLayout<Op>::columns, data.shape[0]);
+    return true;
+  }
+
   template <typename T, typename A>
   static void run_forward(std::false_type, const typename Op::Params& p, const MXTensor& data,
                           const MXTensor& rois, const MXTensor*, MXTensor& out) {
-    if (rois.shape[0] > 0) {
+    if (rois.shape[0] > 0 && empty_map<T, A>(data, rois)) {
+      std::memset(out.data_ptr, 0, (size_t)numel(out.shape) * sizeof(T));
+    } else if (rois.shape[0] > 0) {
       const Call<Op, T, A> c(p, data, rois);
       if (c.n > 0) Op::template forward<T, A>(p, c, data, out);
     }
@@ -544,7 +647,8 @@ struct Callbacks {
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        run_backward<T, A>(ExtraInput<Op>(), p, grad, data, rois, extra, bottom, extra_grad);
+        run_backward<T, A>(ExtraInput<Op>(), p, grad, data, rois, extra, bottom, rois_grad,
+                           extra_grad);
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
@@ -556,17 +660,20 @@ struct Callbacks {
   template <typename T, typename A>
   static void run_backward(std::false_type, const typename Op::Params& p, const MXTensor& grad,
                            const MXTensor& data, const MXTensor& rois, const MXTensor*, A* bottom,
-                           MXTensor*) {
-    if (rois.shape[0] > 0) {
+                           MXTensor& rois_grad, MXTensor*) {
+    if (rois.shape[0] > 0 && !empty_map<T, A>(data, rois)) {
       const Call<Op, T, A> c(p, data, rois);
       if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+      // an op that differentiates its rois (PrRoIPool) writes their gradient over the
+      // zeros
+      rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
     }
   }
 
   template <typename T, typename A>
   static void run_backward(std::true_type, const typename Op::Params& p, const MXTensor& grad,
                            const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
-                           A* bottom, MXTensor* extra_grad) {
+                           A* bottom, MXTensor&, MXTensor* extra_grad) {
     Op::template backward<T, A>(p, grad, data, rois, extra, bottom, extra_grad);
   }
 };
