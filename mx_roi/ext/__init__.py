@@ -292,7 +292,18 @@ def _make_functions(mx) -> frozenset:
             function.__module__ = module
             for target in (sys.modules[module + ".op"], sys.modules[module]):
                 setattr(target, name, function)
+    _run_in_float32_under_amp(names)
     return names
+
+
+def _run_in_float32_under_amp(names) -> None:
+    """Put the native ops beside ``Custom`` in AMP's float32 lists (float16 and
+    bfloat16): ``amp.convert_symbol`` / ``convert_hybrid_block`` then cast their inputs
+    to float32, as for the Custom door (unlisted, a native node got a float16 map and
+    float32 rois: "rois must have the data's dtype")."""
+    from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
+    for lists in (symbol_fp16, symbol_bf16):
+        lists.FP32_FUNCS.extend(n for n in sorted(names) if n not in lists.FP32_FUNCS)
 
 
 def parse_params(op: str, **kwargs) -> Tuple[bool, str]:
