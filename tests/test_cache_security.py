@@ -90,7 +90,10 @@ def child_env(tmp_path, **extra):
            if k not in ("MX_ROI_CACHE", "XDG_CACHE_HOME", "MX_ROI_BACKEND", "TMPDIR")}
     tmp = tmp_path / "tmpdir"
     tmp.mkdir(exist_ok=True)
-    env.update(TMPDIR=str(tmp), MX_ROI_BACKEND="native", PYTHONPATH=ROOT)
+    # MX_ROI_NATIVE_OPS=0: the Custom door, whose native backend loads the host library
+    # under test (the extension library has its own cache test in test_ext_library)
+    env.update(TMPDIR=str(tmp), MX_ROI_BACKEND="native", MX_ROI_NATIVE_OPS="0",
+               PYTHONPATH=ROOT)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
