@@ -43,7 +43,8 @@ def _fill(grad, value):
     grad[:] = value
 
 
-def nd_entry(op, req, prefill, passes):
+def _leaf_inputs_run(call, req, prefill, passes):
+    """``call(x, r)`` on leaf NDArrays with gradient buffers (``req``, pre-filled)."""
     x, r = mx.nd.array(DATA), mx.nd.array(ROIS)
     x.attach_grad(grad_req=req)
     r.attach_grad(grad_req=req)
@@ -51,9 +52,14 @@ def nd_entry(op, req, prefill, passes):
     _fill(r.grad, prefill)
     for _ in range(passes):
         with autograd.record():
-            y = getattr(mx_roi.nd, op)(x, r, **PARAMS[op])
+            y = call(x, r)
         y.backward(mx.nd.array(OUT_GRAD))
     return x.grad.asnumpy(), r.grad.asnumpy()
+
+
+def nd_entry(op, req, prefill, passes):
+    return _leaf_inputs_run(lambda x, r: getattr(mx_roi.nd, op)(x, r, **PARAMS[op]),
+                            req, prefill, passes)
 
 
 def _bind_entry(op, req, prefill, passes, as_dict):
@@ -100,16 +106,7 @@ def _gluon_inputs_entry(op, req, prefill, passes, hybridize):
     block = getattr(mx_roi.gluon, op)(**PARAMS[op])
     if hybridize:
         block.hybridize()
-    x, r = mx.nd.array(DATA), mx.nd.array(ROIS)
-    x.attach_grad(grad_req=req)
-    r.attach_grad(grad_req=req)
-    _fill(x.grad, prefill)
-    _fill(r.grad, prefill)
-    for _ in range(passes):
-        with autograd.record():
-            y = block(x, r)
-        y.backward(mx.nd.array(OUT_GRAD))
-    return x.grad.asnumpy(), r.grad.asnumpy()
+    return _leaf_inputs_run(block, req, prefill, passes)
 
 
 def gluon_entry(op, req, prefill, passes):
