@@ -306,6 +306,9 @@ def failing_compiler(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_MODULES", {})
     monkeypatch.setattr(loader, "_FAILED", {})
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    # the Custom door: these calls test its host library's fallback (the extension
+    # library, loaded in this process already, would not use the host build at all)
+    monkeypatch.setenv("MX_ROI_NATIVE_OPS", "0")
     # a truncated entry under the expected name: it will fail to load, and so will the
     # rebuild
     path = loader.host_library_path(SOURCE, Kind.NATIVE)[0]

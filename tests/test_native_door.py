@@ -295,3 +295,70 @@ def test_native_nodes_have_no_onednn_guard(monkeypatch):
     s = mx_roi.sym.ROIAlign(mx.sym.relu(mx.sym.var("data")), mx.sym.relu(mx.sym.var("rois")),
                             **PARAMS["ROIAlign"])
     assert _nodes(s) == ["null", "relu", "null", "relu", "mx_roi_ROIAlign"]
+
+
+# ---- errors on the native door -----------------------------------------------------------
+
+BAD_ROIS = np.array([[0, 1, 1, 7, 6], [2, 0, 2, 10, 8]], np.float32)  # batch index 2 of 2
+BAD_LINE = ("[0] ROIAlign: rois[1] has batch index 2 but data holds only 2 image(s) "
+            "(valid: 0..1; a negative index marks a padding roi)")
+
+
+def _nd_call(rois, train):
+    x = mx.nd.array(DATA)
+    x.attach_grad()
+    with autograd.record(train_mode=train):
+        y = mx_roi.nd.ROIAlign(x, mx.nd.array(rois), **PARAMS["ROIAlign"])
+    if train:
+        y.backward(mx.nd.ones_like(y))
+    return y.asnumpy()
+
+
+_BLOCKS = {}
+
+
+def _hybrid_call(rois, train):
+    """One hybridized block per door, kept across the bad calls (its cached graph)."""
+    block = _BLOCKS.get(door_module.native_enabled())
+    if block is None:
+        block = _BLOCKS[door_module.native_enabled()] = mx_roi.gluon.ROIAlign(
+            **PARAMS["ROIAlign"])
+        block.hybridize()
+    x = mx.nd.array(DATA)
+    x.attach_grad()
+    with autograd.record(train_mode=train):
+        y = block(x, mx.nd.array(rois))
+    if train:
+        y.backward(mx.nd.ones_like(y))
+    return y.asnumpy()
+
+
+def _bind_call(rois, train):
+    s = mx_roi.sym.ROIAlign(mx.sym.var("data"), mx.sym.var("rois"), **PARAMS["ROIAlign"])
+    exe = s.simple_bind(mx.cpu(), data=SHAPE, rois=rois.shape)
+    exe.arg_dict["data"][:] = DATA
+    exe.arg_dict["rois"][:] = rois
+    out = exe.forward(is_train=train)[0]
+    if train:
+        exe.backward(mx.nd.ones_like(out))
+    return out.asnumpy()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "training-step"])
+@pytest.mark.parametrize("call", [_nd_call, _hybrid_call, _bind_call],
+                         ids=lambda c: c.__name__)
+def test_native_door_bad_call_repeated_then_a_good_one(call, train, monkeypatch):
+    """Ten bad calls through the native door: each an MXNetError naming the native op
+    and carrying the op's one line (the Custom path's text), the same every time; then
+    a good call gives the Custom door's bits."""
+    monkeypatch.delenv(door_module.ENV, raising=False)
+    assert door_module.choose(_op("ROIAlign"), mx.sym) == ""
+    for _ in range(10):
+        with pytest.raises(mx.base.MXNetError) as info:
+            call(BAD_ROIS, train)
+        lines = [x.strip() for x in str(info.value).splitlines()]
+        assert [x for x in lines if x.startswith("[")] == [BAD_LINE], lines
+        assert "for custom operator 'mx_roi_ROIAlign'" in str(info.value)
+    good = call(ROIS, train)
+    monkeypatch.setenv(door_module.ENV, "0")
+    np.testing.assert_array_equal(good, call(ROIS, train))
