@@ -362,3 +362,45 @@ def test_native_door_bad_call_repeated_then_a_good_one(call, train, monkeypatch)
     good = call(ROIS, train)
     monkeypatch.setenv(door_module.ENV, "0")
     np.testing.assert_array_equal(good, call(ROIS, train))
+
+
+@pytest.mark.parametrize("addto", ["0", "1"])
+def test_an_input_computed_by_another_op_needs_no_protection(addto, monkeypatch):
+    """A conv output feeding the op and a second consumer: its gradient is an
+    intermediate buffer that MXNet sums (with ``MXNET_EXEC_ENABLE_ADDTO=1`` in place);
+    no add_safe there, and both doors give the same weight and data gradients."""
+    monkeypatch.setenv("MXNET_EXEC_ENABLE_ADDTO", addto)
+    w = np.random.default_rng(3).standard_normal((4, 4, 3, 3)).astype(np.float32)
+
+    def grads():
+        d, r, wv = mx.sym.var("data"), mx.sym.var("rois"), mx.sym.var("w")
+        conv = mx.sym.Convolution(d, wv, num_filter=4, kernel=(3, 3), pad=(1, 1),
+                                  no_bias=True)
+        pooled = mx_roi.sym.ROIAlign(conv, r, **PARAMS["ROIAlign"])
+        if door_module.native_enabled():  # (the Custom door adds its oneDNN guard)
+            assert _nodes(pooled) == ["null", "null", "Convolution", "null", "BlockGrad",
+                                      "mx_roi_ROIAlign"]  # (rois: a variable)
+        out = mx.sym.Group([mx.sym.sum(pooled), mx.sym.sum(conv * 2)])
+        exe = out.simple_bind(mx.cpu(), data=SHAPE, rois=ROIS.shape, w=w.shape)
+        exe.arg_dict["data"][:] = DATA
+        exe.arg_dict["rois"][:] = ROIS
+        exe.arg_dict["w"][:] = w
+        exe.forward(is_train=True)
+        exe.backward([mx.nd.ones(1), mx.nd.ones(1)])
+        x = mx.nd.array(DATA)
+        x.attach_grad()
+        with autograd.record():
+            c = mx.nd.Convolution(x, mx.nd.array(w), num_filter=4, kernel=(3, 3),
+                                  pad=(1, 1), no_bias=True)
+            y = mx_roi.nd.ROIAlign(c, mx.nd.array(ROIS), **PARAMS["ROIAlign"]).sum() + \
+                (c * 2).sum()
+        y.backward()
+        return exe.grad_dict["w"].asnumpy(), exe.grad_dict["data"].asnumpy(), \
+            x.grad.asnumpy()
+
+    monkeypatch.delenv(door_module.ENV, raising=False)
+    native = grads()
+    monkeypatch.setenv(door_module.ENV, "0")
+    custom = grads()
+    for a, b in zip(native, custom):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
