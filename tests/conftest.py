@@ -9,7 +9,10 @@ from mx_roi.cuda.backend import Launch
 def launches(monkeypatch):
     """Records the kernel expression of every launch (any host/GPU seam), and of every
     kernel a recorded native program runs (mx_roi.cuda.native_program: its geometry
-    kernel first; :func:`op_kernels` leaves the geometry kernels out)."""
+    kernel first; :func:`op_kernels` leaves the geometry kernels out).  The seams are the
+    Custom door's backends, so the test runs on the Custom door (``MX_ROI_NATIVE_OPS=0``:
+    ``mx_roi.nd`` / ``sym`` / Gluon build Custom nodes)."""
+    monkeypatch.setenv("MX_ROI_NATIVE_OPS", "0")
     seen = []
     real = Launch._launch
     real_run = native_program._Program.__call__
