@@ -2,8 +2,9 @@
 PSROIAlign, RROIAlign, DeformablePSROIPooling and PrRoIPool (:data:`OP_TYPES`).
 
 ``import mx_roi`` registers every op (``mx.nd.Custom(data, rois, op_type='ROIAlign',
-...)``) and exposes :mod:`mx_roi.nd`, :mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the
-built-ins' signatures, and registers the ONNX export of ROIPooling, ROIAlign,
+...)``), loads the extension library's native operators ``mx_roi_<Op>`` when it is cached
+(:mod:`mx_roi.ext.door`: which calls use them) and exposes :mod:`mx_roi.nd`,
+:mod:`mx_roi.sym` and :mod:`mx_roi.gluon` with the built-ins' signatures, and registers the ONNX export of ROIPooling, ROIAlign,
 PSROIPooling and PSROIAlign with ``mx.onnx.export_model`` (:mod:`mx_roi.onnx`).
 """
 import atexit
@@ -25,6 +26,12 @@ from . import nd, sym, gluon  # noqa: F401
 # mx.onnx.export_model translating our Custom nodes
 mxpatch.install(registry.REGISTERED)
 
+# the native door: the extension library's ops mx_roi_<Op>, loaded here when cached
+# (about 10 ms; a missing one is built by the first call that needs it, about 40 s of
+# g++); never fails the import (mx_roi.ext.door: the rule, MX_ROI_NATIVE_OPS=0)
+from .ext import door as _door  # noqa: E402
+_door.load_at_import()
+
 
 def _finish_pending_ops():
     """At exit, let queued ops finish: a custom op still running in MXNet's worker thread
@@ -44,8 +51,9 @@ OP_TYPES = tuple(registry.REGISTERED)
 
 def library_path() -> str:
     """Path of mx_roi's MXNet extension library -- the ops as native MXNet operators
-    ``mx_roi_<Op>`` (docs/native_ops.md; opt-in: ``mx_roi.ext.load()`` or
-    ``mx.library.load(path)``) -- built with g++ on first use and cached;
+    ``mx_roi_<Op>`` (docs/native_ops.md; ``mx_roi.nd`` / ``sym`` / Gluon use them where
+    :mod:`mx_roi.ext.door` says so; ``mx.library.load(path)`` elsewhere) -- built with g++
+    on first use and cached;
     :class:`mx_roi.ext.ExtLibraryError` says why when it cannot be built here."""
     from .ext import library_path as _library_path
     return _library_path()

@@ -2,8 +2,10 @@
 
 Each function has the built-in's calling convention (``data``, ``rois``, then the op's
 parameters by name), validates the parameters through the op's struct (a bad value
-fails here, naming the parameter) and builds ``F.Custom(..., op_type=...)`` through
-:func:`mx_roi.mxpatch.call_custom`, which protects the node from the oneDNN hazard.
+fails here, naming the parameter) and builds the op's node through
+:func:`mx_roi.ext.door.call`: the native operator ``mx_roi_<Op>`` where the door rule
+allows it, else ``F.Custom(..., op_type=...)`` through :func:`mx_roi.mxpatch.call_custom`,
+which protects the node from the oneDNN hazard.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import warnings
 
 import mxnet as mx
 
-from . import mxpatch
+from .ext import door
 from .registry import REGISTERED
 
 __all__ = ["make_function", "populate", "bind_params", "parse_params", "signature",
@@ -163,14 +165,14 @@ def make_function(F, op_cls):
                     raise TypeError(f"{op_cls.name}() got multiple values for input '{key}'")
                 given[key] = kwargs.pop(key)
         param = bind_params(op_cls, args[len(names):], kwargs)
-        inputs = _inputs(F, op_cls(param), given)
-        extra = {"name": name} if name is not None else {}
-        return mxpatch.call_custom(F, op_cls.name, inputs, **param.to_kwargs(), **extra)
+        op = op_cls(param)
+        return door.call(F, op, _inputs(F, op, given), name=name)
 
     fn.__name__ = fn.__qualname__ = op_cls.name
     fn.__signature__ = signature(op_cls)
-    fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``Custom(op_type="
-                  f"'{op_cls.name}')``.\n\n{inspect.cleandoc(op_cls.__doc__ or '')}\n\n"
+    fn.__doc__ = (f"{op_cls.name} on ``{F.__name__}`` through ``mx_roi_{op_cls.name}`` "
+                  f"or ``Custom(op_type='{op_cls.name}')`` (mx_roi.ext.door).\n\n"
+                  f"{inspect.cleandoc(op_cls.__doc__ or '')}\n\n"
                   f"Positional parameters after {', '.join(names)}: {', '.join(order)}.\n\n"
                   "Parameters\n----------\ndata : (N, C, H, W)\n"
                   f"rois : (R, {op_cls.rois_columns}) {op_cls.rois_layout}\n"

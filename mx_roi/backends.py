@@ -28,7 +28,7 @@ from .geometry import compute_dtype
 from .ndio import Kind, read_numpy, writable_numpy, write_numpy
 from .saved import keep_for_backward, unpack_saved
 
-__all__ = ["select", "get", "NumpyBackend", "native_available"]
+__all__ = ["select", "get", "NumpyBackend", "native_available", "configured_cpu_backend"]
 
 _CPU_CHOICES = ("auto",) + tuple(k.value for k in Kind if k.on_host)
 
@@ -38,16 +38,29 @@ def select(ctx, op=None) -> str:
     device = getattr(ctx, "device_type", str(ctx))
     if str(device).startswith("gpu"):
         return "cuda"
+    choice = configured_cpu_backend(op)
+    if choice == "native" and _env_choice() == "auto" and not native_available(op.cuda_source):
+        return "numpy"
+    return choice
+
+
+def _env_choice() -> str:
     choice = os.environ.get("MX_ROI_BACKEND", "auto").strip().lower() or "auto"
     if choice not in _CPU_CHOICES:
         raise ValueError(f"MX_ROI_BACKEND={choice!r}: expected one of "
                          + ", ".join(repr(c) for c in _CPU_CHOICES))
+    return choice
+
+
+def configured_cpu_backend(op=None) -> str:
+    """The CPU backend ``MX_ROI_BACKEND`` names, or unset / ``auto`` the op's
+    :meth:`~mx_roi.registry.RoIOp.cpu_backend` (``'numpy'`` without an op), before any
+    check that the native build is available (:func:`select` falls back to ``numpy``
+    there; the native door's choice, :mod:`mx_roi.ext.door`, needs no host build)."""
+    choice = _env_choice()
     if choice != "auto":
         return choice
-    preferred = op.cpu_backend() if op is not None else "numpy"
-    if preferred == "native" and not native_available(op.cuda_source):
-        return "numpy"
-    return preferred
+    return op.cpu_backend() if op is not None else "numpy"
 
 
 _NATIVE_OK = {}

@@ -12,8 +12,9 @@
   where the values cannot be read in the new order; a call valid in both orders with
   different meanings raises ``TypeError`` asking for names.
   ``block(data, rois)`` (an op with more inputs: ``block(data, rois, trans)``, its
-  ``input_names()``) builds ``Custom(data, rois, ..., op_type=...)`` through
-  :func:`mx_roi.call_custom` (the oneDNN guard), imperatively or symbolically.
+  ``input_names()``) builds the op's node through :func:`mx_roi.ext.door.call` (the
+  native operator ``mx_roi_<Op>``, or ``Custom(data, rois, ..., op_type=...)`` through
+  :func:`mx_roi.call_custom`, the oneDNN guard), imperatively or symbolically.
 * :class:`MultiScaleROIAlign`: FPN level assignment + pooling of every RoI at its level
   only, hybridizable.
 * :func:`roi_pooler`: a GluonCV-style factory ``roi_pooler('align', (7, 7), 1. / 16)``.
@@ -35,7 +36,8 @@ import math
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 
-from . import _version, api, mxpatch
+from . import _version, api
+from .ext import door
 from .registry import NATIVE_PREFIX, REGISTERED, native_op_type
 
 __all__ = ["RoIBlock", "MultiScaleROIAlign", "roi_pooler", "ops", "imports",
@@ -95,9 +97,8 @@ class RoIBlock(HybridBlock):
         given = [data, rois, *extra]
         self.op_cls.check_input_count(len(given))
         # every input the parameters take, also in a graph (no variable made for one left out)
-        inputs = self.op_cls(self._param).order_inputs(dict(zip(self.op_cls.inputs, given)))
-        return mxpatch.call_custom(F, self.op_cls.name, inputs,
-                                   **self._param.to_kwargs())
+        op = self.op_cls(self._param)
+        return door.call(F, op, op.order_inputs(dict(zip(self.op_cls.inputs, given))))
 
     def __repr__(self):
         fields = ", ".join(f"{f.name}={_format_value(getattr(self._param, f.name))}"

@@ -16,7 +16,10 @@ GPU is reported, not a failure):
                      instantiation compiled to PTX (default compute_70; ``--archs``);
 * ``native-ops``     needs g++ and MXNet's extension API (in the 1.9.1 wheel): the ops
                      built as native MXNet operators (:mod:`mx_roi.ext`) against the
-                     ``native`` backend's Custom path, bit for bit;
+                     ``native`` backend's Custom path, bit for bit, and which door
+                     ``mx_roi.nd`` / ``sym`` / Gluon take per op and why
+                     (:mod:`mx_roi.ext.door`; skipped: every op runs as a Custom op,
+                     with the reason);
 * ``cuda``           needs CuPy and a GPU: the kernels on ``mx.gpu(0)`` against the NumPy
                      backend on the CPU, and the built-ins on the GPU; where MXNet is a
                      CPU build, the kernels on CuPy arrays standing in for GPU NDArrays
@@ -44,6 +47,7 @@ from .opcheck import CASES, TOL, rescan_variants  # noqa: F401  (re-exported)
 from .opcheck import as_array as _nd, assert_close as _close, make_op as _op  # noqa: F401
 from .opcheck import assert_close_grads as _close_grads  # noqa: F401
 from .opcheck import problem as _problem, run as _run  # noqa: F401
+from .registry import NATIVE_PREFIX
 
 __all__ = ["main", "run_checks"]
 
@@ -185,7 +189,7 @@ def check_extension(quick=False):
     n, names = 0, set()
     for dtype in _dtypes(quick):
         for name, params in CASES:
-            native = getattr(mx.nd, f"mx_roi_{name}", None)
+            native = getattr(mx.nd, f"{NATIVE_PREFIX}{name}", None)
             if native is None:
                 continue
             op = _op(name, params)
@@ -197,13 +201,33 @@ def check_extension(quick=False):
                 y = native(x, mx.nd.array(rois, dtype=dtype),
                            *(mx.nd.array(a, dtype=dtype) for a in extra), **params)
             y.backward(mx.nd.array(grad, dtype=dtype))
-            what = f"mx_roi_{name} {params} {np.dtype(dtype).name}"
+            what = f"{NATIVE_PREFIX}{name} {params} {np.dtype(dtype).name}"
             if not (np.array_equal(y.asnumpy(), out, equal_nan=True) and
                     np.array_equal(x.grad.asnumpy(), grads[0], equal_nan=True)):
                 raise AssertionError(f"{what}: not bit-equal to the Custom path (native)")
             n, names = n + 1, names | {name}
-    return (f"{n} checks of {', '.join(sorted(names))} vs the Custom path, bit-equal "
-            "(opt-in: mx_roi.ext.load())")
+    return (f"{n} checks of {', '.join(sorted(names))} vs the Custom path, bit-equal; "
+            f"{door_summary()}")
+
+
+def door_summary() -> str:
+    """Which door ``mx_roi.nd`` / ``sym`` / Gluon take on the CPU here, per op, and why
+    (:mod:`mx_roi.ext.door`): ``'door: native for A, B; Custom for C, D (reason)'``, the
+    ops in ``mx_roi.OP_TYPES`` order (an op-specific reason names ``mx_roi_<Op>``)."""
+    from .ext import door
+    from .registry import REGISTERED
+    first = {}
+    for name, params in CASES:
+        first.setdefault(name, params)
+    groups = {}
+    for name in REGISTERED:
+        what = door.describe(_op(name, first[name]))
+        key = "native" if what.startswith("native") else \
+            what[len("Custom: "):].replace(door.native_op(name), door.native_op("<Op>"))
+        groups.setdefault(key, []).append(name)
+    parts = [f"native for {', '.join(groups.pop('native'))}"] if "native" in groups else []
+    parts += [f"Custom for {', '.join(ops)} ({why})" for why, ops in groups.items()]
+    return "door: " + "; ".join(parts)
 
 
 def run_checks(quick=False, archs=(70,)):

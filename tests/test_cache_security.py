@@ -90,7 +90,10 @@ def child_env(tmp_path, **extra):
            if k not in ("MX_ROI_CACHE", "XDG_CACHE_HOME", "MX_ROI_BACKEND", "TMPDIR")}
     tmp = tmp_path / "tmpdir"
     tmp.mkdir(exist_ok=True)
-    env.update(TMPDIR=str(tmp), MX_ROI_BACKEND="native", PYTHONPATH=ROOT)
+    # MX_ROI_NATIVE_OPS=0: the Custom door, whose native backend loads the host library
+    # under test (the extension library has its own cache test in test_ext_library)
+    env.update(TMPDIR=str(tmp), MX_ROI_BACKEND="native", MX_ROI_NATIVE_OPS="0",
+               PYTHONPATH=ROOT)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -303,6 +306,9 @@ def failing_compiler(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_MODULES", {})
     monkeypatch.setattr(loader, "_FAILED", {})
     monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    # the Custom door: these calls test its host library's fallback (the extension
+    # library, loaded in this process already, would not use the host build at all)
+    monkeypatch.setenv("MX_ROI_NATIVE_OPS", "0")
     # a truncated entry under the expected name: it will fail to load, and so will the
     # rebuild
     path = loader.host_library_path(SOURCE, Kind.NATIVE)[0]

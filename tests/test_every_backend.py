@@ -449,6 +449,12 @@ def test_rejected_graph_steps_never_leak():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     env.pop("MX_ROI_BACKEND", None)
+    # the Custom door: its guard nodes were the leak, and its registry zeroes a rejected
+    # step's gradients.  On the native door (no guard nodes) MXNet's engine carries the
+    # forward's error into a bound graph's gradient arrays, so reading them raises that
+    # error again (docs/native_ops.md); tests/test_native_door.py covers that door's
+    # rejected steps
+    env["MX_ROI_NATIVE_OPS"] = "0"
     proc = subprocess.run([sys.executable, "-c", _LEAK_CHILD], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -163,12 +163,28 @@ def test_noop_op():
     assert out.shape == (16, 64, 7, 7)
 
 
-def test_import_does_not_load_the_library():
-    code = ("import sys, mxnet as mx, mx_roi\n"
-            "assert 'mx_roi.ext' not in sys.modules\n"
-            "assert not hasattr(mx.nd, 'mx_roi_ROIAlign')\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": ROOT})
+@pytest.mark.parametrize("switch,loaded", [("1", True), ("0", False)])
+def test_import_loads_the_cached_library_unless_switched_off(switch, loaded, tmp_path):
+    """``import mx_roi`` loads the library when this build is cached (it is: this module
+    built it) and ``MX_ROI_NATIVE_OPS`` is not 0; never through mx.library.load (it
+    would regenerate every operator function); an empty cache builds nothing at import."""
+    ext.library_path()
+    code = ("import sys, mxnet as mx, mxnet.library as lib\n"
+            "lib.load = None  # (mx_roi must not call it)\n"
+            "import mx_roi\n"
+            "from mx_roi import ext\n"
+            "print('LOADED', hasattr(mx.nd, 'mx_roi_ROIAlign'), "
+            "hasattr(mx.sym, 'mx_roi_ROIAlign'), bool(ext.loaded_ops()))\n")
+    for cache, want in ((None, loaded), (tmp_path / "empty", False)):
+        env = {**os.environ, "PYTHONPATH": ROOT, "MX_ROI_NATIVE_OPS": switch}
+        if cache is not None:
+            env["MX_ROI_CACHE"] = str(cache)
+        res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"LOADED {want} {want} {want}" in res.stdout.splitlines(), res.stdout
+        if cache is not None:
+            assert not list(cache.glob("mx_roi_ext-*.so"))  # nothing built at import
 
 
 # ---- the extension sections leave the other builds as they were -------------------------

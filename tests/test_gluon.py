@@ -20,6 +20,7 @@ from mxnet import autograd, gluon
 
 import mx_roi
 import mx_roi.gluon as G
+from tests.conftest import roi_nodes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign")
@@ -88,17 +89,25 @@ def test_block_matches_nd_function(op):
     assert out.asnumpy()[3].max() == 0 and out.asnumpy()[3].min() == 0  # padding roi
 
 
-def test_every_custom_node_goes_through_the_guard(monkeypatch):
-    """Blocks, ops(F) and MultiScaleROIAlign build Custom nodes only via
-    mx_roi.mxpatch.call_custom (the oneDNN guard), never bare F.Custom."""
-    calls = []
-    original = mx_roi.mxpatch.call_custom
+def test_every_custom_node_goes_through_the_guard(monkeypatch, door):
+    """Blocks, ops(F) and MultiScaleROIAlign build their nodes only via
+    mx_roi.ext.door.call, which builds Custom nodes only via mx_roi.mxpatch.call_custom
+    (the oneDNN guard), never bare F.Custom; on the native door (these four ops have a
+    native op) no Custom node at all."""
+    from mx_roi.ext import door as door_module
+    calls, customs = [], []
+    original, original_call = mx_roi.mxpatch.call_custom, door_module.call
 
     def spy(F, op_type, inputs, **kwargs):
-        calls.append((F.__name__, op_type))
+        customs.append((F.__name__, op_type))
         return original(F, op_type, inputs, **kwargs)
 
+    def spy_call(F, op, inputs, name=None):
+        calls.append((F.__name__, op.name))
+        return original_call(F, op, inputs, name=name)
+
     monkeypatch.setattr(mx_roi.mxpatch, "call_custom", spy)
+    monkeypatch.setattr(door_module, "call", spy_call)
     for op in OPS:
         data, rois = inputs(op)
         b = block(op)
@@ -108,10 +117,13 @@ def test_every_custom_node_goes_through_the_guard(monkeypatch):
         assert calls[-2:] == [("mxnet.ndarray", op), ("mxnet.symbol", op)]
     G.ops(mx.nd).ROIPooling(data, rois, 2, 0.5)
     assert calls[-1] == ("mxnet.ndarray", "ROIPooling")
+    assert customs == (calls if door == "custom" else [])
     calls.clear()
+    customs.clear()
     m = G.MultiScaleROIAlign(2, strides=STRIDES)
     m.hybridize()
     m(pyramid(), mx.nd.array(pyramid_rois(count=4)))
+    assert customs == (calls if door == "custom" else [])
     assert calls == [("mxnet.symbol", "ROIAlign")] * len(STRIDES)
 
 
@@ -301,22 +313,20 @@ def test_pickle_and_deepcopy(op):
 
 
 @op_param
-def test_export_json_nodes(op, tmp_path):
+def test_export_json_nodes(op, tmp_path, door):
     data, rois = inputs(op)
     b = block(op)
     b.hybridize()
     b(data, rois)
     b.export(str(tmp_path / "blk"))
     graph = json.loads((tmp_path / "blk-symbol.json").read_text())
-    custom = [n for n in graph["nodes"] if n["op"] == "Custom"]
-    assert len(custom) == 1
-    attrs = custom[0]["attrs"]
-    assert attrs.pop("op_type") == op
-    assert attrs == b.param.to_kwargs()
+    assert [n["op"] for n in graph["nodes"]].count(
+        "Custom" if door == "custom" else f"mx_roi_{op}") == 1
+    assert roi_nodes(graph["nodes"], op) == [b.param.to_kwargs()]
     assert [n["name"] for n in graph["nodes"] if n["op"] == "null"] == ["data0", "data1"]
 
 
-def test_two_parameterisations_of_each_op_in_one_graph(tmp_path):
+def test_two_parameterisations_of_each_op_in_one_graph(tmp_path, door):
     class Two(gluon.HybridBlock):
         def __init__(self, op):
             super().__init__()
@@ -342,8 +352,8 @@ def test_two_parameterisations_of_each_op_in_one_graph(tmp_path):
         np.testing.assert_allclose(grad1, grad0, rtol=1e-6, atol=1e-6)
         net.export(str(tmp_path / op))
         nodes = json.loads((tmp_path / f"{op}-symbol.json").read_text())["nodes"]
-        kw = [n["attrs"] for n in nodes if n["op"] == "Custom"]
-        assert len(kw) == 2 and all(k.pop("op_type") == op for k in kw)
+        kw = roi_nodes(nodes, op)
+        assert len(kw) == 2
         key = lambda d: sorted(d.items())  # noqa: E731
         assert sorted(map(key, kw)) == sorted(map(key, (net.a.param.to_kwargs(),
                                                         net.b.param.to_kwargs())))
@@ -380,7 +390,7 @@ def test_roi_pooler_factory():
         G.roi_pooler("align", 7, 0.5, sample_ratio="two")
 
 
-def test_ops_F_drop_in_with_builtin_positional_order():
+def test_ops_F_drop_in_with_builtin_positional_order(door):
     rng = np.random.RandomState(0)
     data = mx.nd.array(rng.randn(2, 8, 12, 12))
     rois = mx.nd.array([[0, 1.3, 2.1, 14.7, 19.2], [1, 0.0, 0.0, 23.0, 23.0]])
@@ -409,7 +419,8 @@ def test_ops_F_drop_in_with_builtin_positional_order():
     np.testing.assert_array_equal(head(data, rois).asnumpy(), ref)
     sym = G.ops(mx.sym).ROIAlign(mx.sym.var("d"), mx.sym.var("r"), 2, 0.5, name="pool")
     node = sym.get_internals()["pool_output"]          # behind the oneDNN output guard
-    assert node.attr("op_type") == "ROIAlign" and node.attr("pooled_size") == "(2, 2)"
+    assert roi_nodes(json.loads(node.tojson())["nodes"], "ROIAlign")[0]["pooled_size"] == \
+        "(2, 2)"
 
 
 # ------------------------------------------------------------------ MultiScaleROIAlign
@@ -512,7 +523,7 @@ def test_multiscale_matches_pool_everywhere_and_select(mode):
     assert np.all(out[-2] == 0)  # padding roi stays padding
 
 
-def test_multiscale_export_pickle_and_errors(tmp_path):
+def test_multiscale_export_pickle_and_errors(tmp_path, door):
     feats, rois = pyramid(), mx.nd.array(pyramid_rois(count=8))
     m = G.MultiScaleROIAlign(2, strides=STRIDES, sample_ratio=2, aligned=True)
     ref = m(feats, rois).asnumpy()
@@ -524,7 +535,7 @@ def test_multiscale_export_pickle_and_errors(tmp_path):
         np.testing.assert_array_equal(clone(feats, rois).asnumpy(), ref)
     m.export(str(tmp_path / "ms"))
     nodes = json.loads((tmp_path / "ms-symbol.json").read_text())["nodes"]
-    scales = sorted(float(n["attrs"]["spatial_scale"]) for n in nodes if n["op"] == "Custom")
+    scales = sorted(float(a["spatial_scale"]) for a in roi_nodes(nodes, "ROIAlign"))
     assert scales == sorted(1.0 / s for s in STRIDES)
     assert "Concat" not in {n["op"] for n in nodes}  # see the oneDNN note in the module
     with pytest.raises(ValueError, match="strides"):
@@ -597,11 +608,40 @@ class _ConvNet(gluon.HybridBlock):
         return self.fc(F.relu(self.roi(self.conv(x), rois)))
 
 
+@pytest.fixture(scope="module", params=["native", "custom"])
+def exported(request, tmp_path_factory):
+    """Every block (plain, inside a conv net, MultiScale) exported with inputs/outputs,
+    from each door (a graph of native nodes, a graph of Custom nodes)."""
+    return _export(tmp_path_factory, request.param)
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """Every block (plain, inside a conv net, MultiScale) exported with inputs/outputs."""
-    folder = tmp_path_factory.mktemp("exported")
+def exported_custom(tmp_path_factory):
+    """:func:`exported`'s graphs of Custom nodes: what MXNet and check_symbol_json say
+    about a graph's *Custom* op_types (a graph of native nodes names no op_type)."""
+    return _export(tmp_path_factory, "custom")
+
+
+def _export(tmp_path_factory, door):
+    from mx_roi.ext import door as door_module
+    folder = tmp_path_factory.mktemp(f"exported_{door}")
     saved = {}
+    before = os.environ.get(door_module.ENV)
+    os.environ[door_module.ENV] = "0" if door == "custom" else "1"
+    try:
+        _export_all(folder, saved)
+    finally:
+        if before is None:
+            del os.environ[door_module.ENV]
+        else:
+            os.environ[door_module.ENV] = before
+    graph = json.loads((folder / "ROIAlign-symbol.json").read_text())
+    assert ("Custom" if door == "custom" else "mx_roi_ROIAlign") in \
+        [n["op"] for n in graph["nodes"]]
+    return folder
+
+
+def _export_all(folder, saved):
 
     def save(name, net, *args):
         net.hybridize()
@@ -622,7 +662,6 @@ def exported(tmp_path_factory):
     save("MultiScale", G.MultiScaleROIAlign(2, strides=STRIDES, sample_ratio=2),
          pyramid(channels=2), mx.nd.array(pyramid_rois(count=10)))
     np.savez(str(folder / "io.npz"), **saved)
-    return folder
 
 
 def _fresh(how, folder):
@@ -643,13 +682,15 @@ def test_import_in_fresh_process_with_symbolblock_after_import_mx_roi(exported):
     assert out.count("OK") == 9, out
 
 
-def test_bare_load_without_mx_roi_names_the_op(exported):
+def test_bare_load_without_mx_roi_names_the_op(exported_custom):
     """What MXNet 1.9.1 says when the graph is loaded without ``import mx_roi``."""
-    out = _fresh("bare", exported)
+    out = _fresh("bare", exported_custom)
     assert "BARE-ERROR" in out and "Cannot find custom operator ROIAlign" in out, out
 
 
-def test_imports_helper_reports_unregistered_custom_ops(exported, tmp_path, monkeypatch):
+def test_imports_helper_reports_unregistered_custom_ops(exported_custom, tmp_path,
+                                                       monkeypatch):
+    exported = exported_custom
     text = (exported / "ROIAlign-symbol.json").read_text().replace('"ROIAlign"', '"NoSuchOp"')
     (tmp_path / "x-symbol.json").write_text(text)
     with pytest.raises(RuntimeError, match="NoSuchOp.*not registered"):
@@ -663,7 +704,7 @@ def test_imports_helper_reports_unregistered_custom_ops(exported, tmp_path, monk
 
 # ------------------------------------------------------------------ mixed precision
 @op_param
-def test_cast_float16(op):
+def test_cast_float16(op, door):
     data, rois = inputs(op, dtype="float32")
     b = block(op)
     ref = b(data, rois).asnumpy()
@@ -674,15 +715,19 @@ def test_cast_float16(op):
         out, grad = forward_backward(b, data.astype("float16"), rois.astype("float16"))
         assert out.dtype == np.float16 and grad.dtype == np.float16
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
-    with pytest.raises(mx.base.MXNetError, match="same dtype"):
-        b(data.astype("float16"), rois).wait_to_read()  # rois must be cast too
+    # rois must be cast too (the doors word it differently: params.py / ext_launch.h)
+    message = "same dtype" if door == "custom" else f"{op}: rois must have the data's dtype"
+    with pytest.raises(mx.base.MXNetError, match=message):
+        b(data.astype("float16"), rois).wait_to_read()
 
 
-def test_amp_casts_custom_nodes_to_float32():
-    """Custom is in AMP's FP32_FUNCS: AMP runs our ops in float32 between casts."""
+def test_amp_casts_custom_nodes_to_float32(door):
+    """Custom is in AMP's FP32_FUNCS, and mx_roi.ext puts the native ops there too: AMP
+    runs our ops in float32 between casts."""
     from mxnet.contrib import amp
     for target in ("float16", "bfloat16"):
-        assert "Custom" in amp.list_fp32_ops(getattr(amp.amp, target, target))
+        fp32 = amp.list_fp32_ops(getattr(amp.amp, target, target))
+        assert "Custom" in fp32 and "mx_roi_ROIAlign" in fp32
         d, r = mx.sym.var("data"), mx.sym.var("rois")
         conv = mx.sym.Convolution(d, num_filter=4, kernel=(3, 3), pad=(1, 1), name="conv")
         pooled = mx_roi.sym.ROIAlign(conv, r, pooled_size=2, spatial_scale=0.5, name="roi")
@@ -691,10 +736,11 @@ def test_amp_casts_custom_nodes_to_float32():
         nodes = json.loads(low.tojson(remove_amp_cast=False))["nodes"]
         byname = {n["name"]: n for n in nodes}
         roi = byname["roi"]
-        assert roi["op"] == "Custom" and roi["attrs"]["op_type"] == "ROIAlign"
+        assert roi_nodes([roi], "ROIAlign")
         def source(node, i=0):  # input i of node, looking through the oneDNN guards
             src = nodes[node["inputs"][i][0]]
-            while src["op"] in ("clip", "_copy") and "_guard_" in src["name"]:
+            while src["op"] in ("clip", "_copy") and "_guard_" in src["name"] or \
+                    src["op"] == "BlockGrad" and src["name"] == "roi_rois_no_grad":
                 src = nodes[src["inputs"][0][0]]
             return src
 

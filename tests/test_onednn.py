@@ -25,6 +25,14 @@ from mx_roi import onednn
 
 pytestmark = pytest.mark.filterwarnings("ignore:Parameter .* is not used:UserWarning")
 
+
+@pytest.fixture(autouse=True)
+def _custom_door(custom_door):
+    """Pinned to the Custom door: the guard under test is the Custom node's; native
+    nodes get none (tests/test_native_door.py::test_native_nodes_have_no_onednn_guard;
+    their training-step proof is issue 42's test_native_graphs)."""
+
+
 ITERS = 30          # per (mode, head) for the toy op: unguarded, >99% chance to fail
 ITERS_REAL = 12     # per mode for the real RoI ops (NumPy kernels are slower)
 MODES = ["nd", "sym", "gluon_hybrid", "gluon_static"]

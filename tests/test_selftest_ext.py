@@ -9,11 +9,44 @@ import mx_roi
 from mx_roi import ext, selftest
 
 
-def test_native_ops_row_passes_here():
+def test_native_ops_row_passes_here(monkeypatch):
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    monkeypatch.delenv("MX_ROI_NATIVE_OPS", raising=False)
     assert ext.unavailable_reason() == ""  # g++ and the wheel's extension API are here
     detail = selftest.check_extension(quick=True)
     assert "ROIAlign" in detail and "ROIPooling" in detail
     assert "bit-equal" in detail
+    # the door: the ops with a native section, then those without, by the library's names
+    native = [n for n in mx_roi.OP_TYPES if f"mx_roi_{n}" in ext.loaded_ops()]
+    custom = [n for n in mx_roi.OP_TYPES if n not in native]
+    assert {"ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign"} <= set(native)
+    want = f"door: native for {', '.join(native)}"
+    if custom:
+        want += f"; Custom for {', '.join(custom)} (the extension library has no mx_roi_<Op>)"
+    assert detail.endswith("bit-equal; " + want), detail
+
+
+@pytest.mark.parametrize("env,reason", [
+    ({"MX_ROI_NATIVE_OPS": "0"}, "MX_ROI_NATIVE_OPS=0"),
+    ({"MX_ROI_BACKEND": "numpy"}, "the CPU backend is 'numpy'"),
+    ({"MX_ROI_BACKEND": "emulated-cuda"}, "the CPU backend is 'emulated-cuda'")])
+def test_the_door_row_says_custom_and_why(monkeypatch, env, reason):
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    monkeypatch.delenv("MX_ROI_NATIVE_OPS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert selftest.door_summary() == f"door: Custom for {', '.join(mx_roi.OP_TYPES)} ({reason})"
+
+
+def test_the_door_row_names_a_library_that_cannot_be_built(monkeypatch):
+    from mx_roi.ext import door
+    monkeypatch.delenv("MX_ROI_BACKEND", raising=False)
+    monkeypatch.delenv("MX_ROI_NATIVE_OPS", raising=False)
+    monkeypatch.setattr(ext, "_STATE", dict(ext._STATE, ops=None, loaded=None))
+    monkeypatch.setitem(door._STATE, "failed", "mx_roi.ext needs a C++ compiler")
+    assert selftest.door_summary() == (
+        f"door: Custom for {', '.join(mx_roi.OP_TYPES)} (the extension library is not "
+        "available (mx_roi.ext needs a C++ compiler))")
 
 
 def test_native_ops_row_fails_on_a_mismatch(monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 import mxnet as mx
 
 import mx_roi
+from tests.conftest import roi_nodes
 
 OPS = ("ROIPooling", "ROIAlign", "PSROIPooling", "PSROIAlign")
 N, H, W, CLASSES = 2, 12, 12, 4
@@ -53,7 +54,7 @@ def init_args(sym, seed=1):
 
 
 @op_param
-def test_graph_shapes_and_json(op):
+def test_graph_shapes_and_json(op, door):
     sym = network(op)
     assert sym.list_arguments() == ["data", "conv_weight", "conv_bias", "rois", "fc_weight",
                                     "fc_bias", "softmax_label"]
@@ -63,7 +64,9 @@ def test_graph_shapes_and_json(op):
     channels = CASES[op][0].get("output_dim", CASES[op][1])
     assert out_shapes == [(R, channels, ph, pw)]
     node = [n for n in json.loads(sym.tojson())["nodes"] if n["name"] == "pool"][0]
-    assert node["op"] == "Custom" and node["attrs"]["op_type"] == op
+    assert node["op"] == ("Custom" if door == "custom" else f"mx_roi_{op}")
+    assert roi_nodes([node], op) == [mx_roi.registry.REGISTERED[op].param_cls.from_kwargs(
+        **CASES[op][0]).to_kwargs()]
 
 
 @op_param
@@ -165,8 +168,8 @@ def test_two_parameterisations_in_one_symbol_graph():
                                1e-5, 1e-5)
     exe.backward([mx.nd.ones_like(exe.outputs[0]), mx.nd.ones_like(exe.outputs[1])])
     assert np.abs(exe.grad_dict["conv_weight"].asnumpy()).sum() > 0
-    attrs = {n["name"]: n["attrs"] for n in json.loads(out.tojson())["nodes"]
-             if n["op"] == "Custom"}
+    attrs = {n["name"]: roi_nodes([n], "ROIAlign")[0]
+             for n in json.loads(out.tojson())["nodes"] if roi_nodes([n], "ROIAlign")}
     assert attrs["a"]["pooled_size"] == "(2, 2)" and attrs["b"]["pooled_size"] == "(3, 1)"
     assert attrs["b"]["aligned"] == "True" and attrs["a"]["aligned"] == "False"
 

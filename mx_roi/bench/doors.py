@@ -17,8 +17,7 @@ import mxnet as mx
 __all__ = ["DOORS", "door", "native_missing", "NATIVE_PREFIX"]
 
 DOORS = ("custom", "native")
-#: the extension library's operator names: ``mx_roi_<Op>``
-NATIVE_PREFIX = "mx_roi_"
+from ..registry import NATIVE_PREFIX  # the extension library's names: ``mx_roi_<Op>``
 
 
 def _load_reason() -> str:

@@ -1,7 +1,8 @@
 """mx_roi's MXNet extension library: the ops as native MXNet operators (``mx_roi_<Op>``),
 no Python in the call, loadable by any MXNet front end (``mx.library.load``, or the C API's
-``MXLoadLib`` before ``MXPredCreate``).  Opt-in: ``import mx_roi`` does not build or load
-it; :func:`load` does.  See docs/native_ops.md.
+``MXLoadLib`` before ``MXPredCreate``).  ``import mx_roi`` loads it when it is cached
+(:func:`load_if_cached`); the first call that wants a native op builds it otherwise
+(:mod:`mx_roi.ext.door`: which entry point uses which door).  See docs/native_ops.md.
 
 The library is built with g++ from MXNet's own ``src/lib_api.cc`` (shipped in the mxnet
 wheel with ``include/mxnet/lib_api.h``), ``ext_main.cc`` (the error channel, the no-op op
@@ -30,7 +31,8 @@ from typing import List, Tuple
 from ..cuda import loader
 from ..cuda import source as S
 
-__all__ = ["ExtLibraryError", "library_path", "load", "unavailable_reason", "op_sources",
+__all__ = ["ExtLibraryError", "library_path", "load", "load_if_cached", "loaded_ops",
+           "unavailable_reason", "op_sources",
            "mxnet_extension_files", "LAUNCHER_MACRO", "add_safe", "parse_params"]
 
 #: the macro of an op's extension section in its ``.cu`` file
@@ -182,7 +184,7 @@ def _run(cmd):
 
 
 _LOCK = threading.Lock()
-_STATE = {"path": None, "failed": None, "loaded": None}
+_STATE = {"path": None, "failed": None, "loaded": None, "ops": None}
 
 
 def library_path() -> str:
@@ -242,16 +244,75 @@ def unavailable_reason() -> str:
 
 
 def load() -> str:
-    """Build if needed and load the library into MXNet (``mx.library.load``), once per
-    process; returns its path.  Afterwards ``mx.nd.mx_roi_<Op>`` / ``mx.sym.mx_roi_<Op>``
-    exist.  :class:`ExtLibraryError` when it cannot be built or loaded."""
+    """Build if needed and load the library into MXNet, once per process; returns its
+    path.  Afterwards ``mx.nd.mx_roi_<Op>`` / ``mx.sym.mx_roi_<Op>`` exist.
+    :class:`ExtLibraryError` when it cannot be built or loaded.
+
+    MXNet's ``mx.library.load`` would regenerate the Python function of every operator
+    (about 0.39 s here, measured: ``MXLoadLib`` itself takes 0.3 ms); this calls
+    ``MXLoadLib`` and makes the functions of the library's own operators only
+    (:func:`_make_functions`), which lets ``import mx_roi`` load a cached library."""
     path = library_path()
     with _LOCK:
         if _STATE["loaded"] is None:
             import mxnet as mx
-            mx.library.load(path, verbose=False)
+            from mxnet.base import _LIB, check_call, c_str, mx_uint
+            check_call(_LIB.MXLoadLib(c_str(path), mx_uint(0)))
+            _STATE["ops"] = _make_functions(mx)
             _STATE["loaded"] = path
         return _STATE["loaded"]
+
+
+def load_if_cached() -> bool:
+    """:func:`load` when the library of this build is in the cache already (a check and
+    ``MXLoadLib``: about 10 ms), else nothing (building takes about 40 s of g++: left to
+    the first call that wants a native op).  ``import mx_roi`` calls it."""
+    if _STATE["loaded"]:
+        return True
+    if not os.path.isfile(_plan()[0]):
+        return False
+    load()
+    return True
+
+
+def loaded_ops() -> frozenset:
+    """The operators the loaded library registered (``'mx_roi_ROIAlign'``, ...); empty
+    before :func:`load`."""
+    return _STATE.get("ops") or frozenset()
+
+
+def _make_functions(mx) -> frozenset:
+    """``mx.nd.<op>`` / ``mx.sym.<op>`` (and ``mxnet.ndarray.op`` / ``mxnet.symbol.op``)
+    for every ``mx_roi_*`` operator MXNet now knows, as ``mx.library.load``'s
+    ``_init_op_module`` makes them; returns their names."""
+    from mxnet.base import _LIB, check_call, c_str, OpHandle, py_str
+    from mxnet.ndarray.register import _make_ndarray_function
+    from mxnet.symbol.register import _make_symbol_function
+    size, plist = ctypes.c_uint(), ctypes.POINTER(ctypes.c_char_p)()
+    check_call(_LIB.MXListAllOpNames(ctypes.byref(size), ctypes.byref(plist)))
+    names = [py_str(plist[i]) for i in range(size.value)]
+    names = frozenset(n for n in names if n.startswith("mx_roi_"))
+    for name in names:
+        handle = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
+        for module, make in (("mxnet.ndarray", _make_ndarray_function),
+                             ("mxnet.symbol", _make_symbol_function)):
+            function = make(handle, name, name)
+            function.__module__ = module
+            for target in (sys.modules[module + ".op"], sys.modules[module]):
+                setattr(target, name, function)
+    _run_in_float32_under_amp(names)
+    return names
+
+
+def _run_in_float32_under_amp(names) -> None:
+    """Put the native ops beside ``Custom`` in AMP's float32 lists (float16 and
+    bfloat16): ``amp.convert_symbol`` / ``convert_hybrid_block`` then cast their inputs
+    to float32, as for the Custom door (unlisted, a native node got a float16 map and
+    float32 rois: "rois must have the data's dtype")."""
+    from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
+    for lists in (symbol_fp16, symbol_bf16):
+        lists.FP32_FUNCS.extend(n for n in sorted(names) if n not in lists.FP32_FUNCS)
 
 
 def parse_params(op: str, **kwargs) -> Tuple[bool, str]:
@@ -272,12 +333,15 @@ def parse_params(op: str, **kwargs) -> Tuple[bool, str]:
     return rc == 0, out.value.decode()
 
 
-def add_safe(x):
+def add_safe(x, name=None):
     """``x`` through an identity (``mx.nd.identity`` / ``mx.sym.identity``): feed an
     extension op's differentiable input through it wherever ``grad_req='add'`` can reach
     that input.  MXNet 1.9.1's extension dispatcher (``CustomFComputeDispatcher``) never
     passes ``req`` to the library, so the op always *writes* its input gradient; behind
     the identity it writes a fresh buffer, and the identity's backward adds it to the
-    accumulated gradient as ``req`` says.  Cost: one copy forward and one backward."""
+    accumulated gradient as ``req`` says.  Cost: one copy forward and one backward.
+    ``name``: the identity node's name (symbols)."""
     import mxnet as mx
-    return mx.sym.identity(x) if isinstance(x, mx.sym.Symbol) else mx.nd.identity(x)
+    if isinstance(x, mx.sym.Symbol):
+        return mx.sym.identity(x, **({"name": name} if name else {}))
+    return mx.nd.identity(x)

@@ -232,6 +232,36 @@ inline std::string shape_repr(const std::vector<unsigned int>& s) {
   return shape_repr(std::vector<int64_t>(s.begin(), s.end()));
 }
 
+// Whether an op's parameters have an output_dim (params.py: "output_dim" in the fields)
+template <typename P, typename = void>
+struct HasOutputDim : std::false_type {};
+template <typename P>
+struct HasOutputDim<P, decltype(void(std::declval<P&>().output_dim))> : std::true_type {};
+
+// RoIOp.check_out_size: an output past MXNet's largest array (params.MAX_ELEMENTS,
+// 2^31 - 2 elements) is refused at shape inference with the Custom path's message, before
+// MXNet would try to allocate it; empty dimensions count as 1
+template <typename Params>
+void check_out_size(const char* op, const std::vector<int64_t>& shape) {
+  __int128 size = 1;
+  bool empty = false;
+  for (int64_t d : shape) {
+    size *= d > 1 ? d : 1;
+    empty = empty || d <= 0;
+  }
+  if (size <= MAX_ELEMENTS) return;
+  std::string digits;
+  for (__int128 v = size; v > 0; v /= 10) digits.insert(digits.begin(), char('0' + int(v % 10)));
+  const bool ps = HasOutputDim<Params>::value;
+  throw OpError(std::string(op) + ": output shape " + shape_repr(shape) + " (rois, " +
+                (ps ? "output_dim" : "data channels") + ", pooled_size) " +
+                (empty ? "would have (empty or unknown dimensions at 1)" : "has") + " " +
+                digits + " elements, more than " + std::to_string(MAX_ELEMENTS) +
+                " (2^31 - 2, the most elements of an MXNet array): reduce " +
+                (ps ? "pooled_size, output_dim or the number of rois"
+                    : "pooled_size, the number of rois or the data's channels"));
+}
+
 inline long long numel(const std::vector<int64_t>& s) {
   long long n = 1;
   for (auto v : s) n *= v;
@@ -553,8 +583,11 @@ struct Callbacks {
                       shape_repr(d));
       if (r.size() != 2 || r[1] != (unsigned int)RoiLayout<Op>::columns)
         throw OpError(rois_shape_error(shape_repr(r)));
-      (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
-                          (unsigned int)p.Q};
+      const long long channels = Op::out_channels(p, d[1]);
+      // (an unknown roi count arrives as unsigned -1: Python's partial shape says -1)
+      const int64_t rows = r[0] == 0xFFFFFFFFu ? -1 : int64_t(r[0]);
+      check_out_size<typename Op::Params>(Op::OP, {rows, channels, p.P, p.Q});
+      (*out_shapes)[0] = {r[0], (unsigned int)channels, (unsigned int)p.P, (unsigned int)p.Q};
       ExtraInput<Op>::check_shape(p, *in_shapes);
     })
   }

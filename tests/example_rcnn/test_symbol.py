@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from example_rcnn import roi_ops
+from tests.conftest import roi_nodes
 from example_rcnn import train as tr
 from example_rcnn.config import BACKBONES, ROI_OPS, default_config
 from example_rcnn.data import DetIter, ShapesDataset
@@ -26,7 +27,7 @@ def shapes_for(cfg, batch):
 
 @pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("roi_op", ROI_OPS)
-def test_symbols_infer_shapes(backbone, roi_op):
+def test_symbols_infer_shapes(backbone, roi_op, door):
     cfg = default_config(backbone, roi_op, num_classes=5,
                          image_size=128 if backbone == "tiny" else 224)
     shapes = shapes_for(cfg, 2)
@@ -36,14 +37,17 @@ def test_symbols_infer_shapes(backbone, roi_op):
     _, out, _ = get_test_symbol(cfg).infer_shape(data=shapes["data"], im_info=(2, 3))
     n = 2 * cfg.rpn_post_nms_test
     assert out == [(n, 5), (n, 5), (n, 20)]
-    # the RoI operator appears exactly once (an mx_roi custom op, or a built-in fallback)
+    # the RoI operator appears exactly once (an mx_roi op through either door -- a Custom
+    # node or a native one, tests/conftest.roi_nodes --, or a built-in fallback)
     nodes = json.loads(get_train_symbol(cfg, 2).tojson())["nodes"]
-    roi = [n for n in nodes if n["op"] in ("ROIPooling", "_contrib_ROIAlign") or
-           (n["op"] == "Custom" and n.get("attrs", {}).get("op_type") in RoI_TYPES)]
-    assert len(roi) == 1, roi
+    builtin = [n for n in nodes if n["op"] in ("ROIPooling", "_contrib_ROIAlign")]
+    ours = {t: roi_nodes(nodes, t) for t in RoI_TYPES}
+    assert len(builtin) + sum(map(len, ours.values())) == 1, (builtin, ours)
     if roi_ops.BACKEND == "mx_roi":
         expected = {"pool": "ROIPooling", "align": "ROIAlign", "psalign": "PSROIAlign"}[roi_op]
-        assert roi[0]["attrs"]["op_type"] == expected
+        assert len(ours[expected]) == 1
+        native = [n["op"] for n in nodes if n["op"].startswith("mx_roi_")]
+        assert native == ([] if door == "custom" else [f"mx_roi_{expected}"]), native
 
 
 @pytest.mark.parametrize("roi_op", ROI_OPS)

@@ -616,9 +616,12 @@ def test_failing_callback_waits_for_the_completions_of_others():
     assert done and done[0] >= 2 and not error_slot._noted and not error_slot._running
 
 
-def test_rejected_forward_under_naive_engine_raises_its_error():
+@pytest.mark.parametrize("door", ["native", "custom"])
+def test_rejected_forward_under_naive_engine_raises_its_error(door):
     """Under MXNET_ENGINE_TYPE=NaiveEngine (operations run at once) a rejected forward
-    raises the usual way, at the call, with its own message; the next call works."""
+    raises the usual way, at the call, with its own message; the next call works.  On
+    the native door (where this backend takes it, mx_roi.ext.door) the message is the
+    library's, after MXNet's line naming the native op."""
     import os
     import subprocess
     import sys
@@ -632,15 +635,25 @@ def test_rejected_forward_under_naive_engine_raises_its_error():
         "    mx_roi.nd.PSROIPooling(x, r, 1.0, 2, 2).asnumpy()\n"
         "except errors.RoIError as e:\n"
         "    print('RAISED', str(e).splitlines()[0])\n"
+        "except mx.base.MXNetError as e:\n"
+        "    print('NATIVE', *[x.strip() for x in str(e).splitlines()], sep='\\n')\n"
         "r = mx.nd.array([[0, 1, 1, 4, 4]])\n"
         "print('NEXT', float(mx_roi.nd.PSROIPooling(x, r, 1.0, 2, 2).sum().asscalar()))\n"
         "print('PENDING', errors.pending())\n")
-    env = dict(os.environ, MXNET_ENGINE_TYPE="NaiveEngine",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, MXNET_ENGINE_TYPE="NaiveEngine", MX_ROI_NATIVE_OPS=str(
+               int(door == "native")), PYTHONPATH=root + os.pathsep + os.environ.get(
+               "PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert "RAISED ValueError: PSROIPooling: rois[0] has a NaN or infinite value [0.0, 1.0, " \
-           "1.0, 4.0, nan]; coordinates must be finite" in lines, proc.stdout
+    message = ("PSROIPooling: rois[0] has a NaN or infinite value [0.0, 1.0, 1.0, 4.0, "
+               "nan]; coordinates must be finite")
+    native = os.environ.get("MX_ROI_BACKEND", "native") == "native" and door == "native"
+    if native:
+        assert "NATIVE" in lines and f"[0] {message}" in lines and \
+            "MXNetError: Check failed: retval: Error calling FCompute for custom operator " \
+            "'mx_roi_PSROIPooling'" in lines, proc.stdout
+    else:
+        assert f"RAISED ValueError: {message}" in lines, proc.stdout
     assert "NEXT 8.0" in lines and "PENDING 0" in lines, proc.stdout
