@@ -652,9 +652,46 @@ struct Callbacks {
 
   // inputs: out-grad, data, rois, [extra,] output (lib_api's order); outputs: d data,
   // d rois[, d extra] (one per input: an extra input is there when outputs has three)
+  // An input error in the backward (the rois, shapes, dtype, parameters: what the forward
+  // checks the same way and has reported already) leaves zero gradients and *succeeds*.
+  // MXNet gives every extension op its CPU temp-space resource, a var each such op writes;
+  // a failed op hands its exception to that var, and every later op on it (the next,
+  // valid, training step's forward and backward) is then skipped without running -- its
+  // output left as the pool's old memory, read with no error once the failed step's
+  // error had been read (seen: 5 of 60 valid steps wrong, tests/test_ext_backward_safe.py).
+  // The forward cannot avoid failing (its error is the user's), the backward can.
   static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                 std::vector<MXTensor>* outputs, const OpResource& res) {
-    MX_ROI_EXT_CALL({
+    ::mx_roi_ext::begin_call();
+    try {
+      backward_checked(attrs, inputs, outputs);
+    } catch (const OpError&) {
+      for (MXTensor& t : *outputs) zero_tensor(t);
+    } catch (const std::exception& e) {
+      ::mx_roi_ext::set_error(e.what());
+      return MX_FAIL;
+    } catch (...) {
+      ::mx_roi_ext::set_error("mx_roi: unknown error");
+      return MX_FAIL;
+    }
+    return MX_SUCCESS;
+  }
+
+  // all of ``t``'s bytes zero (a gradient MXNet allocated for its shape and dtype)
+  static void zero_tensor(MXTensor& t) {
+    size_t item = 0;
+    switch (t.dtype) {
+      case mxnet::ext::kFloat16: item = 2; break;
+      case mxnet::ext::kFloat32: item = 4; break;
+      case mxnet::ext::kFloat64: item = 8; break;
+      default: item = 0;  // (no gradient of another dtype reaches an op's backward)
+    }
+    if (t.data_ptr && item) std::memset(t.data_ptr, 0, (size_t)numel(t.shape) * item);
+  }
+
+  static void backward_checked(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                               std::vector<MXTensor>* outputs) {
+    {
       const typename Op::Params p = params(attrs);
       const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
       const bool has_extra = outputs->size() > 2;
@@ -680,7 +717,7 @@ struct Callbacks {
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
         }
       });
-    })
+    }
   }
 
   template <typename T, typename A>
