@@ -632,7 +632,7 @@ struct ROIAlignOp {
     // ParamBase.__post_init__: positive, then bounds in field order; then ROIAlignParam's
     // samples per axis (not for the Caffe grid, which ignores sample_ratio)
     check_pooled(kw, p.P, p.Q, p.spatial_scale);
-    const std::string ratio = std::to_string(p.sample_ratio);
+    const std::string ratio = py_int_repr(p.sample_ratio);
     kw.check("sample_ratio", p.sample_ratio <= MAX_SAMPLES_PER_SIDE,
              "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", ratio);
     kw.check("sample_ratio", p.sample_ratio >= -(1LL << 31),

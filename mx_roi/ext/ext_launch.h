@@ -358,6 +358,73 @@ inline const int* ps_channel_map(const PsGrid& p) {
   return map.data();
 }
 
+// ---- the Custom door's shape and dtype messages (registry.RoIOp.out_shape, check_out_size,
+// check_dtypes, _Prop.infer_type), word for word: the fuzz (mx_roi.ext.fuzz) compares them
+const unsigned int UNKNOWN_DIM = 0xffffffffu;  // an unknown dimension in lib_api's shapes
+
+inline std::string shape_repr_known(const std::vector<unsigned int>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i)
+    out += (i ? ", " : "") + (s[i] == UNKNOWN_DIM ? std::string("-1") : std::to_string(s[i]));
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+inline std::string shape_repr_known(const std::vector<int64_t>& s) { return shape_repr(s); }
+
+// RoIOp.out_shape's checks of data (N, C, H, W) and rois (R, columns)
+template <typename S>
+void check_shapes(const std::string& op, const S& data, const S& rois, unsigned columns = 5,
+                  const char* layout = "(batch_index, x1, y1, x2, y2)") {
+  if (data.size() != 4)
+    throw OpError(op + ": data must be 4-D (N, C, H, W), got shape " + shape_repr_known(data));
+  if (rois.size() != 2 || rois[1] != columns)
+    throw OpError(op + ": rois must have shape (R, " + std::to_string(columns) + ") = " +
+                  layout + ", got " + shape_repr_known(rois));
+}
+
+// numpy's name of an MXNet dtype code (lib_api.h's MXDType; mshadow's codes beyond it)
+inline std::string dtype_name(int code) {
+  static const char* const names[] = {"float32", "float64", "float16", "uint8", "int32",
+                                      "int8",    "int64",   "bool",    "int16", "uint16",
+                                      "uint32",  "uint64"};
+  return code >= 0 && code < 12 ? names[code] : "dtype code " + std::to_string(code);
+}
+
+// RoIOp.check_dtypes: one dtype of float16/32/64 for data and rois
+inline void check_dtypes(const std::string& op, int data, int rois) {
+  if (data != rois)
+    throw OpError(op + ": data and rois must have the same dtype, got data " + dtype_name(data) +
+                  " and rois " + dtype_name(rois));
+  if (data != kFloat32 && data != kFloat64 && data != kFloat16)
+    throw OpError(op + ": dtype " + dtype_name(data) +
+                  " is not supported (float16, float32, float64)");
+}
+
+template <typename P, typename = void>
+struct has_output_dim : std::false_type {};
+template <typename P>
+struct has_output_dim<P, decltype((void)std::declval<P>().output_dim)> : std::true_type {};
+
+// RoIOp.check_out_size of (R, C_out, P, Q) (-1: unknown, counted as 1, as an empty one)
+inline void check_out_size(const std::string& op, const std::vector<long long>& shape,
+                           bool output_dim) {
+  unsigned __int128 size = 1;
+  bool empty = false;
+  std::string text = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    size *= (unsigned __int128)(shape[i] > 1 ? shape[i] : 1);
+    empty = empty || shape[i] <= 0;
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  if (size <= (unsigned __int128)MAX_ELEMENTS) return;
+  throw OpError(op + ": output shape " + text + ") (rois, " +
+                (output_dim ? "output_dim" : "data channels") + ", pooled_size) " +
+                (empty ? "would have (empty or unknown dimensions at 1)" : "has") + " " +
+                u128_str(size) + " elements, more than " + std::to_string(MAX_ELEMENTS) +
+                " (2^31 - 2, the most elements of an MXNet array): reduce " +
+                (output_dim ? "pooled_size, output_dim or the number of rois"
+                            : "pooled_size, the number of rois or the data's channels"));
+}
+
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5)) of one dtype
 // and output (R, Op::out_channels(p, C), P, Q).  Op gives: OP (its name in messages),
 // Params (with P, Q), parse(attrs), out_channels(p, C), geometry<T, A>(p, data, rois),
@@ -371,14 +438,8 @@ struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
 
   static void check(const MXTensor& data, const MXTensor& rois) {
-    if (data.shape.size() != 4)
-      throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                    shape_repr(data.shape));
-    if (rois.shape.size() != 2 || rois.shape[1] != 5)
-      throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, x2, "
-                    "y2), got shape " + shape_repr(rois.shape));
-    if (rois.dtype != data.dtype)
-      throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+    check_shapes(Op::OP, data.shape, rois.shape);
+    check_dtypes(Op::OP, data.dtype, rois.dtype);
   }
 
   // Op::parse(attrs), memoised per thread by the attributes' text: MXNet hands every
@@ -415,7 +476,8 @@ struct Callbacks {
       int& r = (*in_types)[1];
       if (d < 0 || d == kUNSET) d = r;
       if (r < 0 || r == kUNSET) r = d;
-      if (d != r) throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+      if (d >= 0 && d != kUNSET)  // (the Custom door's infer_type and forward messages)
+        check_dtypes(Op::OP, d, r);
       (*out_types)[0] = d;
     })
   }
@@ -427,14 +489,13 @@ struct Callbacks {
       const typename Op::Params p = params(attrs);
       const auto& d = (*in_shapes)[0];
       const auto& r = (*in_shapes)[1];
-      if (d.size() != 4)
-        throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                      shape_repr(d));
-      if (r.size() != 2 || r[1] != 5)
-        throw OpError(std::string(Op::OP) + ": rois must be (R, 5) = (batch index, x1, y1, "
-                      "x2, y2), got shape " + shape_repr(r));
-      (*out_shapes)[0] = {r[0], (unsigned int)Op::out_channels(p, d[1]), (unsigned int)p.P,
-                          (unsigned int)p.Q};
+      check_shapes(Op::OP, d, r);
+      // RoIOp.out_shape then check_out_size (the fuzz found MXNet's own "larger than 2^31
+      // elements" in place of the op's message); an unknown dimension is (unsigned)-1
+      const long long C = d[1] == UNKNOWN_DIM ? -1 : (long long)Op::out_channels(p, d[1]);
+      check_out_size(Op::OP, {r[0] == UNKNOWN_DIM ? -1 : (long long)r[0], C, p.P, p.Q},
+                     has_output_dim<typename Op::Params>::value);
+      (*out_shapes)[0] = {r[0], (unsigned int)C, (unsigned int)p.P, (unsigned int)p.Q};
     })
   }
 
@@ -449,7 +510,12 @@ struct Callbacks {
         typedef typename std::remove_pointer<decltype(a)>::type A;
         if (rois.shape[0] > 0) {
           const Call<Op, T, A> c(p, data, rois);
-          if (c.n > 0) Op::template forward<T, A>(p, c, data, (*outputs)[0]);
+          // an empty map (H or W = 0; the fuzz found the kernels reading it): every sample
+          // and bin lies outside, the Custom door's output is zeros
+          if (c.n > 0 && numel(data.shape) == 0)
+            std::memset((*outputs)[0].data_ptr, 0, (size_t)c.n * sizeof(T));
+          else if (c.n > 0)
+            Op::template forward<T, A>(p, c, data, (*outputs)[0]);
         }
       });
     })
@@ -474,7 +540,7 @@ struct Callbacks {
         std::memset(bottom, 0, (size_t)size * sizeof(A));
         if (rois.shape[0] > 0) {
           const Call<Op, T, A> c(p, data, rois);
-          if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
+          if (c.n > 0 && size > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
         }
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
