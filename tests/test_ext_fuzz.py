@@ -82,7 +82,8 @@ def test_messages_escape_as_repr():
 def test_seeded_slice_has_no_failures():
     """240 cases (four children) of seed 3: 0 abort, 0 wrong-silent, 0 unclear, and every
     broken-after is MXNet's hand-over (the good call after a failed training step raised
-    that step's own message; open, see test_no_handover_after_a_failed_training_step).
+    that step's own message; open, timing-dependent: seen at seed 3 case 94 with
+    scale-huge skipped, in docs/native_ops.md).
     The known crash of the shared geometry (huge spatial_scale, KNOWN_GEOMETRY_CRASH) is
     excluded by its defect kind, and has its own test below."""
     counts, failures = fuzz.run(240, seed=3, per_child=60,
@@ -91,14 +92,6 @@ def test_seeded_slice_has_no_failures():
         (counts, failures[:5])
     assert all(f["cls"] == "broken-after" and f["handover"] for f in failures), failures[:5]
     assert counts["ok"] >= 230, counts
-
-
-@pytest.mark.xfail(strict=True, reason="open: after a failed native training step MXNet "
-                   "1.9.1 hands the step's error to the next call (seed 3, case 94)")
-def test_no_handover_after_a_failed_training_step():
-    counts, failures = fuzz.run(1, seed=3, per_child=1, first=94,
-                                env={"MX_ROI_FUZZ_SKIP": "scale-huge"})
-    assert counts["ok"] == 1, failures
 
 
 def _case(op="ROIAlign", door="nd-train", **over):
