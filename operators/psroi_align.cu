@@ -221,8 +221,8 @@ struct PSROIAlignOp {
     kw.finish();
     // ParamBase.__post_init__: _positive in order, then each field's bounds in field
     // order; then _GroupGrid's group rule; then _check_axis_samples
-    const std::string size = py_pair_repr(p.P, p.Q), dim = std::to_string(p.output_dim);
-    const std::string num = std::to_string(p.sample_num);
+    const std::string size = py_pair_repr(p.P, p.Q), dim = py_int_repr(p.output_dim);
+    const std::string num = py_int_repr(p.sample_num);
     const std::string grp = py_pair_repr(p.group_h, p.group_w);
     kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
     kw.positive("output_dim", p.output_dim > 0, dim);

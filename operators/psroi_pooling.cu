@@ -184,7 +184,7 @@ struct PSROIPoolingOp {
     std::tie(p.group_h, p.group_w) = kw.group("group_size");
     p.deterministic = kw.boolean("deterministic", false);
     kw.finish();
-    const std::string size = py_pair_repr(p.P, p.Q), dim = std::to_string(p.output_dim);
+    const std::string size = py_pair_repr(p.P, p.Q), dim = py_int_repr(p.output_dim);
     const std::string most = "at most " + std::to_string(MAX_ELEMENTS) + " (" + SIZE_WHY + ")";
     kw.positive("pooled_size", p.P > 0 && p.Q > 0, size);
     kw.positive("output_dim", p.output_dim > 0, dim);

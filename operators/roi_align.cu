@@ -633,7 +633,7 @@ struct ROIAlignOp {
     // samples per axis (not for the Caffe grid, which ignores sample_ratio)
     check_pooled(kw, p.P, p.Q, p.spatial_scale);
     check_adaptive_samples(kw, "sample_ratio", p.sample_ratio);
-    const std::string ratio = std::to_string(p.sample_ratio);
+    const std::string ratio = py_int_repr(p.sample_ratio);
     if (!p.caffe()) {
       const long long most = MAX_SAMPLES_PER_AXIS_PARAM / (p.P > p.Q ? p.P : p.Q);
       kw.check("sample_ratio", p.sample_ratio <= most,

@@ -97,6 +97,21 @@ def _unit_source(filename) -> str:
                                  f"}}  // namespace {unit}", ""])
 
 
+#: lib_api.cc's one process-wide error list, made one list per thread: MXNet reads a failed
+#: callback's messages (_msgSize, then _msgGet(i)) on the thread that called it, while
+#: another thread's call may clear or fill the shared list (ext_main.cc's begin_call /
+#: set_error): a message of the other call, or a use after free.  tests/test_ext_fuzz.py
+#: raises errors from two threads at once.
+_ERRORS_SINGLETON = "static MXerrorMsgs inst;"
+
+
+def _per_thread_errors(text):
+    if text.count(_ERRORS_SINGLETON) != 1:
+        raise ExtLibraryError("mx_roi.ext: this mxnet's src/lib_api.cc has no "
+                              f"'{_ERRORS_SINGLETON}' to make per-thread")
+    return text.replace(_ERRORS_SINGLETON, "static thread_local MXerrorMsgs inst;")
+
+
 def _read(path):
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -111,6 +126,9 @@ def _plan():
     include, lib_api, mx_version, lib_version = mxnet_extension_files()
     flags = loader._host_flags(True)
     files = {name: _read(os.path.join(_HERE, name)) for name in _OWN_FILES}
+    from .unicode_table import header  # (Python's Unicode tables, for the C++ parser)
+    files["ext_unicode.h"] = header()
+    files["lib_api.cc"] = _per_thread_errors(_read(lib_api))
     ops = op_sources()
     for f in ops:
         files[os.path.splitext(f)[0] + ".cpp"] = _unit_source(f)
@@ -138,7 +156,7 @@ def _compile(lib_path, files, include, lib_api, flags, ops):
         shutil.copy(loader.SHIM, os.path.join(tmpdir, "host_shim.h"))
         base = [cxx, *flags, "-I", tmpdir, "-I", include, "-c"]
         units = [(base + [os.path.join(tmpdir, "ext_main.cc")], "ext_main.o"),
-                 (base + [lib_api], "lib_api.o")]
+                 (base + [os.path.join(tmpdir, "lib_api.cc")], "lib_api.o")]
         for f in ops:
             src = os.path.join(tmpdir, os.path.splitext(f)[0] + ".cpp")
             units.append((base + [f"-D{LAUNCHER_MACRO}", "-include",

@@ -8,10 +8,12 @@
 // operators/<op>.cu) includes ext_launch.h for the geometry driver.
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -24,6 +26,8 @@
 #if defined(__linux__)
 #include <sched.h>
 #endif
+
+#include "ext_unicode.h"  // (generated at build time: mx_roi/ext/unicode_table.py)
 
 namespace mx_roi_ext {
 
@@ -105,31 +109,158 @@ inline std::string py_float_repr(double v) {
   return neg ? "-" + out : out;
 }
 
-// repr(str) of an ASCII/UTF-8 string: single quotes unless it holds a single quote and no
-// double quote; backslash escapes for the quote, \\, \t, \n, \r and other control bytes.
+// ---- Unicode (MXNet hands every value over as UTF-8) ---------------------------------------
+inline std::vector<unsigned> utf8_decode(const std::string& s) {
+  std::vector<unsigned> out;
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = (unsigned char)s[i];
+    const int n = c < 0x80 ? 1 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+    unsigned cp = n == 1 ? c : c & (0xff >> (n + 1));
+    for (int k = 1; k < n && i + k < s.size(); ++k) cp = (cp << 6) | ((unsigned char)s[i + k] & 0x3f);
+    out.push_back(cp);
+    i += n;
+  }
+  return out;
+}
+
+inline std::string utf8_encode(unsigned cp) {
+  std::string o;
+  if (cp < 0x80) {
+    o += (char)cp;
+  } else if (cp < 0x800) {
+    o += (char)(0xc0 | (cp >> 6));
+    o += (char)(0x80 | (cp & 0x3f));
+  } else if (cp < 0x10000) {
+    o += (char)(0xe0 | (cp >> 12));
+    o += (char)(0x80 | ((cp >> 6) & 0x3f));
+    o += (char)(0x80 | (cp & 0x3f));
+  } else {
+    o += (char)(0xf0 | (cp >> 18));
+    o += (char)(0x80 | ((cp >> 12) & 0x3f));
+    o += (char)(0x80 | ((cp >> 6) & 0x3f));
+    o += (char)(0x80 | (cp & 0x3f));
+  }
+  return o;
+}
+
+// str.isspace, the decimal value of a digit (-1: none), str.isprintable
+inline bool uni_space(unsigned cp) {
+  for (unsigned s : UNI_SPACE)
+    if (s == cp) return true;
+  return false;
+}
+inline int uni_digit(unsigned cp) {
+  if (cp < 0x80) return cp >= '0' && cp <= '9' ? (int)(cp - '0') : -1;
+  for (unsigned z : UNI_DIGIT_ZERO)
+    if (cp >= z && cp < z + 10) return (int)(cp - z);
+  return -1;
+}
+inline bool uni_printable(unsigned cp) {
+  const size_t n = sizeof UNI_NOT_PRINTABLE / sizeof UNI_NOT_PRINTABLE[0] / 2;
+  size_t lo = 0, hi = n;  // the first range ending at or after cp
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (UNI_NOT_PRINTABLE[2 * mid + 1] < cp) lo = mid + 1; else hi = mid;
+  }
+  return !(lo < n && UNI_NOT_PRINTABLE[2 * lo] <= cp);
+}
+
+// repr(str) of a UTF-8 string: single quotes unless it holds a single quote and no
+// double quote; backslash escapes for the quote, \\, \t, \n, \r and, as \xhh, \uhhhh
+// or \Uhhhhhhhh, every other code point that is not printable (str.isprintable).
 inline std::string py_str_repr(const std::string& s) {
   const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
-  for (unsigned char c : s) {
+  for (unsigned c : utf8_decode(s)) {
     if (c == '\\') out += "\\\\";
     else if (c == (unsigned char)q) out += std::string("\\") + (char)q;
     else if (c == '\t') out += "\\t";
     else if (c == '\n') out += "\\n";
     else if (c == '\r') out += "\\r";
-    else if (c < 0x20 || c == 0x7f) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\x%02x", c);
+    else if (!uni_printable(c)) {
+      char b[16];
+      std::snprintf(b, sizeof b, c < 0x100 ? "\\x%02x" : c < 0x10000 ? "\\u%04x" : "\\U%08x", c);
       out += b;
     } else {
-      out += (char)c;
+      out += utf8_encode(c);
     }
   }
   return out + q;
 }
 
+// ---- Python's unbounded ints (found by mx_roi.ext.fuzz: '2**64' or '1e30' was "not an
+// integer" here where params.py names the bound it breaks, with the exact value).  A value
+// beyond int64 parses to a sentinel near LLONG_MAX (LLONG_MIN when negative) -- beyond
+// every bound, so each check fails as Python's would -- and py_int_repr prints its exact
+// decimal text, kept per thread for the parse under way (Kwargs clears it).
+inline std::map<long long, std::string>& big_ints() {
+  static thread_local std::map<long long, std::string> table;
+  return table;
+}
+
+inline long long big_int(const std::string& text, bool negative) {
+  auto& t = big_ints();
+  for (const auto& kv : t)
+    if (kv.second == (negative ? "-" : "") + text) return kv.first;
+  const long long k = (long long)t.size();
+  const long long v = negative ? LLONG_MIN + k : LLONG_MAX - k;
+  t[v] = (negative ? "-" : "") + text;
+  return v;
+}
+
+inline std::string py_int_repr(long long v) {
+  const auto& t = big_ints();
+  const auto it = t.find(v);
+  return it == t.end() ? std::to_string(v) : it->second;
+}
+
+// int(v) of a finite, integral double as a long long (a sentinel beyond int64)
+inline long long py_int_of_double(double v) {
+  if (std::fabs(v) < 9223372036854775808.0) return (long long)v;
+  char buf[400];
+  std::snprintf(buf, sizeof buf, "%.0f", std::fabs(v));  // (exact: glibc prints every digit)
+  return big_int(buf, v < 0);
+}
+
+// The decimal text of the digits ``digits`` (no sign, no '_') in base 2..16
+inline std::string digits_to_decimal(const std::string& digits, int base) {
+  std::vector<unsigned> limbs{0};  // base 1e9, least significant first
+  for (char c : digits) {
+    unsigned long long carry = (unsigned long long)(std::isdigit((unsigned char)c)
+                                                        ? c - '0' : (c | 32) - 'a' + 10);
+    for (auto& l : limbs) {
+      const unsigned long long x = (unsigned long long)l * base + carry;
+      l = (unsigned)(x % 1000000000ULL);
+      carry = x / 1000000000ULL;
+    }
+    if (carry) limbs.push_back((unsigned)carry);
+  }
+  std::string out = std::to_string(limbs.back());
+  for (size_t i = limbs.size() - 1; i-- > 0;) {
+    char b[16];
+    std::snprintf(b, sizeof b, "%09u", limbs[i]);
+    out += b;
+  }
+  return out;
+}
+
+// An exact integer from its digits (base 2..16), sign applied; a sentinel beyond int64
+inline long long py_int_of_digits(const std::string& digits, int base, bool negative) {
+  unsigned __int128 v = 0;
+  bool big = false;
+  for (char c : digits) {
+    const int d = std::isdigit((unsigned char)c) ? c - '0' : (c | 32) - 'a' + 10;
+    v = v * base + d;
+    if (v > ((unsigned __int128)1 << 63)) { big = true; break; }
+  }
+  if (!big && (v < ((unsigned __int128)1 << 63) || (negative && v == ((unsigned __int128)1 << 63))))
+    return negative ? (long long)(-(__int128)v) : (long long)v;
+  return big_int(digits_to_decimal(digits, base), negative);
+}
+
 inline std::string py_pair_repr(long long a, long long b) {
-  return "(" + std::to_string(a) + ", " + std::to_string(b) + ")";
+  return "(" + py_int_repr(a) + ", " + py_int_repr(b) + ")";
 }
 
 // ---- parsing as mx_roi/params.py (every value arrives as a string) --------------------
@@ -138,11 +269,20 @@ inline bool is_py_space(char c) {
          (c >= '\x1c' && c <= '\x1f');
 }
 
+// str.strip(): every Unicode space (UNI_SPACE) at either end
 inline std::string py_strip(const std::string& s) {
   size_t a = 0, b = s.size();
   while (a < b && is_py_space(s[a])) ++a;
   while (b > a && is_py_space(s[b - 1])) --b;
-  return s.substr(a, b - a);
+  std::string t = s.substr(a, b - a);
+  if (std::all_of(t.begin(), t.end(), [](char c) { return (unsigned char)c < 0x80; })) return t;
+  const std::vector<unsigned> cps = utf8_decode(t);
+  size_t i = 0, j = cps.size();
+  while (i < j && uni_space(cps[i])) ++i;
+  while (j > i && uni_space(cps[j - 1])) --j;
+  std::string out;
+  for (size_t k = i; k < j; ++k) out += utf8_encode(cps[k]);
+  return out;
 }
 
 inline std::string py_lower(std::string s) {
@@ -175,7 +315,13 @@ inline size_t scan_digits(const std::string& s, size_t i, std::string& out) {
 }
 
 // Python's float(text) for an already stripped text: false if it does not parse.
-inline bool py_float(const std::string& t, double& v) {
+inline bool py_float(const std::string& text, double& v) {
+  // float() reads every Unicode decimal digit as its ASCII digit, a Unicode space as ' '
+  std::string t;
+  for (unsigned cp : utf8_decode(text)) {
+    const int d = uni_digit(cp);
+    t += d >= 0 ? (char)('0' + d) : uni_space(cp) ? ' ' : cp < 0x80 ? (char)cp : '\x7f';
+  }
   size_t i = 0;
   std::string norm;
   if (i < t.size() && (t[i] == '+' || t[i] == '-')) norm += t[i++];
@@ -223,10 +369,9 @@ inline bool parse_bool(const std::string& name, const std::string& raw) {
 
 inline long long parse_int(const std::string& name, const std::string& raw) {
   double v;
-  if (!py_float(py_strip(raw), v) || !std::isfinite(v) || v != std::trunc(v) ||
-      std::fabs(v) >= 9.2e18)  // (Python's ints are unbounded; ours are 64-bit)
+  if (!py_float(py_strip(raw), v) || !std::isfinite(v) || v != std::trunc(v))
     throw param_fail(name, py_str_repr(raw), "an integer");
-  return (long long)v;
+  return py_int_of_double(v);  // (Python's ints are unbounded: see big_int)
 }
 
 inline double parse_float(const std::string& name, const std::string& raw) {
@@ -236,87 +381,279 @@ inline double parse_float(const std::string& name, const std::string& raw) {
   return v;
 }
 
-// One number of a Python literal (ast.literal_eval): an int (decimal, 0x, 0o, 0b) or a
-// float, at most one leading sign; false for anything else.
-inline bool literal_number(std::string t, double& v, bool& is_int) {
-  std::string sign;
-  if (!t.empty() && (t[0] == '+' || t[0] == '-')) {
-    sign = t.substr(0, 1);
-    t = py_strip(t.substr(1));
+// ---- ast.literal_eval, as far as parse_size2 reads it -----------------------------------
+// A value of a Python literal: an int (exact, see big_int), a float, a str, a tuple/list,
+// or anything else (bytes, complex, sets, dicts, None, True/False: parse_int refuses them
+// all).  The fuzz found the earlier scanner refusing '-(7)', "'7'", '7 # c' and ints
+// beyond 2^53 (rounded through a double), all of which literal_eval reads.
+struct Literal {
+  enum Kind { INT, FLOAT, STR, SEQ, OTHER } kind = OTHER;
+  long long i = 0;
+  double f = 0;
+  std::string s;
+  std::vector<Literal> items;
+  bool negated_sign_seen = false;  // literal_eval takes one sign on a number, not '--7'
+};
+
+class LiteralParser {
+ public:
+  explicit LiteralParser(const std::string& t) : t_(t) {}
+
+  // the whole text as a Python expression (a bare "7, 7" is a tuple); false: not a literal
+  bool parse(Literal& out) {
+    if (!sequence(out, '\0')) return false;
+    skip(false);
+    return i_ == t_.size();
   }
-  if (t.empty() || !(std::isdigit((unsigned char)t[0]) || t[0] == '.')) return false;
-  const std::string low = py_lower(t);
-  int base = 0;
-  if (low.size() > 2 && low[0] == '0' && (low[1] == 'x' || low[1] == 'o' || low[1] == 'b'))
-    base = low[1] == 'x' ? 16 : low[1] == 'o' ? 8 : 2;
-  if (base) {
-    std::string digits;
-    for (size_t i = 2; i < low.size(); ++i) {
-      const char c = low[i];
-      if (c == '_') {
-        if (i + 1 >= low.size() || low[i + 1] == '_') return false;
+
+ private:
+  // spaces, tabs, form feeds and comments; newlines only inside brackets (``nl``)
+  void skip(bool nl) {
+    for (;;) {
+      while (i_ < t_.size() && (t_[i_] == ' ' || t_[i_] == '\t' || t_[i_] == '\x0c' ||
+                                (nl && (t_[i_] == '\n' || t_[i_] == '\r'))))
+        ++i_;
+      if (i_ < t_.size() && t_[i_] == '#') {
+        while (i_ < t_.size() && t_[i_] != '\n') ++i_;
         continue;
       }
-      const int d = std::isdigit((unsigned char)c) ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : 99;
-      if (d >= base) return false;
-      digits += c;
+      return;
     }
-    if (digits.empty()) return false;
-    v = (double)std::strtoull(digits.c_str(), nullptr, base);
-    if (sign == "-") v = -v;
-    is_int = true;
+  }
+
+  // items separated by commas up to ``close`` ('\0': the end); one item without a comma is
+  // that item (a parenthesised expression), unless close is ']'
+  bool sequence(Literal& out, char close) {
+    const bool nl = close != '\0';
+    std::vector<Literal> items;
+    bool comma = false;
+    for (;;) {
+      skip(nl);
+      if (i_ >= t_.size() || t_[i_] == close) break;
+      Literal item;
+      if (!value(item, nl)) return false;
+      items.push_back(item);
+      skip(nl);
+      if (i_ < t_.size() && t_[i_] == ',') {
+        ++i_;
+        comma = true;
+        continue;
+      }
+      break;
+    }
+    if (items.empty() && close != ']' && close != ')') return false;  // '' is no literal
+    if (close == ']' || comma || items.empty()) {
+      out.kind = Literal::SEQ;
+      out.items = items;
+    } else {
+      out = items[0];
+    }
     return true;
   }
-  const bool looks_int = low.find_first_of(".e") == std::string::npos;
-  if (looks_int) {
-    std::string digits;
-    if (scan_digits(t, 0, digits) != t.size()) return false;
-    // Python 3: no leading zeros in a non-zero decimal literal
-    if (digits.size() > 1 && digits[0] == '0' && digits.find_first_not_of('0') != std::string::npos)
-      return false;
-    v = std::strtod(digits.c_str(), nullptr);
-    if (sign == "-") v = -v;
-    is_int = true;
+
+  bool value(Literal& out, bool nl) {
+    if (i_ >= t_.size()) return false;
+    const char c = t_[i_];
+    if (c == '(' || c == '[') {
+      ++i_;
+      const char close = c == '(' ? ')' : ']';
+      if (!sequence(out, close)) return false;
+      skip(true);
+      if (i_ >= t_.size() || t_[i_] != close) return false;
+      ++i_;
+      return true;
+    }
+    if (c == '{') {  // a set or a dict: never an int (its syntax is not checked further)
+      int depth = 0;
+      for (; i_ < t_.size(); ++i_) {
+        depth += t_[i_] == '{' ? 1 : t_[i_] == '}' ? -1 : 0;
+        if (depth == 0) break;
+      }
+      if (i_ >= t_.size()) return false;
+      ++i_;
+      out.kind = Literal::OTHER;
+      return true;
+    }
+    if (c == '+' || c == '-') {  // a sign applies to a number only ('-(7)' is -7)
+      ++i_;
+      skip(nl);
+      Literal operand;
+      if (!value(operand, nl)) return false;
+      if (operand.kind != Literal::INT && operand.kind != Literal::FLOAT) return false;
+      if (operand.negated_sign_seen) return false;
+      out = operand;
+      out.negated_sign_seen = true;
+      if (c == '-') {
+        if (out.kind == Literal::FLOAT) out.f = -out.f;
+        else out.i = negate(out.i);
+      }
+      return true;
+    }
+    return atom(out);
+  }
+
+  static long long negate(long long v) {
+    const auto& t = big_ints();
+    const auto it = t.find(v);
+    if (it == t.end()) return v == LLONG_MIN ? big_int("9223372036854775808", false) : -v;
+    const std::string text = it->second;
+    return text[0] == '-' ? big_int(text.substr(1), false) : big_int(text, true);
+  }
+
+  // a number, a string, or a name (True/False/None ...: OTHER, parse_int refuses them)
+  bool atom(Literal& out) {
+    const size_t start = i_;
+    const char c = t_[i_];
+    if (std::isalpha((unsigned char)c) || c == '_') {
+      size_t j = i_;
+      while (j < t_.size() && (std::isalnum((unsigned char)t_[j]) || t_[j] == '_')) ++j;
+      const std::string word = t_.substr(i_, j - i_);
+      if (j < t_.size() && (t_[j] == '\'' || t_[j] == '"') && word.size() <= 2) {
+        const std::string w = py_lower(word);
+        if (w != "r" && w != "u" && w != "b" && w != "rb" && w != "br") return false;
+        i_ = j;
+        if (!string(out, w.find('r') != std::string::npos)) return false;
+        if (w.find('b') != std::string::npos) out.kind = Literal::OTHER;  // bytes
+        return true;
+      }
+      if (word != "True" && word != "False" && word != "None") return false;
+      i_ = j;
+      out.kind = Literal::OTHER;
+      return true;
+    }
+    if (c == '\'' || c == '"') return string(out, false);
+    // a number token: digits, letters, '_' and '.', and a sign after an exponent
+    size_t j = i_;
+    while (j < t_.size()) {
+      const char d = t_[j];
+      if (std::isalnum((unsigned char)d) || d == '_' || d == '.') {
+        ++j;
+      } else if ((d == '+' || d == '-') && j > start && (t_[j - 1] == 'e' || t_[j - 1] == 'E') &&
+                 !(t_.size() > start + 1 && t_[start] == '0' &&
+                   (t_[start + 1] == 'x' || t_[start + 1] == 'X'))) {
+        ++j;
+      } else {
+        break;
+      }
+    }
+    const std::string tok = t_.substr(i_, j - i_);
+    if (tok.empty() || !(std::isdigit((unsigned char)tok[0]) || tok[0] == '.')) return false;
+    i_ = j;
+    return number(tok, out);
+  }
+
+  static bool number(const std::string& tok, Literal& out) {
+    const std::string low = py_lower(tok);
+    if (low.back() == 'j') {  // complex: parse_int refuses it (its syntax unchecked)
+      out.kind = Literal::OTHER;
+      return true;
+    }
+    if (low.size() > 1 && low[0] == '0' && (low[1] == 'x' || low[1] == 'o' || low[1] == 'b')) {
+      const int base = low[1] == 'x' ? 16 : low[1] == 'o' ? 8 : 2;
+      std::string digits;
+      for (size_t k = 2; k < low.size(); ++k) {
+        const char d = low[k];
+        if (d == '_') {  // one '_' before each digit group ('0x_1' too)
+          if (k + 1 >= low.size() || low[k + 1] == '_') return false;
+          continue;
+        }
+        const int v = std::isdigit((unsigned char)d) ? d - '0' : (d >= 'a' && d <= 'f') ? d - 'a' + 10 : 99;
+        if (v >= base) return false;
+        digits += d;
+      }
+      if (digits.empty()) return false;
+      out.kind = Literal::INT;
+      out.i = py_int_of_digits(digits, base, false);
+      return true;
+    }
+    if (low.find_first_of(".e") == std::string::npos) {  // a decimal int
+      std::string digits;
+      if (scan_digits(tok, 0, digits) != tok.size()) return false;
+      // Python 3: no leading zeros in a non-zero decimal literal
+      if (digits.size() > 1 && digits[0] == '0' && digits.find_first_not_of('0') != std::string::npos)
+        return false;
+      out.kind = Literal::INT;
+      out.i = py_int_of_digits(digits, 10, false);
+      return true;
+    }
+    double v;
+    if (!py_float(tok, v) || low.find_first_of("in") != std::string::npos) return false;
+    out.kind = Literal::FLOAT;
+    out.f = v;
     return true;
   }
-  if (!py_float(t, v) || py_lower(t).find_first_of("in") != std::string::npos) return false;
-  if (sign == "-") v = -v;
-  is_int = false;
+
+  // a quoted string (no triple quotes); escapes \\ \' \" \t \n \r \xhh unless raw
+  bool string(Literal& out, bool raw) {
+    const char q = t_[i_++];
+    std::string s;
+    while (i_ < t_.size() && t_[i_] != q) {
+      char c = t_[i_++];
+      if (c == '\n') return false;
+      if (c == '\\' && !raw) {
+        if (i_ >= t_.size()) return false;
+        const char e = t_[i_++];
+        if (e == '\\' || e == '\'' || e == '"') c = e;
+        else if (e == 't') c = '\t';
+        else if (e == 'n') c = '\n';
+        else if (e == 'r') c = '\r';
+        else if (e == 'x' && i_ + 1 < t_.size() && std::isxdigit((unsigned char)t_[i_]) &&
+                 std::isxdigit((unsigned char)t_[i_ + 1])) {
+          c = (char)std::strtol(t_.substr(i_, 2).c_str(), nullptr, 16);
+          i_ += 2;
+        } else {
+          return false;  // (other escapes: not read here)
+        }
+      } else if (c == '\\' && raw && i_ < t_.size()) {
+        s += c;
+        c = t_[i_++];
+      }
+      s += c;
+    }
+    if (i_ >= t_.size()) return false;
+    ++i_;
+    if (s.empty() && i_ - 2 < t_.size() && t_.compare(i_ - 3 < t_.size() ? i_ - 3 : 0, 3,
+                                                      std::string(3, q)) == 0)
+      return false;  // a triple quote
+    out.kind = Literal::STR;
+    out.s = s;
+    return true;
+  }
+
+  const std::string& t_;
+  size_t i_ = 0;
+};
+
+// params.parse_int of one literal_eval'd item: an int, an integral float or a string
+// float() reads (bool, None, bytes, complex, sequences: refused)
+inline bool literal_int(const Literal& v, long long& out) {
+  double f;
+  switch (v.kind) {
+    case Literal::INT: out = v.i; return true;
+    case Literal::FLOAT: f = v.f; break;
+    case Literal::STR:
+      if (!py_float(py_strip(v.s), f)) return false;
+      break;
+    default: return false;
+  }
+  if (!std::isfinite(f) || f != std::trunc(f)) return false;
+  out = py_int_of_double(f);
   return true;
 }
 
-// params.parse_size2 ("7", "(7, 7)", "[7,5]", "(7,)") -> (h, w), before the sign check
+// params.parse_size2 ("7", "(7, 7)", "[7,5]", "(7,)", "-(7)", "'7'") -> (h, w), before the
+// sign check
 inline std::pair<long long, long long> parse_size2(const std::string& name, const std::string& raw) {
   const auto bad = [&]() { return param_fail(name, py_str_repr(raw), "an int or a (height, width) tuple"); };
-  std::string t = py_strip(raw);
-  if (!t.empty() && (t[0] == '(' || t[0] == '[')) {
-    if (t.back() != (t[0] == '(' ? ')' : ']')) throw bad();
-    t = t.substr(1, t.size() - 2);  // "(7)" is 7, "(7,)" a 1-tuple: both give (7, 7)
-  }
-  if (t.find_first_of("()[]") != std::string::npos) throw bad();
-  std::vector<std::string> items;
-  size_t start = 0;
-  for (;;) {
-    const size_t comma = t.find(',', start);
-    items.push_back(py_strip(t.substr(start, comma == std::string::npos ? std::string::npos
-                                                                          : comma - start)));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  if (items.size() > 1 && items.back().empty()) items.pop_back();  // a trailing comma
-  for (const auto& item : items)
-    if (item.empty()) throw bad();
+  const std::string t = py_strip(raw);
+  Literal v;
+  if (t.empty() || !LiteralParser(t).parse(v)) throw bad();
+  std::vector<Literal> items = v.kind == Literal::SEQ ? v.items : std::vector<Literal>{v};
   if (items.size() == 1) items.push_back(items[0]);
   if (items.size() != 2) throw bad();
   long long out[2];
-  for (int k = 0; k < 2; ++k) {
-    double v;
-    bool is_int;
-    if (!literal_number(items[k], v, is_int) || !std::isfinite(v) || v != std::trunc(v) ||
-        std::fabs(v) >= 9.2e18)
-      throw bad();
-    out[k] = (long long)v;
-  }
+  for (int k = 0; k < 2; ++k)
+    if (!literal_int(items[k], out[k])) throw bad();
   return {out[0], out[1]};
 }
 
@@ -337,7 +674,7 @@ inline std::pair<long long, long long> parse_group(const std::string& name,
 
 // A group_size (gh, gw) as params.py's messages spell it: "3" when square, else "(3, 4)"
 inline std::string py_group_repr(long long gh, long long gw) {
-  return gh == gw ? std::to_string(gh) : py_pair_repr(gh, gw);
+  return gh == gw ? py_int_repr(gh) : py_pair_repr(gh, gw);
 }
 
 inline std::string parse_choice(const std::string& name, const std::string& raw,
@@ -380,6 +717,7 @@ class Kwargs {
          std::vector<std::string> fields, std::vector<std::string> required,
          std::vector<std::string> extras = {})
       : op_(op), fields_(std::move(fields)), required_(std::move(required)) {
+    big_ints().clear();  // (the exact texts of this parse's ints beyond int64)
     for (const auto& kv : attrs) {
       if (is_hidden_attr(kv.first)) continue;
       bool extra = false;

@@ -233,35 +233,6 @@ inline std::string shape_repr(const std::vector<unsigned int>& s) {
 }
 
 // Whether an op's parameters have an output_dim (params.py: "output_dim" in the fields)
-template <typename P, typename = void>
-struct HasOutputDim : std::false_type {};
-template <typename P>
-struct HasOutputDim<P, decltype(void(std::declval<P&>().output_dim))> : std::true_type {};
-
-// RoIOp.check_out_size: an output past MXNet's largest array (params.MAX_ELEMENTS,
-// 2^31 - 2 elements) is refused at shape inference with the Custom path's message, before
-// MXNet would try to allocate it; empty dimensions count as 1
-template <typename Params>
-void check_out_size(const char* op, const std::vector<int64_t>& shape) {
-  __int128 size = 1;
-  bool empty = false;
-  for (int64_t d : shape) {
-    size *= d > 1 ? d : 1;
-    empty = empty || d <= 0;
-  }
-  if (size <= MAX_ELEMENTS) return;
-  std::string digits;
-  for (__int128 v = size; v > 0; v /= 10) digits.insert(digits.begin(), char('0' + int(v % 10)));
-  const bool ps = HasOutputDim<Params>::value;
-  throw OpError(std::string(op) + ": output shape " + shape_repr(shape) + " (rois, " +
-                (ps ? "output_dim" : "data channels") + ", pooled_size) " +
-                (empty ? "would have (empty or unknown dimensions at 1)" : "has") + " " +
-                digits + " elements, more than " + std::to_string(MAX_ELEMENTS) +
-                " (2^31 - 2, the most elements of an MXNet array): reduce " +
-                (ps ? "pooled_size, output_dim or the number of rois"
-                    : "pooled_size, the number of rois or the data's channels"));
-}
-
 inline long long numel(const std::vector<int64_t>& s) {
   long long n = 1;
   for (auto v : s) n *= v;
@@ -485,18 +456,71 @@ struct ExtraInput<Op, decltype((void)Op::num_inputs(std::declval<const typename 
   }
 };
 
-// An MXNet dtype code as NumPy names it (the Custom path's dtype messages)
-inline std::string dtype_name(int dtype) {
-  switch (dtype) {
-    case mxnet::ext::kFloat32: return "float32";
-    case mxnet::ext::kFloat64: return "float64";
-    case mxnet::ext::kFloat16: return "float16";
-    case mxnet::ext::kUint8: return "uint8";
-    case mxnet::ext::kInt32: return "int32";
-    case mxnet::ext::kInt8: return "int8";
-    case mxnet::ext::kInt64: return "int64";
-    default: return "dtype code " + std::to_string(dtype);
+// ---- the Custom door's shape and dtype messages (registry.RoIOp.out_shape, check_out_size,
+// check_dtypes, _Prop.infer_type), word for word: the fuzz (mx_roi.ext.fuzz) compares them
+const unsigned int UNKNOWN_DIM = 0xffffffffu;  // an unknown dimension in lib_api's shapes
+
+inline std::string shape_repr_known(const std::vector<unsigned int>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i)
+    out += (i ? ", " : "") + (s[i] == UNKNOWN_DIM ? std::string("-1") : std::to_string(s[i]));
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+inline std::string shape_repr_known(const std::vector<int64_t>& s) { return shape_repr(s); }
+
+// RoIOp.out_shape's checks of data (N, C, H, W) and rois (R, columns)
+template <typename S>
+void check_shapes(const std::string& op, const S& data, const S& rois, unsigned columns,
+                  const char* layout) {
+  if (data.size() != 4)
+    throw OpError(op + ": data must be 4-D (N, C, H, W), got shape " + shape_repr_known(data));
+  if (rois.size() != 2 || rois[1] != columns)
+    throw OpError(op + ": rois must have shape (R, " + std::to_string(columns) + ") = " +
+                  layout + ", got " + shape_repr_known(rois));
+}
+
+// numpy's name of an MXNet dtype code (lib_api.h's MXDType; mshadow's codes beyond it)
+inline std::string dtype_name(int code) {
+  static const char* const names[] = {"float32", "float64", "float16", "uint8", "int32",
+                                      "int8",    "int64",   "bool",    "int16", "uint16",
+                                      "uint32",  "uint64"};
+  return code >= 0 && code < 12 ? names[code] : "dtype code " + std::to_string(code);
+}
+
+// RoIOp.check_dtypes: one dtype of float16/32/64 for data and rois
+inline void check_dtypes(const std::string& op, int data, int rois) {
+  if (data != rois)
+    throw OpError(op + ": data and rois must have the same dtype, got data " + dtype_name(data) +
+                  " and rois " + dtype_name(rois));
+  if (data != kFloat32 && data != kFloat64 && data != kFloat16)
+    throw OpError(op + ": dtype " + dtype_name(data) +
+                  " is not supported (float16, float32, float64)");
+}
+
+template <typename P, typename = void>
+struct has_output_dim : std::false_type {};
+template <typename P>
+struct has_output_dim<P, decltype((void)std::declval<P>().output_dim)> : std::true_type {};
+
+// RoIOp.check_out_size of (R, C_out, P, Q) (-1: unknown, counted as 1, as an empty one)
+inline void check_out_size(const std::string& op, const std::vector<long long>& shape,
+                           bool output_dim) {
+  unsigned __int128 size = 1;
+  bool empty = false;
+  std::string text = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    size *= (unsigned __int128)(shape[i] > 1 ? shape[i] : 1);
+    empty = empty || shape[i] <= 0;
+    text += (i ? ", " : "") + std::to_string(shape[i]);
   }
+  if (size <= (unsigned __int128)MAX_ELEMENTS) return;
+  throw OpError(op + ": output shape " + text + ") (rois, " +
+                (output_dim ? "output_dim" : "data channels") + ", pooled_size) " +
+                (empty ? "would have (empty or unknown dimensions at 1)" : "has") + " " +
+                u128_str(size) + " elements, more than " + std::to_string(MAX_ELEMENTS) +
+                " (2^31 - 2, the most elements of an MXNet array): reduce " +
+                (output_dim ? "pooled_size, output_dim or the number of rois"
+                            : "pooled_size, the number of rois or the data's channels"));
 }
 
 // The lib_api callbacks of an op with inputs (data (N, C, H, W), rois (R, 5), or (R,
@@ -513,21 +537,10 @@ template <typename Op>
 struct Callbacks {
   typedef std::unordered_map<std::string, std::string> Attrs;
 
-  // rois of another shape than (R, RoiLayout<Op>::columns)
-  static std::string rois_shape_error(const std::string& got) {
-    return std::string(Op::OP) + ": rois must be (R, " +
-           std::to_string(RoiLayout<Op>::columns) + ") = " + RoiLayout<Op>::layout() +
-           ", got shape " + got;
-  }
-
   static void check(const MXTensor& data, const MXTensor& rois) {
-    if (data.shape.size() != 4)
-      throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                    shape_repr(data.shape));
-    if (rois.shape.size() != 2 || rois.shape[1] != RoiLayout<Op>::columns)
-      throw OpError(rois_shape_error(shape_repr(rois.shape)));
-    if (rois.dtype != data.dtype)
-      throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+    check_shapes(Op::OP, data.shape, rois.shape, RoiLayout<Op>::columns,
+                 RoiLayout<Op>::layout());
+    check_dtypes(Op::OP, data.dtype, rois.dtype);
   }
 
   // Op::parse(attrs), memoised per thread: MXNet hands every callback of one imperative
@@ -557,7 +570,8 @@ struct Callbacks {
       int& r = (*in_types)[1];
       if (d < 0 || d == kUNSET) d = r;
       if (r < 0 || r == kUNSET) r = d;
-      if (d != r) throw OpError(std::string(Op::OP) + ": rois must have the data's dtype");
+      if (d >= 0 && d != kUNSET)  // (the Custom door's infer_type and forward messages)
+        check_dtypes(Op::OP, d, r);
       for (size_t i = 2; i < in_types->size(); ++i) {  // an extra input (ExtraInput)
         int& e = (*in_types)[i];
         if (e < 0 || e == kUNSET) e = d;
@@ -578,16 +592,13 @@ struct Callbacks {
       const typename Op::Params p = params(attrs);
       const auto& d = (*in_shapes)[0];
       const auto& r = (*in_shapes)[1];
-      if (d.size() != 4)
-        throw OpError(std::string(Op::OP) + ": data must be 4-D (N, C, H, W), got shape " +
-                      shape_repr(d));
-      if (r.size() != 2 || r[1] != (unsigned int)RoiLayout<Op>::columns)
-        throw OpError(rois_shape_error(shape_repr(r)));
-      const long long channels = Op::out_channels(p, d[1]);
-      // (an unknown roi count arrives as unsigned -1: Python's partial shape says -1)
-      const int64_t rows = r[0] == 0xFFFFFFFFu ? -1 : int64_t(r[0]);
-      check_out_size<typename Op::Params>(Op::OP, {rows, channels, p.P, p.Q});
-      (*out_shapes)[0] = {r[0], (unsigned int)channels, (unsigned int)p.P, (unsigned int)p.Q};
+      check_shapes(Op::OP, d, r, RoiLayout<Op>::columns, RoiLayout<Op>::layout());
+      // RoIOp.out_shape then check_out_size (the fuzz found MXNet's own "larger than 2^31
+      // elements" in place of the op's message); an unknown dimension is (unsigned)-1
+      const long long C = d[1] == UNKNOWN_DIM ? -1 : (long long)Op::out_channels(p, d[1]);
+      check_out_size(Op::OP, {r[0] == UNKNOWN_DIM ? -1 : (long long)r[0], C, p.P, p.Q},
+                     has_output_dim<typename Op::Params>::value);
+      (*out_shapes)[0] = {r[0], (unsigned int)C, (unsigned int)p.P, (unsigned int)p.Q};
       ExtraInput<Op>::check_shape(p, *in_shapes);
     })
   }
