@@ -46,6 +46,7 @@ import builtins
 import functools
 import itertools
 import os
+import re
 import sys
 import threading
 import traceback
@@ -207,6 +208,24 @@ def pending() -> int:
         return sum(r.message is not None for r in _pending)
 
 
+#: MXNet's report of a failed callback of an extension-library op (c_api.cc), followed by
+#: the library's messages ("Extension Traceback:", one per line): ours is the one line
+_NATIVE_ERROR = re.compile(r"Error calling (\w+) for custom operator 'mx_roi_(\w+)'\n"
+                           r"Extension Traceback:\n\t\[0\] ([^\n]*)")
+
+
+def _translate_native(err, text):
+    """``err``, or :class:`RoIError` starting with the library's own message when ``err``
+    is MXNet's report of a failed callback of one of our native ops (``mx_roi_<Op>``:
+    MXNet puts its ``Traceback ... Error calling FCompute for custom operator`` lines
+    first)."""
+    m = _NATIVE_ERROR.search(text)
+    if m is None:
+        return err
+    return RoIError(f"{m.group(3)}\n(raised by mx_roi's native op mx_roi_{m.group(2)}, in its "
+                    f"{m.group(1)}; MXNet's report follows)\n{text}")
+
+
 def translate(err):
     """MXNet's error ``err`` (from ``get_last_ffi_error``), or the :class:`RoIError` with
     our message when it is the generic error of one of our failed callbacks (installed by
@@ -214,7 +233,7 @@ def translate(err):
     text = str(err)
     rec = _take(text)
     if rec is None:
-        return err
+        return _translate_native(err, text)
     where = "" if rec.issuer in (None, issuer()) else (
         "\n(that call was made on another thread; MXNet raised its error here)")
     how = " and carried to its output by a failed internal operation" \

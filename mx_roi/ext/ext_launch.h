@@ -76,7 +76,7 @@ struct make_void { typedef void type; };
 template <typename Op, typename = void>
 struct RoiLayout {
   static constexpr int columns = 5;
-  static const char* layout() { return "(batch index, x1, y1, x2, y2)"; }
+  static const char* layout() { return "(batch_index, x1, y1, x2, y2)"; }
 };
 template <typename Op>
 struct RoiLayout<Op, typename make_void<decltype(Op::ROI_COLUMNS)>::type> {
