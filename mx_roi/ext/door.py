@@ -160,5 +160,12 @@ def call(F, op, inputs, name=None):
     extra = {"name": name} if name is not None else {}
     if choose(op, F, inputs):
         return mxpatch.call_custom(F, op.name, inputs, **kwargs, **extra)
+    needed = op.input_names()
+    if F is mx.sym and len(inputs) < len(needed):
+        # a symbol may leave trailing inputs out (registry.RoIOp.order_inputs): MXNet makes
+        # variables for a Custom node's (``<node>_<input>``), not for an extension op's
+        name = mx.name.NameManager.current.get(name, native_op(op.name).lower())
+        extra = {"name": name}
+        inputs = list(inputs) + [mx.sym.var(f"{name}_{k}") for k in needed[len(inputs):]]
     inputs = add_safe_inputs(op, F, inputs, name)
     return getattr(F, native_op(op.name))(*inputs, **kwargs, **extra)
