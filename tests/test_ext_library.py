@@ -1394,8 +1394,8 @@ def test_rotated_rois_of_five_columns_are_refused_and_the_next_call_works():
     with pytest.raises(mx.MXNetError) as info:
         _ext(data, mx.nd.array([[0, 1, 1, 3, 3]]), op="RROIAlign", pooled_size=2,
              spatial_scale=1.0).asnumpy()
-    assert "RROIAlign: rois must be (R, 6) = (batch_index, x_center, y_center, width, " \
-           "height, angle_degrees), got shape (1, 5)" in str(info.value)
+    assert "RROIAlign: rois must have shape (R, 6) = (batch_index, x_center, y_center, " \
+           "width, height, angle_degrees), got (1, 5)" in str(info.value)
     rois = mx.nd.array([[0, 2, 2, 3, 3, 30]])
     out = _ext(data, rois, op="RROIAlign", pooled_size=2, spatial_scale=1.0).asnumpy()
     assert out.tobytes() == _custom(data, rois, op="RROIAlign", pooled_size=2,
