@@ -764,9 +764,10 @@ struct DeformablePSROIPoolingOp {
     kw.finish();
     // ParamBase.__post_init__: _positive in order, then each field's bounds in field
     // order; then the struct's own part_size and trans_std rules
-    const std::string dim = std::to_string(p.output_dim), grp = std::to_string(p.group_size);
-    const std::string pooled = std::to_string(p.P), part = std::to_string(p.part_size);
-    const std::string spp = std::to_string(p.sample_per_part);
+    // (py_int_repr: a value beyond int64 printed exactly, as params.py's message does)
+    const std::string dim = py_int_repr(p.output_dim), grp = py_int_repr(p.group_size);
+    const std::string pooled = py_int_repr(p.P), part = py_int_repr(p.part_size);
+    const std::string spp = py_int_repr(p.sample_per_part);
     kw.positive("spatial_scale", p.spatial_scale > 0, py_float_repr(p.spatial_scale));
     kw.positive("output_dim", p.output_dim > 0, dim);
     kw.positive("group_size", p.group_size > 0, grp);

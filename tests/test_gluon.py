@@ -715,8 +715,8 @@ def test_cast_float16(op, door):
         out, grad = forward_backward(b, data.astype("float16"), rois.astype("float16"))
         assert out.dtype == np.float16 and grad.dtype == np.float16
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
-    # rois must be cast too (the doors word it differently: params.py / ext_launch.h)
-    message = "same dtype" if door == "custom" else f"{op}: rois must have the data's dtype"
+    # rois must be cast too (both doors: the same words, ext_launch.h's check_dtypes)
+    message = f"{op}: data and rois must have the same dtype"
     with pytest.raises(mx.base.MXNetError, match=message):
         b(data.astype("float16"), rois).wait_to_read()
 

@@ -297,7 +297,7 @@ inline void check_pooled(const Kwargs& kw, long long P, long long Q, double spat
 // params.ADAPTIVE_SAMPLES_BOUNDS of the sampling ratio ``name`` (sample_ratio_field: <= 0
 // means adaptive; ROIAlign's and PSROIAlign's sample_ratio, RROIAlign's sampling_ratio)
 inline void check_adaptive_samples(const Kwargs& kw, const char* name, long long ratio) {
-  const std::string value = std::to_string(ratio);
+  const std::string value = py_int_repr(ratio);  // (exact beyond int64, as params.py)
   kw.check(name, ratio <= MAX_SAMPLES_PER_SIDE,
            "at most " + std::to_string(MAX_SAMPLES_PER_SIDE) + " (samples per bin side)", value);
   kw.check(name, ratio >= -(1LL << 31),

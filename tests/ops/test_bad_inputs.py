@@ -620,8 +620,8 @@ def test_failing_callback_waits_for_the_completions_of_others():
 def test_rejected_forward_under_naive_engine_raises_its_error(door):
     """Under MXNET_ENGINE_TYPE=NaiveEngine (operations run at once) a rejected forward
     raises the usual way, at the call, with its own message; the next call works.  On
-    the native door (where this backend takes it, mx_roi.ext.door) the message is the
-    library's, after MXNet's line naming the native op."""
+    the native door (where this backend takes it, mx_roi.ext.door) the first line is the
+    library's message, MXNet's report naming the native op after it."""
     import os
     import subprocess
     import sys
@@ -635,6 +635,7 @@ def test_rejected_forward_under_naive_engine_raises_its_error(door):
         "    mx_roi.nd.PSROIPooling(x, r, 1.0, 2, 2).asnumpy()\n"
         "except errors.RoIError as e:\n"
         "    print('RAISED', str(e).splitlines()[0])\n"
+        "    print('REPORT', \"Error calling FCompute for custom operator 'mx_roi_\" in str(e))\n"
         "except mx.base.MXNetError as e:\n"
         "    print('NATIVE', *[x.strip() for x in str(e).splitlines()], sep='\\n')\n"
         "r = mx.nd.array([[0, 1, 1, 4, 4]])\n"
@@ -650,10 +651,9 @@ def test_rejected_forward_under_naive_engine_raises_its_error(door):
     message = ("PSROIPooling: rois[0] has a NaN or infinite value [0.0, 1.0, 1.0, 4.0, "
                "nan]; coordinates must be finite")
     native = os.environ.get("MX_ROI_BACKEND", "native") == "native" and door == "native"
-    if native:
-        assert "NATIVE" in lines and f"[0] {message}" in lines and \
-            "MXNetError: Check failed: retval: Error calling FCompute for custom operator " \
-            "'mx_roi_PSROIPooling'" in lines, proc.stdout
+    if native:  # RoIError, the library's line first, MXNet's report after it
+        assert f"RAISED {message}" in lines and "REPORT True" in lines, proc.stdout
     else:
-        assert f"RAISED ValueError: {message}" in lines, proc.stdout
+        assert f"RAISED ValueError: {message}" in lines and "REPORT False" in lines, \
+            proc.stdout
     assert "NEXT 8.0" in lines and "PENDING 0" in lines, proc.stdout
