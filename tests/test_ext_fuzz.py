@@ -171,33 +171,13 @@ def test_planted_bugs_are_flagged(plant, flagged, tmp_path):
            "MX_ROI_CACHE": str(cache)}
     subprocess.run([sys.executable, str(script), plant, "build"], check=True, env=env,
                    cwd=ROOT, timeout=900, capture_output=True)
-    counts = dict.fromkeys(fuzz.CLASSES, 0)
-    start = 0
-    while start < 60:  # (the parent loop of fuzz.run, over the planted child)
-        try:
-            res = subprocess.run([sys.executable, str(script), plant, "child", "5",
-                                  str(start), "60"],
-                                 env={**env, "MX_ROI_FUZZ_ONLY": "nan,inf,batch>=N"},
-                                 cwd=ROOT, timeout=120, capture_output=True, text=True)
-            out, rc = res.stdout, res.returncode
-        except subprocess.TimeoutExpired as exc:
-            # an out-of-bounds read may hang instead of dying (MXNet's SIGSEGV handler
-            # can deadlock; seen in CI): an abort too
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) \
-                else (exc.stdout or "")
-            rc = "timeout"
-        done, begun = start, None
-        for line in out.splitlines():
-            if line.startswith("BEGIN "):
-                begun = int(line.split()[1])
-            elif line.startswith("{"):
-                rec = json.loads(line)
-                counts[rec["cls"]] += 1
-                done = rec["index"] + 1
-        if rc == 0 and done >= 60:
-            break
-        counts["abort"] += 1
-        start = (begun if begun is not None and begun >= done else done) + 1
+    # fuzz.run's parent loop over the planted child; a child that hangs (an
+    # out-of-bounds read under MXNet's SIGSEGV handler can deadlock: seen in CI) is an
+    # abort after 120 s
+    counts, _ = fuzz.run(60, 5, per_child=60, timeout=120,
+                         env={"MX_ROI_CACHE": str(cache), "MX_ROI_FUZZ_ONLY": "nan,inf,batch>=N"},
+                         child_cmd=lambda start, stop: [sys.executable, str(script), plant,
+                                                        "child", "5", str(start), str(stop)])
     flagged = (flagged,) if isinstance(flagged, str) else flagged
     assert sum(counts[c] for c in flagged) >= 3, counts
 

@@ -334,9 +334,10 @@ def child(seed, start, stop, ops_filter):
               flush=True)
 
 
-def run(cases, seed, per_child=60, ops=(), timeout=600, env=None, first=0):
+def run(cases, seed, per_child=60, ops=(), timeout=600, env=None, first=0, child_cmd=None):
     """Runs ``cases`` cases of ``seed`` (from case ``first``) in child processes; returns
-    ``(counts, failures)``."""
+    ``(counts, failures)``.  ``child_cmd(start, stop)``: another child's command line
+    (the tests' planted libraries), printing as :func:`child` does."""
     counts = dict.fromkeys(CLASSES, 0)
     failures = []
     start, cases = first, first + cases
@@ -346,8 +347,9 @@ def run(cases, seed, per_child=60, ops=(), timeout=600, env=None, first=0):
                      "PYTHONPATH")] if p])}
     while start < cases:
         stop = min(cases, start + per_child)
-        cmd = [sys.executable, "-m", "mx_roi.ext.fuzz", "--child", "--seed", str(seed),
-               "--start", str(start), "--stop", str(stop), "--ops", ",".join(ops)]
+        cmd = child_cmd(start, stop) if child_cmd else [
+            sys.executable, "-m", "mx_roi.ext.fuzz", "--child", "--seed", str(seed),
+            "--start", str(start), "--stop", str(stop), "--ops", ",".join(ops)]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, env=child_env,
                                  timeout=timeout, errors="replace")
