@@ -430,20 +430,10 @@ __global__ void prroi_pool_geometry(const T* __restrict__ rois, float spatial_sc
 
 namespace mx_roi_op {
 
-struct PrRoIPoolOp {
+struct PrRoIPoolOp : PooledOp<PrRoIPoolOp> {
   static constexpr const char* OP = "PrRoIPool";
 
-  typedef PooledParams Params;
-
-  // PrRoIPoolParam.from_kwargs / to_kwargs (the tests compare them with params.py)
-  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
-    return parse_pooled_params(OP, attrs);
-  }
-  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
-    return format_pooled_params(parse(attrs));
-  }
-
-  static long long out_channels(const Params&, long long C) { return C; }
+  // parse / format (PrRoIPoolParam.from_kwargs / to_kwargs) / out_channels: PooledOp
 
   // the call's roi check; the kernels read the rois themselves (the "geometry": the rois)
   template <typename T, typename A>

@@ -293,20 +293,10 @@ __global__ void roi_pooling_backward_rescan(
 
 namespace mx_roi_op {
 
-struct ROIPoolingOp {
+struct ROIPoolingOp : PooledOp<ROIPoolingOp> {
   static constexpr const char* OP = "ROIPooling";
 
-  typedef PooledParams Params;
-
-  // ROIPoolingParam.from_kwargs / to_kwargs (the tests compare them with params.py)
-  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
-    return parse_pooled_params(OP, attrs);
-  }
-  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
-    return format_pooled_params(parse(attrs));
-  }
-
-  static long long out_channels(const Params&, long long C) { return C; }
+  // parse / format (ROIPoolingParam.from_kwargs / to_kwargs) / out_channels: PooledOp
 
   template <typename T, typename A>
   static Bins geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {

@@ -332,6 +332,20 @@ inline std::string format_pooled_params(const PooledParams& p) {
          ";deterministic=" + (p.deterministic ? "True" : "False");
 }
 
+// The part of an op struct that ROIPooling and PrRoIPool share (PooledParams' parse and
+// spelling, channels in = channels out); ``D`` is the op (its OP names it in messages)
+template <typename D>
+struct PooledOp {
+  typedef PooledParams Params;
+  static Params parse(const std::unordered_map<std::string, std::string>& attrs) {
+    return parse_pooled_params(D::OP, attrs);
+  }
+  static std::string format(const std::unordered_map<std::string, std::string>& attrs) {
+    return format_pooled_params(parse(attrs));
+  }
+  static long long out_channels(const Params&, long long C) { return C; }
+};
+
 // One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
 // (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
 // n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
