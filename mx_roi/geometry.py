@@ -247,15 +247,17 @@ class SampleGrid:
 def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     """Taps and weights of sample coordinates along one axis of length ``limit``.
 
-    MXNet/Detectron rule: a coordinate below -1 or above ``limit`` gives weight 0;
-    otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps to the last cell.
+    MXNet/Detectron rule: a coordinate below -1 or above ``limit`` gives weight 0, and so
+    does NaN (the points of a box whose scaled size overflows float; MXNet would read at
+    tap INT_MIN); otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps to the last cell.
     ``limit`` is an int, or an integer array broadcasting against ``coord`` (one length
     per stacked axis).  Returns ``low, high, w_low, w_high`` with the shape of ``coord``.
     """
     cdt = coord.dtype
     lim = limit.astype(cdt) if hasattr(limit, "astype") else cdt.type(limit)
     zero = cdt.type(0)
-    outside = (coord < cdt.type(valid_lo)) | (coord > lim)
+    # NaN is outside: a box whose scaled size overflows float gives inf * 0 = NaN points
+    outside = ~((coord >= cdt.type(valid_lo)) & (coord <= lim))
     # (the masks are applied in place, into arrays made here: on a small call the number
     # of array operations is the cost)
     c = coord.copy()  # clamped to 0; outside: tap 0 (c is read there only for that)
@@ -668,7 +670,8 @@ def rotated_grid(rois, pooled_size, spatial_scale, sampling_ratio, aligned, cloc
     c, s = cos[:, None, None, None], sin[:, None, None, None]
     x = (xx * c + yy * s) + cx[:, None, None, None]                  # (R, P, Q, G)
     y = (yy * c - xx * s) + cy[:, None, None, None]
-    keep = ~((y < -1) | (y > height) | (x < -1) | (x > width)) & valid[:, None, None, :]
+    # NaN is outside (an overflowing box), as in bilinear_axis
+    keep = (y >= -1) & (y <= height) & (x >= -1) & (x <= width) & valid[:, None, None, :]
     taps, weights = [], []
     for v, limit in ((y, height), (x, width)):
         v = np.where(v <= 0, cdt.type(0), v)

@@ -1046,7 +1046,8 @@ struct Tap {
 template <typename A>
 __device__ __forceinline__ Tap<A> bilinear_tap(A coord, int limit, A valid_lo) {
   const A lim = (A)limit;
-  const bool outside = coord < valid_lo || coord > lim;
+  // NaN is outside (a box whose scaled size overflows: inf * 0 points), as geometry.py
+  const bool outside = !(coord >= valid_lo && coord <= lim);
   A c = (coord <= (A)0 || outside) ? (A)0 : coord;
   Tap<A> t;
   t.low = to_i32(c);

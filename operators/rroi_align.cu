@@ -82,7 +82,7 @@ __host__ __device__ __forceinline__ Sample<A> rotated_sample(const RotatedBox<A>
   if (py) *py = y;
   if (px) *px = x;
   Sample<A> s;
-  if (y < (A)-1 || y > (A)H || x < (A)-1 || x > (A)W) {
+  if (!(y >= (A)-1 && y <= (A)H && x >= (A)-1 && x <= (A)W)) {  // NaN is outside
     s.yl = s.yh = s.xl = s.xh = 0;
     s.w1 = s.w2 = s.w3 = s.w4 = (A)0;
     s.outside = true;

@@ -83,11 +83,9 @@ def test_seeded_slice_has_no_failures():
     """240 cases (four children) of seed 3: 0 abort, 0 wrong-silent, 0 unclear, and every
     broken-after is MXNet's hand-over (the good call after a failed training step raised
     that step's own message; open, timing-dependent: seen at seed 3 case 94 with
-    scale-huge skipped, in docs/native_ops.md).
-    The known crash of the shared geometry (huge spatial_scale, KNOWN_GEOMETRY_CRASH) is
-    excluded by its defect kind, and has its own test below."""
-    counts, failures = fuzz.run(240, seed=3, per_child=60,
-                                env={"MX_ROI_FUZZ_SKIP": "scale-huge"})
+    scale-huge skipped, in docs/native_ops.md).  Every defect kind runs, scale-huge
+    included (its boxes overflow float: test_a_box_wider_than_float_pools_to_zeros)."""
+    counts, failures = fuzz.run(240, seed=3, per_child=60)
     assert counts["abort"] == counts["wrong-silent"] == counts["unclear"] == 0, \
         (counts, failures[:5])
     assert all(f["cls"] == "broken-after" and f["handover"] for f in failures), failures[:5]
@@ -255,28 +253,73 @@ def test_errors_from_threads_at_once_keep_their_own_messages():
                                                                res.stderr[-2000:])
 
 
-# ---- a crash outside the native door -------------------------------------------------------
-KNOWN_GEOMETRY_CRASH = textwrap.dedent("""
+# ---- boxes whose scaled size overflows float -------------------------------------------------
+# Each case: op, rois, parameters.  A finite box wider than FLT_MAX (or any box under a
+# spatial_scale that rounds to inf in float32) puts its sample points at inf * 0 = NaN;
+# the bilinear rule counts NaN as outside (geometry.bilinear_axis, roi_common.cuh
+# bilinear_tap, rotated_sample), so the roi pools to zeros and gets no gradient.  Before
+# that rule a NaN point became tap INT_MIN: an out-of-bounds read on every CPU backend and
+# both doors (the fuzz's scale-huge cases aborted).
+OVERFLOW_CASES = [
+    ("ROIAlign", [[0, -2.9e38, -2.9e38, 2.9e38, 2.9e38]],
+     dict(pooled_size=(2, 2), spatial_scale=1, sample_ratio=2, aligned=True)),
+    ("ROIAlign", [[0, -2.9e38, -2.9e38, 2.9e38, 2.9e38]],
+     dict(pooled_size=(2, 2), spatial_scale=1, sample_ratio=2, aligned=False)),
+    ("ROIAlign", [[0, 1, 1, 5, 6]], dict(pooled_size=(3, 2), spatial_scale=1e300,
+                                          sample_ratio=2)),
+    ("ROIAlign", [[1, 0, 0, 5, 6]], dict(pooled_size=(3, 2), spatial_scale=1e300,
+                                          sample_ratio=1, aligned=True)),
+    ("PSROIAlign", [[0, -2.9e38, -2.9e38, 2.9e38, 2.9e38]],
+     dict(pooled_size=(2, 2), output_dim=1, spatial_scale=1, sample_ratio=2)),
+    ("PSROIAlign", [[0, 1, 1, 5, 6]], dict(pooled_size=(2, 2), output_dim=1,
+                                            spatial_scale=1e300, legacy="rfcn")),
+    ("RROIAlign", [[0, 4, 4, 3, 2, 0]],
+     dict(pooled_size=(2, 2), spatial_scale=1e300, sampling_ratio=2)),
+]
+
+_OVERFLOW_CHILD = textwrap.dedent("""
+    import json, sys
     import numpy as np, mxnet as mx, mx_roi
-    x = mx.nd.ones((2, 3, 9, 11))
-    r = mx.nd.array([[0, -2.9e38, -2.9e38, 2.9e38, 2.9e38]])
-    try:
-        mx.nd.Custom(x, r, op_type='ROIAlign', pooled_size=(2, 2), spatial_scale=1,
-                     sample_ratio=2, aligned=True).asnumpy()
-    except mx.MXNetError:
-        pass
+    from mx_roi import ext
+    cases = json.loads(sys.argv[1])
+    native = not ext.unavailable_reason() and sys.argv[2] == 'native'
+    x = mx.nd.array(np.arange(2 * 4 * 9 * 11).reshape(2, 4, 9, 11) % 7 + 1)
+    for op, rois, kw in cases:
+        for door in ('custom', 'native') if native else ('custom',):
+            r = mx.nd.array(rois)
+            data = x.copy()
+            data.attach_grad()
+            with mx.autograd.record():
+                if door == 'custom':
+                    y = mx.nd.Custom(data, r, op_type=op, **kw)
+                else:
+                    y = getattr(mx.nd, 'mx_roi_' + op)(data, r, **kw)
+            y.backward(mx.nd.ones_like(y))
+            out, grad = y.asnumpy(), data.grad.asnumpy()
+            good = mx.nd.Custom(x, mx.nd.array([[0, 1, 1, 5, 6]] if len(rois[0]) == 5
+                                               else [[0, 4, 4, 3, 2, 0]]),
+                                op_type=op, **{**kw, 'spatial_scale': 1}).asnumpy()
+            print(json.dumps([op, door, float(np.abs(out).max()), float(np.abs(grad).max()),
+                              bool(np.isfinite(good).all() and np.abs(good).max() > 0)]),
+                  flush=True)
     print('SURVIVED')
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="open: the shared ROIAlign geometry (both doors, "
-                   "every CPU backend) reads out of bounds when a box's scaled width "
-                   "overflows float (|x2 - x1| * spatial_scale > FLT_MAX): see the report")
-def test_custom_door_survives_a_box_wider_than_float():
-    """The crash the fuzz found in the shared geometry (both doors): a box of finite
-    coordinates whose scaled width overflows float32.  Strict xfail: it passes (and so
-    fails) once the geometry is fixed."""
-    res = subprocess.run([sys.executable, "-c", KNOWN_GEOMETRY_CRASH], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": "native"})
-    assert res.returncode == 0 and "SURVIVED" in res.stdout
+@pytest.mark.parametrize("backend", ["native", "numpy", "emulated-cuda"])
+def test_a_box_wider_than_float_pools_to_zeros(backend):
+    """Every case of OVERFLOW_CASES, forward and backward, through the Custom door on each
+    CPU backend and the native door (native backend): the process lives, the roi pools to
+    exact zeros with a zero gradient, and a good call right after gives a real output.
+    Planted (NaN inside, the comparisons of before): the child dies of an out-of-bounds
+    read (exit -11/-6) or the output is not zero."""
+    res = subprocess.run([sys.executable, "-c", _OVERFLOW_CHILD, json.dumps(OVERFLOW_CASES),
+                          backend], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MX_ROI_BACKEND": backend})
+    assert res.returncode == 0 and "SURVIVED" in res.stdout, (res.returncode,
+                                                               res.stdout[-2000:],
+                                                               res.stderr[-2000:])
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("[")]
+    doors = 2 if backend == "native" else 1
+    assert len(rows) == doors * len(OVERFLOW_CASES), rows
+    assert all(out == 0.0 and grad == 0.0 and good for _, _, out, grad, good in rows), rows
