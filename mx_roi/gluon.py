@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import math
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 
-from . import _version, api
+from . import _version, api, symbol_json
 from .ext import door
 from .registry import NATIVE_PREFIX, REGISTERED, native_op_type
 
@@ -315,8 +314,7 @@ def check_symbol_json(symbol_file) -> list:
     ``import mx_roi`` for ours), native nodes whose library is not loaded (telling how to
     load it, or why it cannot be built here).
     """
-    with open(symbol_file) as f:
-        graph = json.load(f)
+    graph = symbol_json.load(symbol_file)
     nodes = {}
     for node in graph.get("nodes", []):
         if node.get("op") == "Custom":
@@ -391,9 +389,8 @@ def imports(symbol_file, input_names, param_file=None, ctx=None, **kwargs):
     (:func:`check_symbol_json`: a clear error otherwise) and loads the block.
     """
     from . import ext
-    with open(symbol_file) as f:
-        natives = [n for n in json.load(f).get("nodes", [])
-                   if native_op_type(str(n.get("op", ""))) is not None]
+    natives = [n for n in symbol_json.load(symbol_file).get("nodes", [])
+               if native_op_type(str(n.get("op", ""))) is not None]
     if natives and not ext.unavailable_reason():
         ext.load()
     check_symbol_json(symbol_file)

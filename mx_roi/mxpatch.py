@@ -33,7 +33,6 @@ the Gluon blocks, and users calling ``Custom`` by hand).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import threading
 from typing import Any, Sequence
@@ -42,7 +41,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import MXNetError
 
-from . import errors, onnx
+from . import errors, onnx, symbol_json
 from .onednn import (GUARD_BOUND, bounded_dtype, guard_inputs, guard_output, guard_symbol,
                      onednn_enabled)
 
@@ -271,7 +270,7 @@ def _reads_a_variable(graph, op_types) -> bool:
     """Whether the symbol ``graph`` has a ``Custom`` node of one of ``op_types`` with an
     input straight from a variable (which :func:`mx_roi.onednn.guard_inputs` leaves
     unguarded)."""
-    nodes = json.loads(graph.tojson())["nodes"]
+    nodes = symbol_json.parse(graph.tojson())["nodes"]
     return any(n["op"] == "Custom" and n.get("attrs", {}).get("op_type") in op_types and
                any(nodes[i[0]]["op"] == "null" for i in n["inputs"]) for n in nodes)
 

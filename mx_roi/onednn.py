@@ -15,7 +15,6 @@ recorded slice view whose backward writes a fresh plain gradient
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import Any
 
@@ -25,6 +24,8 @@ import numpy as np
 
 import mxnet as mx
 from mxnet.base import _LIB, SymbolHandle, c_str, check_call
+
+from . import symbol_json
 
 #: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
 #: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
@@ -166,7 +167,7 @@ def _symbol_needs_guard(s) -> bool:
     """:func:`input_needs_guard` for symbol ``s`` (a multi-output symbol: guarded)."""
     if s.get_children() is None:
         return False  # a variable, without serialising it
-    graph = json.loads(s.tojson())
+    graph = symbol_json.parse(s.tojson())
     return len(graph["heads"]) != 1 or input_needs_guard(graph["nodes"], graph["heads"][0])
 
 
@@ -241,7 +242,7 @@ def _guard_node_templates() -> tuple:
     """(identity node, clip node) of the input guard as :func:`guard_inputs` builds them,
     as JSON node dicts without name and inputs (op and attrs: one truth)."""
     x = mx.sym.var("x")
-    nodes = json.loads(barrier(mx.sym, mx.sym.identity(x, name="c"), "b").tojson())["nodes"]
+    nodes = symbol_json.parse(barrier(mx.sym, mx.sym.identity(x, name="c"), "b").tojson())["nodes"]
     return tuple({k: v for k, v in n.items() if k not in ("name", "inputs")}
                  for n in nodes[1:])
 
@@ -319,9 +320,9 @@ def guard_symbol(sym, op_types):
     text = sym.tojson()
     if '"Custom"' not in text:
         return sym
-    graph = guard_graph(json.loads(text), op_types)
+    graph = guard_graph(symbol_json.parse(text), op_types)
     if graph is None:
         return sym
     handle = SymbolHandle()
-    check_call(_LIB.MXSymbolCreateFromJSON(c_str(json.dumps(graph)), ctypes.byref(handle)))
+    check_call(_LIB.MXSymbolCreateFromJSON(c_str(symbol_json.dump(graph)), ctypes.byref(handle)))
     return type(sym)(handle)
