@@ -27,11 +27,17 @@ __all__ = ["compute_dtype", "c_round", "batch_index", "IntBins", "SampleAxis", "
            "roi_pooling_bins", "psroi_pooling_bins", "roi_align_grid", "group_index",
            "ps_channel_map",
            "bilinear_axis", "MAX_SAMPLES_PER_AXIS", "RotatedGrid", "rotated_boxes",
-           "rotated_grid", "MAX_ROTATED_SAMPLES", "IntegralAxis", "PreciseBins",
+           "rotated_grid", "MAX_ROTATED_SAMPLES", "MAX_SAMPLES_PER_BIN",
+           "adaptive_samples_per_bin", "check_samples_per_bin", "IntegralAxis", "PreciseBins",
            "precise_bins", "hat_antiderivative"]
 
 #: Guard against boxes so large that the per-axis sample tables would not fit in memory.
 MAX_SAMPLES_PER_AXIS = 1 << 22
+#: Most bilinear samples of one bin that a kernel loops over (per channel): a sampling
+#: ratio's square (params.MAX_SAMPLES_PER_SIDE) and an adaptive grid's ceil(h / P) *
+#: ceil(w / Q), which the ops refuse beyond (check_samples_per_bin: a bin of a million
+#: cells of the map; more would run for hours, as MXNet's own ROIAlign does)
+MAX_SAMPLES_PER_BIN = 1 << 20
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -275,6 +281,35 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
     xp.copyto(w_high, zero, where=outside)
     xp.copyto(w_low, zero, where=outside)
     return low, high, w_low, w_high
+
+
+def adaptive_samples_per_bin(sides, spatial_scale, pooled_size, dtype, xp=np):
+    """``ceil(h * s / P) * ceil(w * s / Q)`` per box, in float64: the samples per bin of an
+    adaptive grid (sample_ratio <= 0) as the ops' bound estimates them (the geometry's
+    own grid is in the compute dtype).  ``sides`` (R, 2) float64: each box's (h, w) in
+    image units; ``s``: spatial_scale as the compute dtype of ``dtype`` holds it."""
+    s = float(compute_dtype(dtype).type(np.float32(spatial_scale)))
+    def per_bin():
+        per_axis = xp.ceil(sides * s / xp.asarray(pooled_size, dtype=np.float64))
+        return per_axis[:, 0] * per_axis[:, 1]
+    if math.isfinite(s):  # (finite sides times a finite scale: no overflow in float64)
+        return per_bin()
+    with np.errstate(invalid="ignore"):  # inf * 0: NaN, never over the bound
+        return per_bin()
+
+
+def check_samples_per_bin(name, per_bin, shown, ratio_name, xp=np):
+    """ValueError naming the first box whose ``per_bin`` (R,) (adaptive_samples_per_bin)
+    is over MAX_SAMPLES_PER_BIN; ``shown(r)`` gives the (width, height) the message
+    prints.  The native operators raise the same text (ext_launch.h)."""
+    bad = per_bin > MAX_SAMPLES_PER_BIN
+    if bool(bad.any()):
+        r = int(xp.argwhere(bad)[0, 0])
+        w, h = shown(r)
+        raise ValueError(f"{name}: rois[{r}] is a box of {w:g} x {h:g}: "
+                         f"{float(per_bin[r]):.3g} samples per bin with {ratio_name} <= 0, "
+                         f"more than {MAX_SAMPLES_PER_BIN}; check the box size and "
+                         f"spatial_scale, or set {ratio_name}")
 
 
 def _check_samples(n):
@@ -538,9 +573,8 @@ __all__ += ["caffe_align_grid", "rfcn_align_grid"]
 
 
 # ---- rotated boxes (RROIAlign) --------------------------------------------------------
-#: Most bilinear samples of one RROIAlign bin (an adaptive grid of a box a thousand
-#: times the map); RROIAlign refuses rois that need more (op check, every backend)
-MAX_ROTATED_SAMPLES = 1 << 20
+#: Most bilinear samples of one RROIAlign bin: MAX_SAMPLES_PER_BIN (its tables clip there)
+MAX_ROTATED_SAMPLES = MAX_SAMPLES_PER_BIN
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Dict, Tuple, Type
 import mxnet as mx
 import numpy as np
 
-from . import backends, error_slot, errors, ndio
+from . import backends, error_slot, errors, geometry, ndio
 from .cuda import source as kernel_sources
 from .errors import issuer, recording
 from .onednn import GUARD_BOUND, bounded_dtype
@@ -259,7 +259,29 @@ class RoIOp:
                                        bounded_dtype(rois.dtype))
             if code:
                 raise self.roi_error(code, row, rois, data_shape[0])
+        else:
+            self._check_values(data_shape, rois, xp)
+        self._check_adaptive_grid(rois, xp)
+
+    def _check_adaptive_grid(self, rois, xp):
+        """An adaptive ROIAlign grid (``align_grid``, sample_ratio <= 0: ROIAlign and
+        PSROIAlign) grows with the box: geometry.check_samples_per_bin over the boxes'
+        sides (x2 - x1, y2 - y1, reversed: 0)."""
+        spec = self.geometry_spec()
+        if spec is None or spec.mode != "align_grid" or spec.sample > 0:
             return
+        f = rois[:, 1:5].astype(np.float64)
+        sides = f[:, 3:1:-1] - f[:, 1::-1]            # (y2 - y1, x2 - x1)
+        xp.maximum(sides, 0.0, out=sides)
+        per_bin = geometry.adaptive_samples_per_bin(sides, spec.spatial_scale,
+                                                    spec.pooled_size, rois.dtype, xp)
+        geometry.check_samples_per_bin(
+            self.name, per_bin, lambda r: (float(sides[r, 1]), float(sides[r, 0])),
+            "sample_ratio", xp)
+
+    def _check_values(self, data_shape, rois, xp):
+        """Non-finite coordinates (code 1), batch index >= N (code 2), as array
+        operations."""
         # |x| >= GUARD_BOUND counts as infinite: the oneDNN guard clips inf to it (float16
         # holds no such value: there, comparing would only cast the bound to inf).  One
         # comparison is also false for NaN and +-inf (a small call's cost is its number

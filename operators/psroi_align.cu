@@ -266,6 +266,9 @@ struct PSROIAlignOp {
   // the geometry of the call (Spec: align_grid, or rfcn_grid with sample_num and no aligned)
   template <typename T, typename A>
   static Grid<A> geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    if (!p.rfcn() && p.sample_ratio <= 0)
+      check_adaptive_grid<T, A>(OP, p.P, p.Q, p.spatial_scale, (const T*)rois.data_ptr,
+                                rois.shape[0], data.shape[0]);
     return grid_geometry<T, A>(OP, p.rfcn() ? MODE_RFCN_GRID : MODE_ALIGN_GRID, (int)p.P,
                                (int)p.Q, (int)data.shape[2], (int)data.shape[3],
                                (int)(p.rfcn() ? p.sample_num : p.sample_ratio),

@@ -660,6 +660,9 @@ struct ROIAlignOp {
   // the geometry of the call (Spec: the Caffe grid takes neither sample nor aligned)
   template <typename T, typename A>
   static Grid<A> geometry(const Params& p, const MXTensor& data, const MXTensor& rois) {
+    if (!p.caffe() && p.sample_ratio <= 0)
+      check_adaptive_grid<T, A>(OP, p.P, p.Q, p.spatial_scale, (const T*)rois.data_ptr,
+                                rois.shape[0], data.shape[0]);
     return grid_geometry<T, A>(OP, p.caffe() ? MODE_CAFFE_GRID : MODE_ALIGN_GRID, (int)p.P,
                                (int)p.Q, (int)data.shape[2], (int)data.shape[3],
                                p.caffe() ? 0 : (int)p.sample_ratio, p.caffe() ? 0 : p.aligned,

@@ -413,8 +413,8 @@ __global__ void rroi_align_geometry(const T* __restrict__ rois, float spatial_sc
 
 namespace mx_roi_op {
 
-// geometry.MAX_ROTATED_SAMPLES (the rroi kernels' MX_ROI_MAX_ROTATED_SAMPLES)
-const double MAX_ROTATED_SAMPLES = (double)MX_ROI_MAX_ROTATED_SAMPLES;
+static_assert(MX_ROI_MAX_ROTATED_SAMPLES == (long long)mx_roi_ext::MAX_SAMPLES_PER_BIN,
+              "the rotated tables clip where the box-size check refuses");
 
 struct RROIAlignOp {
   static constexpr const char* OP = "RROIAlign";
@@ -462,25 +462,20 @@ struct RROIAlignOp {
 
   static long long out_channels(const Params&, long long C) { return C; }
 
-  // RROIAlign.check_inputs' box size rule (adaptive grid only): the first roi whose bins
-  // need more than MAX_ROTATED_SAMPLES samples, in float64 as NumPy computes it
+  // RROIAlign.check_inputs' box size rule (adaptive grid only): |height|, |width|; the
+  // message prints the signed width and height
   template <typename T, typename A>
   static void check_box_sizes(const Params& p, const T* rois, long long R) {
-    const double s = (double)(A)(float)p.spatial_scale;  // cdt.type(np.float32(scale))
-    for (long long r = 0; r < R; ++r) {
-      const double w = to_double(rois[r * ROI_COLUMNS + 3]);
-      const double h = to_double(rois[r * ROI_COLUMNS + 4]);
-      const double per_bin = std::ceil(std::fabs(h) * s / (double)p.P) *
-                             std::ceil(std::fabs(w) * s / (double)p.Q);
-      if (per_bin > MAX_ROTATED_SAMPLES) {
-        char b[160];
-        std::snprintf(b, sizeof b, "is a box of %g x %g: %.3g samples per bin", w, h, per_bin);
-        throw OpError(std::string(OP) + ": rois[" + std::to_string(r) + "] " + b +
-                      " with sampling_ratio <= 0, more than " +
-                      std::to_string((long long)MAX_ROTATED_SAMPLES) +
-                      "; check the box size and spatial_scale, or set sampling_ratio");
-      }
-    }
+    check_samples_per_bin<T, A>(
+        OP, "sampling_ratio", p.P, p.Q, p.spatial_scale, rois, R, ROI_COLUMNS,
+        [](const T* row, double* h, double* w) {
+          *h = std::fabs(to_double(row[4]));
+          *w = std::fabs(to_double(row[3]));
+        },
+        [](const T* row, double* a, double* b) {
+          *a = to_double(row[3]);
+          *b = to_double(row[4]);
+        });
   }
 
   // the call's checks; the kernels read the rois themselves (the "geometry": the rois)

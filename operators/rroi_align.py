@@ -111,20 +111,12 @@ class RROIAlign(RoIOp):
             return
         # an adaptive grid grows with the box: refuse boxes that need more samples per bin
         # than a kernel can take in reasonable time (and the int conversion can hold)
-        cdt = geometry.compute_dtype(rois.dtype)
-        s = cdt.type(np.float32(p.spatial_scale))
-        P, Q = p.pooled_size
-        with np.errstate(over="ignore"):
-            per_bin = (np.ceil(np.abs(rois[:, 4].astype(np.float64)) * float(s) / P)
-                       * np.ceil(np.abs(rois[:, 3].astype(np.float64)) * float(s) / Q))
-        bad = per_bin > geometry.MAX_ROTATED_SAMPLES
-        if bad.any():
-            r = int(np.argwhere(bad)[0, 0])
-            raise ValueError(f"{self.name}: rois[{r}] is a box of {float(rois[r, 3]):g} x "
-                             f"{float(rois[r, 4]):g}: {per_bin[r]:.3g} samples per bin with "
-                             "sampling_ratio <= 0, more than "
-                             f"{geometry.MAX_ROTATED_SAMPLES}; check the box size and "
-                             "spatial_scale, or set sampling_ratio")
+        per_bin = geometry.adaptive_samples_per_bin(   # sides (|height|, |width|)
+            xp.abs(rois[:, 4:2:-1].astype(np.float64)), p.spatial_scale, p.pooled_size,
+            rois.dtype, xp)
+        geometry.check_samples_per_bin(self.name, per_bin,
+                                       lambda r: (float(rois[r, 3]), float(rois[r, 4])),
+                                       "sampling_ratio", xp)
 
     def geometry(self, rois, height, width, xp):
         return geometry.LazyTables(rois, self.grid, (height, width))

@@ -285,11 +285,14 @@ def test_valid_values_parse_the_same():
 #: good_rois (another layout than the default (3, 5) rois) and plants, the op's own bad
 #: rois (case name, row, column, value) beside 'nonfinite' and 'batch'
 ERROR_OPS = {
+    # (adaptive grids, sample_ratio -1: a box too large for them, check_samples_per_bin)
     "ROIAlign": dict(kw=dict(pooled_size=(2, 2), spatial_scale=1.0), channels=8,
-                     bad_value="nan", bad_param=dict(pooled_size=0), wrong_channels=None),
+                     bad_value="nan", bad_param=dict(pooled_size=0), wrong_channels=None,
+                     plants=[("box", 0, 3, 1e7)]),
     "PSROIAlign": dict(kw=dict(pooled_size=(2, 2), output_dim=2, spatial_scale=1.0),
                        channels=8, bad_value="nan", bad_param=dict(output_dim=0),
-                       wrong_channels=(8, dict(output_dim=3))),  # 3 * 2 * 2 = 12 needed
+                       wrong_channels=(8, dict(output_dim=3)),  # 3 * 2 * 2 = 12 needed
+                       plants=[("box", 0, 3, 1e7)]),
     "PSROIPooling": dict(kw=dict(pooled_size=(2, 3), output_dim=2, spatial_scale=1.0,
                                  group_size=(2, 1)), channels=4, bad_value="inf",
                          bad_param=dict(output_dim=0), wrong_channels=(5, {})),
@@ -411,6 +414,12 @@ BAD_ROI_MESSAGES = {
     ("ROIAlign", "nonfinite"):
         "ROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
     ("ROIAlign", "batch"): "ROIAlign: rois[2] has batch index 7 but data holds only 2 image(s)",
+    ("ROIAlign", "box"): "ROIAlign: rois[0] is a box of 1e+07 x 5: 1.5e+07 samples per bin "
+                         "with sample_ratio <= 0, more than 1048576; check the box size and "
+                         "spatial_scale, or set sample_ratio",
+    ("PSROIAlign", "box"): "PSROIAlign: rois[0] is a box of 1e+07 x 5: 1.5e+07 samples per "
+                           "bin with sample_ratio <= 0, more than 1048576; check the box size "
+                           "and spatial_scale, or set sample_ratio",
     ("PSROIAlign", "nonfinite"):
         "PSROIAlign: rois[1] has a NaN or infinite value [1.0, 0.0, 0.0, nan, 8.0]",
     ("PSROIAlign", "batch"):

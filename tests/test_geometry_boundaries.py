@@ -624,6 +624,51 @@ def test_rroi_adaptive_samples_per_bin_at_the_limit_accepted_one_over_refused():
                                                             np.float32), np)
 
 
+# ---- ROIAlign / PSROIAlign: an adaptive grid's samples per bin at the limit and one over --
+@pytest.mark.parametrize("name, params", [
+    ("ROIAlign", dict(pooled_size=(1, 3), spatial_scale=1.0)),
+    ("ROIAlign", dict(pooled_size=(1, 3), spatial_scale=1.0, aligned=True, sample_ratio=0)),
+    ("PSROIAlign", dict(pooled_size=(1, 3), output_dim=1, spatial_scale=1.0))])
+def test_adaptive_align_samples_per_bin_at_the_limit_accepted_one_over_refused(name, params):
+    """check_inputs (every backend's Custom door) and the native operator alike:
+    ceil(h * s / P) * ceil(w * s / Q) == MAX_SAMPLES_PER_BIN (h 1024, w 3072 over a (1, 3)
+    pool) passes, as do a reversed box and the transposed box under a fixed ratio; one
+    cell wider (1025 x 1024 per bin) and the transposed box (3072 x 342) are refused,
+    naming the roi.  Planted: ``>=`` for ``>``, P and Q swapped, the sides not clipped at
+    0 (a reversed box's two negative ceilings multiply to a huge count)."""
+    M = G.MAX_SAMPLES_PER_BIN
+    assert 1024 * 1024 == M and 1025 * 1024 > M and 3072 * 342 > M
+    op = make_op(name, params)
+    shape = (1, 3, 4, 4)
+    ok = [[0, 5, 5, 5 + 3072, 5 + 1024], [0, 5e6, 5e6, 0, 0]]
+    op.check_inputs(shape, np.float32, np.array(ok, np.float32), np)
+    fixed = make_op(name, dict(params, sample_ratio=2))
+    fixed.check_inputs(shape, np.float32, np.array(ok + [[0, 5, 5, 5 + 1024, 5 + 3072]],
+                                                   np.float32), np)
+    messages = []
+    for row, sides in (([0, 5, 5, 5 + 3073, 5 + 1024], "3073 x 1024: 1.05e+06"),
+                       ([0, 5, 5, 5 + 1024, 5 + 3072], "1024 x 3072: 1.05e+06")):
+        want = (f"{name}: rois[2] is a box of {sides} samples per bin with sample_ratio <= 0, "
+                f"more than {M}; check the box size and spatial_scale, or set sample_ratio")
+        with pytest.raises(ValueError) as e:
+            op.check_inputs(shape, np.float32, np.array(ok + [row], np.float32), np)
+        assert str(e.value) == want
+        messages.append((row, want))
+    from mx_roi import ext
+    if ext.unavailable_reason():
+        return
+    import mxnet as mx
+    ext.load()
+    native = getattr(mx.nd, "mx_roi_" + name)
+    data = mx.nd.ones(shape)
+    kw = {k: v for k, v in params.items()}
+    assert native(data, mx.nd.array(ok), **kw).shape[0] == 2  # (runs: 2^20 samples a bin)
+    for row, want in messages:
+        with pytest.raises(mx.MXNetError) as e:
+            native(data, mx.nd.array(ok + [row]), **kw).asnumpy()
+        assert "\t[0] " + want + "\n" in str(e.value) + "\n", str(e.value)[-600:]
+
+
 @pytest.mark.parametrize("kind", ["native", "emulated-cuda"])
 def test_rroi_grid_at_the_sample_limit_bit_equal(kind):
     """The kernels' sample count per side (rotated_grid_side, clamped to

@@ -77,8 +77,14 @@ def test_check_inputs_batch_index_and_finite_bounds():
     float32 / float64, at inf in float16; NaN never passes."""
     import numpy as np
     import pytest
+    import dataclasses
     for name, cls in REGISTERED.items():
-        op = cls(cls.param_cls.from_kwargs(**_minimal_params(cls)))
+        params = _minimal_params(cls)
+        if "sample_ratio" in {f.name for f in dataclasses.fields(cls.param_cls)}:
+            # a fixed grid: an adaptive one also bounds the box's size (2.9e38 wide here;
+            # test_geometry_boundaries' adaptive samples per bin)
+            params["sample_ratio"] = 2
+        op = cls(cls.param_cls.from_kwargs(**params))
 
         def check(batch, n=2, value=10.0, dtype=np.float32):
             if cls.rois_columns == 6:  # rotated: the value as the x centre

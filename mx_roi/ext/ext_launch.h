@@ -98,6 +98,52 @@ void check_rois_status(const std::string& op, const T* rois, long long R, int co
   if (status[0]) throw OpError(roi_error(op, status[0], rois, N, columns));
 }
 
+// geometry.adaptive_samples_per_bin + check_samples_per_bin: the first box whose adaptive
+// grid needs more than MAX_SAMPLES_PER_BIN samples per bin, in float64 as NumPy computes
+// it; ``sides(row, &h, &w)`` gives a roi's sides (float64) and ``shown(row, &w, &h)`` the
+// two numbers the message prints.
+template <typename T, typename A, typename Sides, typename Shown>
+void check_samples_per_bin(const std::string& op, const char* ratio_name, long long P,
+                           long long Q, double spatial_scale, const T* rois, long long R,
+                           int columns, Sides sides, Shown shown) {
+  const double s = (double)(A)(float)spatial_scale;  // compute_dtype(dtype).type(float32)
+  for (long long r = 0; r < R; ++r) {
+    double h = 0, w = 0;
+    sides(rois + r * columns, &h, &w);
+    const double per_bin = std::ceil(h * s / (double)P) * std::ceil(w * s / (double)Q);
+    if (per_bin > MAX_SAMPLES_PER_BIN) {
+      double a = 0, b = 0;
+      shown(rois + r * columns, &a, &b);
+      char text[160];
+      std::snprintf(text, sizeof text, "is a box of %g x %g: %.3g samples per bin", a, b,
+                    per_bin);
+      throw OpError(op + ": rois[" + std::to_string(r) + "] " + text + " with " +
+                    ratio_name + " <= 0, more than " +
+                    std::to_string((long long)MAX_SAMPLES_PER_BIN) +
+                    "; check the box size and spatial_scale, or set " + ratio_name);
+    }
+  }
+}
+
+// RoIOp._check_adaptive_grid: an adaptive ROIAlign grid (ROIAlign, PSROIAlign) over (R, 5)
+// rois, after the roi check (its errors come first, as on the Custom door); sides
+// x2 - x1 and y2 - y1 in float64, a reversed side 0
+template <typename T, typename A>
+void check_adaptive_grid(const std::string& op, long long P, long long Q, double spatial_scale,
+                         const T* rois, long long R, long long N) {
+  if (R == 0) return;
+  check_rois_status<T, A>(op, rois, R, 5, N);
+  auto sides = [](const T* row, double* h, double* w) {
+    const double dh = to_double(row[4]) - to_double(row[2]);
+    const double dw = to_double(row[3]) - to_double(row[1]);
+    *h = dh > 0 ? dh : 0.0;  // np.maximum(d, 0): d finite here (or inf)
+    *w = dw > 0 ? dw : 0.0;
+  };
+  auto shown = [&](const T* row, double* a, double* b) { sides(row, b, a); };
+  check_samples_per_bin<T, A>(op, "sample_ratio", P, Q, spatial_scale, rois, R, 5, sides,
+                              shown);
+}
+
 // A sample grid's tables (geometry.SampleGrid; coordinates only in the exact build).
 template <typename A>
 struct Grid {
