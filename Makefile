@@ -25,14 +25,13 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m example_rcnn.demo
 
-# Full suite on the default CPU kernels (native for every op), two test files at a time
-# (pytest-xdist: a file's tests stay in one process), then the op suite again on each
-# other CPU backend.
+# Full suite on the default CPU kernels (native for every op: MX_ROI_BACKEND unset), two
+# test files at a time (pytest-xdist: a file's tests stay in one process), then the op
+# suite again on each other CPU backend, two workers each.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
-	MX_ROI_BACKEND=numpy $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/ops
-	MX_ROI_BACKEND=native $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/ops
-	MX_ROI_BACKEND=emulated-cuda $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/ops
+	MX_ROI_BACKEND=numpy $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests/ops
+	MX_ROI_BACKEND=emulated-cuda $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests/ops
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
