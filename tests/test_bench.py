@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import mxnet as mx
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (key, has a built-in) of the main workloads; every one runs in fwd and fwd+bwd
@@ -24,6 +26,13 @@ EXPECTED = {
     "DeformablePSROIPooling-agnostic/7x7": True,
 }
 DIRECTIONS = ("fwd", "fwd+bwd")
+#: ``--doors``' rows beyond the main table's: (sample_ratio, boxes reach beyond the map)
+DOORS_ONLY = {
+    "ROIAlign-adaptive/14x14": (0, False),
+    "ROIAlign-beyond/14x14": (2, True),
+    "ROIAlign-adaptive-beyond/14x14": (0, True),
+    "PSROIAlign-adaptive/7x7": (0, False),
+}
 
 
 FAKE_TORCH = os.path.join(ROOT, "tests", "fake_torch")
@@ -204,10 +213,11 @@ def test_doors_mode_rows_and_verdicts(doors_run):
     rows = payload["doors"]
     assert payload["mode"] == "doors" and payload["failures"] == []
     assert "results" not in payload and "fixed_cost" not in payload  # only this section
-    from mx_roi.bench.workloads import build_workloads
+    from mx_roi.bench.workloads import build_door_workloads
     assert [(r["key"], r["direction"]) for r in rows] == [
-        (w.key, d) for w in build_workloads(quick=True, variants=False) for d in DIRECTIONS]
-    assert {r["key"] for r in rows} == set(EXPECTED)
+        (w.key, d) for w in build_door_workloads(quick=True, variants=False)
+        for d in DIRECTIONS]
+    assert {r["key"] for r in rows} == set(EXPECTED) | set(DOORS_ONLY)
     native_ops = _native_ops()
     assert {r["op"] for r in rows if r["native_ms"] is not None} == native_ops
     repeat = payload["config"]["repeat"]
@@ -229,7 +239,8 @@ def test_doors_mode_rows_and_verdicts(doors_run):
         assert ("grad_ok" in r["check"]) == (r["direction"] == "fwd+bwd")
     # the printed table: one line per row, the verdict and the wins
     table = proc.stdout.split("Detector-sized workloads through the Custom door")[1]
-    lines = [ln for ln in table.splitlines() if ln.split()[:1] and ln.split()[0] in EXPECTED]
+    lines = [ln for ln in table.splitlines() if ln.split()[:1] and ln.split()[0] in
+             set(EXPECTED) | set(DOORS_ONLY)]
     assert len(lines) == len(rows)
     for r, line in zip(rows, lines):
         cells = line.split()
@@ -242,6 +253,61 @@ def test_doors_mode_rows_and_verdicts(doors_run):
     judged = [r for r in rows if r["median_ok"] is not None]
     assert (f"native <= Custom (medians) in {sum(r['median_ok'] for r in judged)} of "
             f"{len(judged)} rows with both doors") in proc.stdout
+
+
+def test_doors_only_rows_adaptive_and_beyond_the_map():
+    """``--doors`` adds the adaptive-sampling and beyond-the-map rows (issue 42's detector
+    rows, where the native door was slower); the main table keeps its rows.  A beyond row's
+    proposals are the same boxes with every side moved out, past the image's edges."""
+    from mx_roi.bench.workloads import (BEYOND_SPREAD, IMAGE_H, IMAGE_W, Inputs,
+                                        build_door_workloads, build_workloads)
+    for quick in (True, False):
+        main = build_workloads(quick=quick, variants=False)
+        doors_ = build_door_workloads(quick=quick, variants=False)
+        assert [w.key for w in doors_[:len(main)]] == [w.key for w in main]
+        extra = {w.key: w for w in doors_[len(main):]}
+        assert set(extra) == set(DOORS_ONLY)
+        assert not set(DOORS_ONLY) & {w.key for w in main}
+        for key, (ratio, beyond) in DOORS_ONLY.items():
+            w = extra[key]
+            assert w.ours_kwargs["sample_ratio"] == ratio and w.builtin_name is None
+            assert w.spread == (BEYOND_SPREAD if beyond else 0.0)
+            assert w.boxes == (32 if quick else 256)
+    inputs = Inputs(mx.cpu(), 256)
+    inside = inputs.rois(256).asnumpy()
+    spread = inputs.rois(256, 5, BEYOND_SPREAD).asnumpy()
+    assert (inside[:, 1:3] >= 0).all() and (inside[:, 3] <= IMAGE_W).all() and \
+        (inside[:, 4] <= IMAGE_H).all()
+    assert (spread[:, 0] == inside[:, 0]).all()
+    assert (spread[:, 1:3] <= inside[:, 1:3]).all() and (spread[:, 3:] >= inside[:, 3:]).all()
+    assert (inside[:, 1:3] - spread[:, 1:3]).max() < BEYOND_SPREAD
+    beyond = ((spread[:, 1] < 0) | (spread[:, 2] < 0) | (spread[:, 3] > IMAGE_W)
+              | (spread[:, 4] > IMAGE_H))
+    assert beyond.mean() > 0.5  # (68% of the 256: every edge crossed by some)
+    assert min((spread[:, 1] < 0).sum(), (spread[:, 2] < 0).sum(),
+               (spread[:, 3] > IMAGE_W).sum(), (spread[:, 4] > IMAGE_H).sum()) > 20
+    assert (inputs.rois(32, 5, BEYOND_SPREAD).asnumpy() == spread[:32]).all()  # a prefix
+
+
+def test_doors_bench_gives_a_beyond_row_its_spread_proposals():
+    """bench_doors times a beyond row on the spread proposals (and the others on the
+    proposals as they are)."""
+    from mx_roi.bench.small_call import bench_doors
+    from mx_roi.bench.workloads import (BEYOND_SPREAD, Inputs, build_door_workloads,
+                                        select_workloads)
+    asked = []
+
+    class Recording(Inputs):
+        def rois(self, count, columns=5, spread=0.0):
+            asked.append(spread)
+            return super().rois(count, columns, spread)
+
+    workloads = select_workloads(build_door_workloads(quick=True, variants=False),
+                                 "ROIAlign-beyond/14x14,ROIAlign-adaptive/14x14")
+    rows = bench_doors(workloads, Recording(mx.cpu(), 32), repeat=1)
+    assert asked == [w.spread for w in workloads]
+    assert sorted(asked) == [0.0, BEYOND_SPREAD]
+    assert len(rows) == 4 and all(r["error"] is None for r in rows)
 
 
 def test_doors_mode_markdown(doors_run):

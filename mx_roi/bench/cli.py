@@ -22,8 +22,8 @@ from .small_call import DOORS_REPEAT, SMALL_REPEAT, bench_doors, bench_fixed_cos
 from .threads import run_thread_settings
 from .timing import bench_all, sweep
 from .workloads import (ATOL, BATCH, DIRECTIONS, FEAT_H, FEAT_W, IMAGE_H, IMAGE_W, RTOL,
-                        SEED, SPATIAL_SCALE, SWEEP_BOXES, Inputs, build_workloads,
-                        select_workloads)
+                        SEED, SPATIAL_SCALE, SWEEP_BOXES, Inputs, build_door_workloads,
+                        build_workloads, select_workloads)
 
 __all__ = ["main"]
 
@@ -125,7 +125,7 @@ def _doors_main(args, ctx, argv) -> int:
     t_start = time.perf_counter()
     machine = machine_info(args.ctx)
     print(report.format_header(machine, args), flush=True)
-    workloads = select_workloads(build_workloads(args.quick, args.variants), args.only)
+    workloads = select_workloads(build_door_workloads(args.quick, args.variants), args.only)
     if not workloads:
         print(f"--only {args.only!r} matches no workload", file=sys.stderr)
         return 3

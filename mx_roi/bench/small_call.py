@@ -200,7 +200,7 @@ def bench_doors(workloads: List[Workload], inputs: Inputs, repeat: int = DOORS_R
     with ``native_ms`` None and ``native_missing`` saying why."""
     rows = []
     for w in workloads:
-        rois = inputs.rois(w.boxes, w.rois_columns)
+        rois = inputs.rois(w.boxes, w.rois_columns, w.spread)
         out_grad = inputs.out_grad(w.out_shape)
         missing = doors.native_missing(w.op)
         kwargs = dict(w.ours_kwargs)

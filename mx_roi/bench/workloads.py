@@ -11,8 +11,9 @@ import mxnet as mx
 
 import mx_roi
 
-__all__ = ["Workload", "build_workloads", "pooled_hw", "offsets", "select_workloads", "make_rois",
-           "make_data", "make_out_grad", "Inputs", "in_layout"]
+__all__ = ["Workload", "build_workloads", "build_door_workloads", "pooled_hw", "offsets",
+           "select_workloads", "make_rois", "make_data", "make_out_grad", "Inputs", "in_layout",
+           "spread_rois", "BEYOND_SPREAD"]
 
 IMAGE_H, IMAGE_W, STRIDE = 600, 800, 16
 FEAT_H, FEAT_W = IMAGE_H // STRIDE + 1, IMAGE_W // STRIDE  # 38 x 50, as a VGG/ResNet C4 map
@@ -67,6 +68,25 @@ def in_layout(rois: np.ndarray, columns: int, seed: int = SEED) -> np.ndarray:
                      angle[:len(rois)]], axis=1).astype(rois.dtype)
 
 
+#: how far (pixels, at most, per side) :func:`spread_rois` moves the sides of the proposals
+#: of a ``beyond`` workload out: up to 10 feature cells at stride 16
+BEYOND_SPREAD = 160.0
+
+
+def spread_rois(rois: np.ndarray, spread: float, seed: int = SEED) -> np.ndarray:
+    """``rois`` (R, 5) with every side moved out by a seeded amount uniform in [0,
+    ``spread``) pixels: boxes reaching beyond the image and the map (unclipped proposals,
+    jittered ground truth), where an adaptive ROIAlign needs more sample points than a
+    box inside the map; ``spread`` 0: ``rois`` unchanged."""
+    if not spread:
+        return rois
+    out = rois.copy()
+    move = np.random.RandomState(seed + 4000).uniform(0, spread, (max(len(rois), 1), 4))
+    out[:, 1:3] -= move[:len(rois), :2]
+    out[:, 3:5] += move[:len(rois), 2:]
+    return out.astype(rois.dtype)
+
+
 def make_data(channels: int, seed: int = SEED) -> np.ndarray:
     rng = np.random.RandomState(seed + 1000 + channels)
     return rng.standard_normal((BATCH, channels, FEAT_H, FEAT_W)).astype(np.float32)
@@ -106,6 +126,9 @@ class Workload:
     #: params)`` -> the seeded NDArrays that follow data and rois (gradients attached: a
     #: training call asks for them), the same for ours and the built-in
     extra: Optional[Callable] = None
+    #: proposals moved out beyond the image by up to this many pixels per side
+    #: (:func:`spread_rois`; 0: the proposals as they are, inside the image)
+    spread: float = 0.0
 
     def extra_inputs(self, rois, params=None) -> list:
         if self.extra is None:
@@ -262,6 +285,35 @@ def build_workloads(quick: bool = False, variants: bool = True) -> List[Workload
     return out
 
 
+def build_door_workloads(quick: bool = False, variants: bool = True) -> List[Workload]:
+    """``--doors``' workloads: :func:`build_workloads`' and the sample-grid rows whose
+    tables the two doors size differently from the shapes (the main table keeps its rows):
+    ROIAlign and PSROIAlign with adaptive sampling (``sample_ratio=0``: a bin's samples
+    from the box's size, in tables padded to the map's size), and ROIAlign with boxes
+    reaching beyond the map (:data:`BEYOND_SPREAD`: samples outside it count as zero),
+    with a fixed and an adaptive sample grid.  issue 42's target: native <= Custom on
+    every row."""
+    out = build_workloads(quick, variants)
+    channels, boxes, classes = (32, 32, 4) if quick else (256, 256, 21)
+    s, p = SPATIAL_SCALE, (14, 14)
+    tag = f"14x14, {boxes} boxes"
+    for key, ratio, spread, note in (
+            ("ROIAlign-adaptive/14x14", 0, 0.0, "sample_ratio=0"),
+            ("ROIAlign-beyond/14x14", 2, BEYOND_SPREAD, "sample_ratio=2, boxes beyond the map"),
+            ("ROIAlign-adaptive-beyond/14x14", 0, BEYOND_SPREAD,
+             "sample_ratio=0, boxes beyond the map")):
+        out.append(Workload(key, "ROIAlign", f"{tag}, {note}", channels, boxes,
+                            dict(pooled_size=p, spatial_scale=s, sample_ratio=ratio),
+                            None, note="--doors only", spread=spread))
+    ps_channels = classes * 49
+    out.append(Workload("PSROIAlign-adaptive/7x7", "PSROIAlign",
+                        f"{classes} cls, 7x7, {boxes} boxes, C={ps_channels}, sample_ratio=0",
+                        ps_channels, boxes,
+                        dict(pooled_size=(7, 7), output_dim=classes, spatial_scale=s,
+                             sample_ratio=0), None, note="--doors only"))
+    return out
+
+
 def select_workloads(workloads: List[Workload], only: Optional[str]) -> List[Workload]:
     """The workloads ``--only`` names: comma-separated keys (``ROIAlign/7x7``) or families
     (``ROIAlign``, ``ROIAlign-max``, ...); all of them without ``only``."""
@@ -288,9 +340,11 @@ class Inputs:
     def data(self, channels):
         return mx.nd.array(self.data_np(channels), ctx=self.ctx)
 
-    def rois(self, count, columns: int = 5):
-        """The first ``count`` proposals, in the layout of an op with ``columns``."""
-        return mx.nd.array(in_layout(self.rois_np[:count], columns), ctx=self.ctx)
+    def rois(self, count, columns: int = 5, spread: float = 0.0):
+        """The first ``count`` proposals, in the layout of an op with ``columns``, their
+        sides moved out by up to ``spread`` pixels (:func:`spread_rois`)."""
+        rois = spread_rois(self.rois_np[:count], spread)
+        return mx.nd.array(in_layout(rois, columns), ctx=self.ctx)
 
     def out_grad(self, shape):
         return mx.nd.array(make_out_grad(shape), ctx=self.ctx)

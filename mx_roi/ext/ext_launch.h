@@ -669,6 +669,7 @@ struct Callbacks {
       const typename Op::Params p = params(attrs);
       const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
       check(data, rois);
+      advise_fresh(*outputs);
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
@@ -748,8 +749,8 @@ struct Callbacks {
     return MX_SUCCESS;
   }
 
-  // all of ``t``'s bytes zero (a gradient MXNet allocated for its shape and dtype)
-  static void zero_tensor(MXTensor& t) {
+  // the bytes of ``t``'s elements (0: a dtype no op's output or gradient has)
+  static size_t tensor_bytes(const MXTensor& t) {
     size_t item = 0;
     switch (t.dtype) {
       case mxnet::ext::kFloat16: item = 2; break;
@@ -757,7 +758,20 @@ struct Callbacks {
       case mxnet::ext::kFloat64: item = 8; break;
       default: item = 0;  // (no gradient of another dtype reaches an op's backward)
     }
-    if (t.data_ptr && item) std::memset(t.data_ptr, 0, (size_t)numel(t.shape) * item);
+    return t.data_ptr ? (size_t)numel(t.shape) * item : 0;
+  }
+
+  // all of ``t``'s bytes zero (a gradient MXNet allocated for its shape and dtype)
+  static void zero_tensor(MXTensor& t) {
+    const size_t bytes = tensor_bytes(t);
+    if (bytes) std::memset(t.data_ptr, 0, bytes);
+  }
+
+  // MXNet's fresh memory of a call's outputs (forward: the output; backward: the
+  // gradients) onto huge pages before the first touch (ext_common.h's advise_huge_pages;
+  // the Custom door's native_program.py advises the same arrays)
+  static void advise_fresh(std::vector<MXTensor>& outputs) {
+    for (MXTensor& t : outputs) advise_huge_pages(t.data_ptr, tensor_bytes(t));
   }
 
   static void backward_checked(const Attrs& attrs, std::vector<MXTensor>* inputs,
@@ -769,6 +783,7 @@ struct Callbacks {
       const MXTensor* extra = has_extra ? &(*inputs)[3] : nullptr;
       MXTensor* extra_grad = has_extra ? &(*outputs)[2] : nullptr;
       check(data, rois);
+      advise_fresh(*outputs);
       dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;

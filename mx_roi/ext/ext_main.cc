@@ -65,6 +65,13 @@ extern "C" int mx_roi_ext_message_count() {
   return MXerrorMsgs::get()->size();
 }
 
+// mx_roi_ext::huge_page_range (the native door's huge-page advice on a call's fresh
+// output; tests/test_ext_library.py compares it with scratch.advise_huge_pages_at).
+extern "C" void mx_roi_ext_huge_page_range(unsigned long long addr, unsigned long long bytes,
+                                           unsigned long long* start, unsigned long long* len) {
+  mx_roi_ext::huge_page_range(addr, bytes, start, len);
+}
+
 // Parses op's parameters as its extension op does: writes "name=value;..." (the parsed
 // values as params.ParamBase.to_kwargs spells them) or the error message into out;
 // returns 0 (parsed), 1 (an error), -1 (no such op), -2 (out too small).
