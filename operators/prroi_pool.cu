@@ -474,7 +474,9 @@ struct PrRoIPoolOp : PooledOp<PrRoIPoolOp> {
     if (!direct) buf.resize((size_t)R * 5);
     A* out = direct ? (A*)rois_grad.data_ptr : buf.data();
     std::memset(out, 0, (size_t)R * 5 * sizeof(A));  // (launch.empty(...).fill(0))
-    mx_roi_launch_channels((int)R, native_threads(R), [&]() {
+    // threads by the work (every roi's bins over every channel), not the roi count: each
+    // roi is one thread's, so the bits do not depend on the split
+    mx_roi_launch_channels((int)R, native_threads(R * c.C * c.P * c.Q), [&]() {
       prroi_pool_rois_backward<T, A>((const T*)grad.data_ptr, (const T*)data.data_ptr, c.g,
                                      (float)p.spatial_scale, c.C, c.H, c.W, c.P, c.Q, (int)R,
                                      out, R);

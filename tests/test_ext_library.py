@@ -1344,6 +1344,8 @@ ROI_OPS = {
         dict(pooled_size=(2, 2), spatial_scale=1 / 8.0),
         dict(pooled_size=(7, 7), spatial_scale=1 / 8.0),
         dict(pooled_size=(3, 5), spatial_scale=1 / 8.0, deterministic=True),
+        # R * C * P * Q >= 2^17: the native rois' gradient on two threads (one roi each)
+        dict(pooled_size=(20, 20), spatial_scale=1 / 8.0),
     ]),
 }
 ROI_OP_CASES = [(op, kw) for op, spec in ROI_OPS.items() for kw in spec["cases"]]
