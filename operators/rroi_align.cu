@@ -123,7 +123,10 @@ __host__ __device__ __forceinline__ Sample<A> rotated_sample(const RotatedBox<A>
 // samples, which add nothing, left out).  The native launcher calls a kernel once per
 // channel block; the tables of one launch are kept per thread from block to block (a
 // launch is recognised by its rois' bytes and parameters, compared in full) up to
-// MX_ROI_ROTATED_CACHE taps, else rebuilt per roi.
+// MX_ROI_ROTATED_CACHE taps, else rebuilt per roi.  A roi whose bins hold more samples
+// than that (or a launch with more bins than that: a pooled_size of thousands) keeps
+// nothing: each() derives its bin's samples again per pass, in the same order (the same
+// bits), so that the memory stays bounded (a (3000, 3000) pool took gigabytes).
 #ifndef MX_ROI_ROTATED_CACHE
 #define MX_ROI_ROTATED_CACHE (1 << 20)
 #endif
@@ -138,8 +141,11 @@ struct RotatedRoiSamples {
   std::vector<long long> first;        // (r * (P * Q + 1) + b): roi r's bin b's first tap
   std::vector<mx_roi::RotatedBox<A>> boxes;
   std::vector<char> built;
-  int PQ = 0;
-  long long roi = -1;                  // the roi begin() / end() read
+  int PQ = 0, Qn = 0, Hn = 0, Wn = 0, lanes = 0;
+  bool keep = true;                    // the launch's bin starts fit MX_ROI_ROTATED_CACHE
+  bool direct = false;                 // roi ``roi`` keeps nothing (each() derives)
+  mx_roi::RotatedBox<A> current;       // roi ``roi``'s box when direct
+  long long roi = -1;                  // the roi each() / box() read
 
   template <typename T>
   void start(const T* rois, long long R, float spatial_scale, int P, int Q, int ratio,
@@ -152,22 +158,39 @@ struct RotatedRoiSamples {
     if (k == key) return;
     key.swap(k);
     PQ = P * Q;
+    Qn = Q;
+    Hn = H;
+    Wn = W;
+    lanes = ncp;
+    keep = (long long)R * (PQ + 1) <= (long long)MX_ROI_ROTATED_CACHE;
     reset(R);
   }
   void reset(long long R) {
     taps.clear();
     built.assign((size_t)R, 0);
-    first.resize((size_t)R * (PQ + 1));
-    boxes.resize((size_t)R);
+    first.resize(keep ? (size_t)R * (PQ + 1) : 0);
+    boxes.resize(keep ? (size_t)R : 0);
+    if (!keep) {  // (a large earlier launch's tables given back)
+      std::vector<Taps>().swap(taps);
+      std::vector<long long>().swap(first);
+    }
   }
   template <typename T>
   void load(long long r, const T* rois, float spatial_scale, int P, int Q, int ratio,
             int aligned, int clockwise, int H, int W, int ncp) {
     roi = r;
-    if (built[r]) return;
-    if (taps.size() > (size_t)MX_ROI_ROTATED_CACHE) reset((long long)built.size());
+    if (keep && built[r]) {
+      direct = false;
+      return;
+    }
     const mx_roi::RotatedBox<A> box = mx_roi::rotated_box<T, A>(
         rois + r * 6, spatial_scale, P, Q, ratio, aligned, clockwise);
+    direct = !keep || (long long)PQ * box.gy * box.gx > (long long)MX_ROI_ROTATED_CACHE;
+    if (direct) {
+      current = box;
+      return;
+    }
+    if (taps.size() > (size_t)MX_ROI_ROTATED_CACHE) reset((long long)built.size());
     boxes[r] = box;
     long long* f = first.data() + r * (PQ + 1);
     for (int p = 0; p < P; ++p)
@@ -186,9 +209,25 @@ struct RotatedRoiSamples {
     f[PQ] = (long long)taps.size();
     built[r] = 1;
   }
-  const mx_roi::RotatedBox<A>& box() const { return boxes[roi]; }
-  const Taps* begin(int b) const { return taps.data() + first[roi * (PQ + 1) + b]; }
-  const Taps* end(int b) const { return taps.data() + first[roi * (PQ + 1) + b + 1]; }
+  const mx_roi::RotatedBox<A>& box() const { return direct ? current : boxes[roi]; }
+  // f(taps) for every in-map sample of bin (p, q) of roi ``roi``, in the generic order
+  template <typename F>
+  void each(int p, int q, F&& f) const {
+    if (!direct) {
+      const long long b = roi * (PQ + 1) + p * Qn + q;
+      for (const Taps *t = taps.data() + first[b], *e = taps.data() + first[b + 1]; t != e; ++t)
+        f(*t);
+      return;
+    }
+    for (int iy = 0; iy < current.gy; ++iy)
+      for (int ix = 0; ix < current.gx; ++ix) {
+        const mx_roi::Sample<A> s = mx_roi::rotated_sample(current, p, q, iy, ix, Hn, Wn);
+        if (s.outside) continue;
+        f(Taps{((long long)s.yl * Wn + s.xl) * lanes, ((long long)s.yl * Wn + s.xh) * lanes,
+               ((long long)s.yh * Wn + s.xl) * lanes, ((long long)s.yh * Wn + s.xh) * lanes,
+               s.w1, s.w2, s.w3, s.w4});
+      }
+  }
 };
 
 // Native forward: the thread's channel block channels-last, each bin's samples taken for
@@ -216,8 +255,9 @@ void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale
     const A* base = img + cc;
     mx_roi::SumLanes<A> m;
     m.zero();
-    for (const auto *t = rs.begin(p * Q + q), *e = rs.end(p * Q + q); t != e; ++t)
-      m.add(base + t->o1, base + t->o2, base + t->o3, base + t->o4, t->w1, t->w2, t->w3, t->w4);
+    rs.each(p, q, [&](const typename RotatedRoiSamples<A>::Taps& t) {
+      m.add(base + t.o1, base + t.o2, base + t.o3, base + t.o4, t.w1, t.w2, t.w3, t.w4);
+    });
     m.divide(rs.box().divisor);
     for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
   });
@@ -264,12 +304,12 @@ struct RotatedBackwardLanes<T, A, A> {
             for (int c = 0; c < L; ++c)
               g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
             for (int c = 0; c < L; ++c) g[c] = g[c] / d;
-            for (const auto *t = rs.begin(o), *e = rs.end(o); t != e; ++t) {
-              mx_roi::AddLanes<A>::run(lane + t->o1, g, t->w1);
-              mx_roi::AddLanes<A>::run(lane + t->o2, g, t->w2);
-              mx_roi::AddLanes<A>::run(lane + t->o3, g, t->w3);
-              mx_roi::AddLanes<A>::run(lane + t->o4, g, t->w4);
-            }
+            rs.each(p, q, [&](const typename RotatedRoiSamples<A>::Taps& t) {
+              mx_roi::AddLanes<A>::run(lane + t.o1, g, t.w1);
+              mx_roi::AddLanes<A>::run(lane + t.o2, g, t.w2);
+              mx_roi::AddLanes<A>::run(lane + t.o3, g, t.w3);
+              mx_roi::AddLanes<A>::run(lane + t.o4, g, t.w4);
+            });
           }
       }
     }

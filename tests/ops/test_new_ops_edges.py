@@ -318,3 +318,74 @@ def test_deformable_trans_last_axis_must_be_part_size(last):
                        rf"have shape .* got \(12, 6, 2, {last}\)"):
         mx_roi.nd.DeformablePSROIPooling(mx.nd.array(x), mx.nd.array(rois), mx.nd.array(bad),
                                          **params).asnumpy()
+
+
+@pytest.mark.parametrize("rows, ratio", [(2, 2), (4, 1)])
+def test_rroi_large_pool_keeps_no_tables_and_gives_the_same_bits(rows, ratio, monkeypatch):
+    """A (600, 600) pool: 2 rois of 360,000 bins x 4 samples (one roi over the kept-tap
+    bound, MX_ROI_ROTATED_CACHE) and 4 rois of 360,001 bin starts (the launch over it)
+    take the native walk's direct path, which derives a bin's samples again per pass:
+    output and data gradient bit-equal to emulated-cuda's generic loop (planted: a sample
+    skipped or taken twice in the direct loop)."""
+    from mxnet import autograd
+    rng = np.random.default_rng(11)
+    x = make_data(rng, (1, 3, 8, 9), np.float32)
+    rois = np.array([[0, 4.0, 4.0, 6.0, 5.0, 30.0], [0, 3.0, 5.0, 4.0, 3.0, -60.0],
+                     [0, 5.0, 3.0, 3.0, 6.0, 90.0], [0, 4.5, 4.0, 8.0, 7.0, 10.0]][:rows],
+                    np.float32)
+    params = dict(pooled_size=(600, 600), spatial_scale=1.0, sampling_ratio=ratio)
+    results = {}
+    for kind in ("native", "emulated-cuda"):
+        monkeypatch.setenv("MX_ROI_BACKEND", kind)
+        xs = mx.nd.array(x)
+        xs.attach_grad()
+        with autograd.record():
+            y = mx.nd.Custom(xs, mx.nd.array(rois), op_type="RROIAlign", **params)
+        y.backward(mx.nd.array(np.linspace(-1, 1, y.size, dtype=np.float32).reshape(y.shape)))
+        results[kind] = (y.asnumpy(), xs.grad.asnumpy())
+    for a, b, what in zip(results["native"], results["emulated-cuda"], ("output", "gradient")):
+        assert a.tobytes() == b.tobytes(), what
+    assert np.abs(results["native"][0]).max() > 0
+
+
+_LARGE_ROTATED_POOL = """
+import resource, sys
+import numpy as np, mxnet as mx, mx_roi
+from mx_roi import ext
+x = mx.nd.array(np.random.default_rng(0).random((1, 1, 6, 7), dtype=np.float32))
+x.attach_grad()
+rois = mx.nd.array([[0, 3, 3, 4, 4, 30]])
+kw = dict(pooled_size=(3000, 3000), spatial_scale=1.0, sampling_ratio=2)
+call = (lambda: mx.nd.mx_roi_RROIAlign(x, rois, **kw)) if sys.argv[1] == 'native' else \\
+    (lambda: mx.nd.Custom(x, rois, op_type='RROIAlign', **kw))
+if sys.argv[1] == 'native':
+    ext.load()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with mx.autograd.record():
+    y = call()
+y.backward()
+x.grad.wait_to_read()
+print('GROWTH_MB', (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+@pytest.mark.parametrize("door", ["native", "custom"])
+def test_rroi_large_pool_memory_stays_near_the_output(door):
+    """RROIAlign (3000, 3000) over one roi, a training step in a child process on the
+    native backend, through either door: the process grows by about its 36 MB output,
+    out-grad and gradient, not by kept sample tables (before: 9M bin starts and 36M taps
+    per thread, gigabytes; a fuzz child was killed by the OOM killer)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if door == "native":
+        from mx_roi import ext
+        if ext.unavailable_reason():
+            pytest.skip(ext.unavailable_reason())
+    res = subprocess.run([sys.executable, "-c", _LARGE_ROTATED_POOL, door],
+                         capture_output=True, text=True, cwd=root, timeout=600,
+                         env={**os.environ, "PYTHONPATH": root, "MX_ROI_BACKEND": "native"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    growth = float(res.stdout.split("GROWTH_MB")[1])
+    assert growth < 400, growth
