@@ -688,6 +688,30 @@ def test_rroi_grid_at_the_sample_limit_bit_equal(kind):
 
 
 @pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+def test_rroi_grid_of_overflowing_boxes_bit_equal(kind):
+    """A spatial_scale that is inf in float32 (1e300), or a finite one that overflows the
+    rotated coordinates (3e38 sides at 30 degrees): the points are inf or NaN, the
+    kernels' rotated_sample and geometry.rotated_grid both count NaN as outside, bit for
+    bit (planted: NaN let through as a tap in one of them)."""
+    from mx_roi.operators.rroi_align import compiled_grid
+    rois = np.array([[0, 4, 4, 3, 2, 0], [0, 4, 4, 3e38, 3e38, 30], [1, 0, 0, 5, 6, -45]],
+                    np.float32)
+    for scale, ratio in ((1e300, 2), (1.0, 2), (1e300, 1)):  # (adaptive: refused, too many)
+        op = _rroi(spatial_scale=scale, sampling_ratio=ratio)
+        with np.errstate(all="ignore"):
+            want = G.rotated_grid(rois, (1, 1), scale, ratio, False, False, 4, 4)
+            got = compiled_grid(op, rois, 4, 4, kind)
+        assert np.isnan(want.x).any() or np.isnan(want.y).any(), scale
+        for name in G.RotatedGrid.__dataclass_fields__:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert a.tobytes() == b.tobytes(), (scale, name)
+        nan = np.isnan(want.x) | np.isnan(want.y)
+        for name in ("w1", "w2", "w3", "w4", "y_low", "y_high", "x_low", "x_high"):
+            assert not getattr(want, name)[nan].any(), name  # outside: no weight, tap 0
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
 def test_rroi_forward_at_the_sample_limit_runs_one_over_raises_next_works(kind):
     """A box needing exactly MAX_ROTATED_SAMPLES samples in its bin (16 x 65536 inside a
     16 x 65536 map of ones): the average is exactly 1; one more (17 rows) raises the

@@ -138,7 +138,8 @@ def test_tables_bit_equal_on_random_grids(mode, dtype, kind):
 def test_the_draws_reach_every_case():
     """The random grids above do reach what they claim: adaptive grids of unequal
     padded counts (per axis and combined), the too-many-samples error, padding rois, no
-    rois, overflowing products, empty Caffe bins."""
+    rois, overflowing products and the NaN sample points they make (which the bilinear
+    rule puts outside: no weight, no tap beyond the map's first cells), empty Caffe bins."""
     rng = np.random.default_rng([2, 1, 34])
     seen = set()
     with np.errstate(all="ignore"):
@@ -151,11 +152,18 @@ def test_the_draws_reach_every_case():
             geo = _outcome(lambda: G.roi_align_grid(rois, pooled, scale, sr, aligned, H, W))
             if isinstance(geo, ValueError):
                 seen.add("too many")
-            elif sr <= 0 and rois.shape[0]:
-                gy, gx = geo.y.low.shape[2], geo.x.low.shape[2]
-                seen.add(("adaptive, unequal", gy != gx, abs(gy - gx) > 8))
+            else:
+                if sr <= 0 and rois.shape[0]:
+                    gy, gx = geo.y.low.shape[2], geo.x.low.shape[2]
+                    seen.add(("adaptive, unequal", gy != gx, abs(gy - gx) > 8))
+                for axis in (geo.y, geo.x):
+                    nan = np.isnan(axis.coord)
+                    if nan.any():  # inf * 0 points: outside (no weight, tap 0)
+                        seen.add("NaN point")
+                        assert not axis.w_low[nan].any() and not axis.w_high[nan].any()
+                        assert not axis.low[nan].any() and (axis.high[nan] <= 1).all()
     for case in [("R", True), ("R", False), ("padding", True), ("square", True),
-                 ("square", False), ("nonfinite", True), "too many",
+                 ("square", False), ("nonfinite", True), "too many", "NaN point",
                  ("adaptive, unequal", True, True), ("adaptive, unequal", True, False)]:
         assert case in seen, case
 
