@@ -17,6 +17,7 @@ count along an axis (tables are padded to it; entries past a bin's count have we
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
@@ -255,7 +256,8 @@ def bilinear_axis(coord, limit, xp=np, valid_lo=-1.0, clamp_low=True):
 
     MXNet/Detectron rule: a coordinate below -1 or above ``limit`` gives weight 0, and so
     does NaN (the points of a box whose scaled size overflows float; MXNet would read at
-    tap INT_MIN); otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps to the last cell.
+    tap INT_MIN); otherwise it is clamped to >= 0, and one at or past ``limit-1`` snaps
+    to the last cell.
     ``limit`` is an int, or an integer array broadcasting against ``coord`` (one length
     per stacked axis).  Returns ``low, high, w_low, w_high`` with the shape of ``coord``.
     """
@@ -289,13 +291,11 @@ def adaptive_samples_per_bin(sides, spatial_scale, pooled_size, dtype, xp=np):
     own grid is in the compute dtype).  ``sides`` (R, 2) float64: each box's (h, w) in
     image units; ``s``: spatial_scale as the compute dtype of ``dtype`` holds it."""
     s = float(compute_dtype(dtype).type(np.float32(spatial_scale)))
-    def per_bin():
+    # (finite sides times a finite scale cannot overflow float64; an inf scale times a
+    # zero side is NaN, never over the bound -- errstate only then: it costs microseconds)
+    with np.errstate(invalid="ignore") if not math.isfinite(s) else contextlib.nullcontext():
         per_axis = xp.ceil(sides * s / xp.asarray(pooled_size, dtype=np.float64))
-        return per_axis[:, 0] * per_axis[:, 1]
-    if math.isfinite(s):  # (finite sides times a finite scale: no overflow in float64)
-        return per_bin()
-    with np.errstate(invalid="ignore"):  # inf * 0: NaN, never over the bound
-        return per_bin()
+    return per_axis[:, 0] * per_axis[:, 1]
 
 
 def check_samples_per_bin(name, per_bin, shown, ratio_name, xp=np):
