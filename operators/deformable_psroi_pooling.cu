@@ -923,7 +923,7 @@ struct DeformablePSROIPoolingOp {
           (double)(float)p.spatial_scale, (double)(float)p.trans_std, p.no_trans ? 1 : 0, a.K,
           (int)p.group_size, (int)p.part(), (int)p.sample_per_part, D, (int)data.shape[1],
           (int)data.shape[2], (int)data.shape[3], P, P, (T*)out.data_ptr, n);
-    });
+    }, data.shape[2] * data.shape[3]);
   }
 
   // DeformablePSROIPooling._fused: every offset element one item's alone
@@ -966,7 +966,7 @@ struct DeformablePSROIPoolingOp {
           (const T*)grad.data_ptr, p.no_trans ? a.zero : x, r, a.trans, scale, tstd,
           p.no_trans ? 1 : 0, a.K, G, part, S, D, Cin, H, W, P, P, bottom, tgrad, fuse ? 1 : 0,
           1.0, n);
-    });
+    }, (long long)H * W);
     if (p.no_trans) return;
     if (!fuse) {
       const long long RK = R * a.K, tn_items = RK * part * (long long)part;
@@ -974,7 +974,7 @@ struct DeformablePSROIPoolingOp {
         deformable_psroi_pooling_backward_trans<T, A>(
             (const T*)grad.data_ptr, x, r, a.trans, scale, tstd, a.K, G, part, S, (int)RK, D,
             Cin, H, W, P, P, tgrad, tn_items);
-      });
+      }, (long long)H * W);
     }
     if (!direct) {
       T* out = (T*)trans_grad->data_ptr;

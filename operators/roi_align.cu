@@ -9,8 +9,56 @@
 
 #ifdef MX_ROI_HOST_NATIVE
 // Native host build of the average forward: the thread's channel block channels-last
-// (mx_roi::channels_last_block), each bin's samples taken once for 16 channels at a time
-// (mx_roi::SumLanes: per lane the generic kernel's operations in its order).
+// (mx_roi::channels_last_block), each bin's samples taken once for a group of up to 64
+// channels (LaneWalk::each_group; mx_roi::SumLanes per 16-channel pass of the group: per
+// lane the generic kernel's operations in its order).  NP: the group's passes.
+template <int NP, typename T, typename A>
+inline void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny, int nx,
+                                    long long yb, long long xb, const int* y_low,
+                                    const int* y_high, const A* y_wl, const A* y_wh,
+                                    const int* x_low, const int* x_high, const A* x_wl,
+                                    const A* x_wh, A d, int lanes, long long plane_out, T* o) {
+  const int L = mx_roi::LANES;
+  // four named sums (an array of them is kept in memory)
+  mx_roi::SumLanes<A> m0, m1, m2, m3;
+  m0.zero();
+  if (NP > 1) m1.zero();
+  if (NP > 2) m2.zero();
+  if (NP > 3) m3.zero();
+  for (int iy = 0; iy < ny; ++iy) {
+    for (int ix = 0; ix < nx; ++ix) {
+      const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                    y_wh, x_low, x_high, x_wl, x_wh);
+      const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+      const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+      const A *v1 = row_l + (size_t)s.xl * ncp, *v2 = row_l + (size_t)s.xh * ncp;
+      const A *v3 = row_h + (size_t)s.xl * ncp, *v4 = row_h + (size_t)s.xh * ncp;
+      m0.add(v1, v2, v3, v4, s.w1, s.w2, s.w3, s.w4);
+      if (NP > 1) m1.add(v1 + L, v2 + L, v3 + L, v4 + L, s.w1, s.w2, s.w3, s.w4);
+      if (NP > 2) m2.add(v1 + 2 * L, v2 + 2 * L, v3 + 2 * L, v4 + 2 * L, s.w1, s.w2, s.w3, s.w4);
+      if (NP > 3) m3.add(v1 + 3 * L, v2 + 3 * L, v3 + 3 * L, v4 + 3 * L, s.w1, s.w2, s.w3, s.w4);
+    }
+  }
+  // pass k's real lanes to its 16 output planes
+  auto store = [&](mx_roi::SumLanes<A>& m, int k) {
+    m.divide(d);
+    const int left = lanes - k * L, nl = left < L ? left : L;
+    T* const ok = o + (long long)k * L * plane_out;
+    for (int c = 0; c < nl; ++c) ok[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+  };
+  store(m0, 0);
+  if (NP > 1) store(m1, 1);
+  if (NP > 2) store(m2, 2);
+  if (NP > 3) store(m3, 3);
+}
+
+// Passes per group: 4 in the 8-wide (AVX) build, whose 16 vector registers hold the four
+// passes' sums; 1 in the 4-wide build, which keeps the one-pass walk: there g++ swapped
+// the operands of an add in the group code (legal, but a NaN of the data then lost to an
+// invalid operation's NaN: a sign bit unlike the emulation's; tests/test_native.py's
+// vector widths test compares both builds bit for bit, NaN cells included).
+const int AVG_GROUP = mx_roi::VW == 8 ? 4 : 1;
+
 template <typename T, typename A>
 void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_count,
                                   const int* y_low, const int* y_high, const A* y_wl,
@@ -21,28 +69,53 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                           const A* img, T* o) {
+  if (AVG_GROUP == 1) {  // the 4-wide build: one pass at a time, as written before groups
+    walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
+                                             const A* img, T* o) {
+      if (!img) {  // skipped roi: 0
+        for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+        return;
+      }
+      const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+      const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+      mx_roi::SumLanes<A> m;
+      m.zero();
+      for (int iy = 0; iy < ny; ++iy) {
+        for (int ix = 0; ix < nx; ++ix) {
+          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
+                                                        y_wh, x_low, x_high, x_wl, x_wh);
+          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
+          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
+          m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
+                row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
+                s.w4);
+        }
+      }
+      m.divide(divisor[(r * P + p) * Q + q]);
+      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+    });
+    return;
+  }
+  walk.template each_group<AVG_GROUP>(batch, C, P, Q, out, [&](long long r, int cc, int passes,
+                                                               int lanes, int p, int q,
+                                                               const A* img, T* o) {
     if (!img) {  // skipped roi: 0
       for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
       return;
     }
     const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
     const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-    mx_roi::SumLanes<A> m;
-    m.zero();
-    for (int iy = 0; iy < ny; ++iy) {
-      for (int ix = 0; ix < nx; ++ix) {
-        const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                      y_wh, x_low, x_high, x_wl, x_wh);
-        const A* row_l = img + (size_t)s.yl * W * ncp + cc;
-        const A* row_h = img + (size_t)s.yh * W * ncp + cc;
-        m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
-              row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3, s.w4);
-      }
+    const A d = divisor[(r * P + p) * Q + q];
+#define MX_ROI_AVG_BIN(NP)                                                                   \
+  roi_align_avg_bin_lanes<NP, T, A>(img, cc, ncp, W, ny, nx, yb, xb, y_low, y_high, y_wl,   \
+                                    y_wh, x_low, x_high, x_wl, x_wh, d, lanes, plane_out, o)
+    switch (passes) {
+      case 1: MX_ROI_AVG_BIN(1); break;
+      case 2: MX_ROI_AVG_BIN(2); break;
+      case 3: MX_ROI_AVG_BIN(3); break;
+      default: MX_ROI_AVG_BIN(4); break;
     }
-    m.divide(divisor[(r * P + p) * Q + q]);
-    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+#undef MX_ROI_AVG_BIN
   });
 }
 #endif

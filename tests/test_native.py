@@ -1092,7 +1092,7 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
     threads; each library reports the width it was built with."""
     rng = np.random.RandomState(21)
     cases = []
-    for trial, channels in enumerate((5, 8, 17, 33)):
+    for trial, channels in enumerate((5, 8, 17, 33, 61)):
         x, rois = _lane_case(rng, channels, ties=bool(trial % 2))
         pooled = (rng.randint(1, 5), rng.randint(1, 5))
         for name, kw in (("ROIPooling", dict(pooled_size=pooled, spatial_scale=0.0625)),

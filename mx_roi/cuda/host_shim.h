@@ -162,6 +162,14 @@ static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
 #ifndef MX_ROI_SERIAL_BLOCKS
 #define MX_ROI_SERIAL_BLOCKS 4
 #endif
+// ... but only while each block still holds this many map cells (H * W per channel, the
+// launch's ``plane`` hint): a small call's whole channels-last scratch is cache-sized
+// already, and one block lets the lanes kernels take a sample's taps once for all its
+// channels (ROIAlign's small forward, 64 channels of 19x25: four blocks walked every
+// sample four times).  -DMX_ROI_SERIAL_BLOCK_CELLS=1 keeps MX_ROI_SERIAL_BLOCKS blocks.
+#ifndef MX_ROI_SERIAL_BLOCK_CELLS
+#define MX_ROI_SERIAL_BLOCK_CELLS (1LL << 16)
+#endif
 // Channels per block unit (mx_roi::LANES of the lanes kernels).
 #define MX_ROI_LANE_QUANTUM 16
 
@@ -300,8 +308,10 @@ static void mx_roi_call(void* fn) {
 // the counter exhausted and goes back to sleep.  A helper that cannot be started
 // (resource limits) is simply not there.  An exception must not leave this extern "C"
 // code (it would abort the process).
+// ``plane``: the map cells per input channel (H * W; 0: unknown), which bounds the blocks
+// of a launch on one thread (MX_ROI_SERIAL_BLOCK_CELLS).
 template <typename F>
-static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
+static inline void mx_roi_launch_channels(int C, int nthreads, F fn, long long plane = 0) {
   const int T = nthreads < 1 ? 1 : (nthreads > C ? (C > 0 ? C : 1) : nthreads);
   std::shared_ptr<mx_roi_launch_state> st;
   mx_roi_pool* pool = nullptr;
@@ -319,7 +329,12 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn) {
   if (!pool) {
     // one thread walks the same blocks in turn: a block's channels-last scratch stays a
     // fraction of the call's (cache-sized, and not a second copy of the whole map)
-    const int blocks = units < MX_ROI_SERIAL_BLOCKS ? units : MX_ROI_SERIAL_BLOCKS;
+    int blocks = units < MX_ROI_SERIAL_BLOCKS ? units : MX_ROI_SERIAL_BLOCKS;
+    if (plane > 0 && blocks > 1) {
+      const long long by_size = ((long long)C * plane + MX_ROI_SERIAL_BLOCK_CELLS - 1) /
+                                MX_ROI_SERIAL_BLOCK_CELLS;
+      if (by_size < blocks) blocks = by_size < 1 ? 1 : (int)by_size;
+    }
     if (blocks <= 0) {  // no channels: one call over the empty range, as ever
       mx_roi_c_begin = mx_roi_c_end = 0;
       fn();

@@ -546,10 +546,12 @@ def host_source(filename: str, kind: Kind = Kind.EMULATED) -> Tuple[str, Dict[st
             if "C" not in names or "n" not in names:
                 raise ValueError(f"{filename}: {expr} needs the parameters 'C' (output "
                                  "channels) and 'n' (items) for the native launch to split")
+            plane = (f"(long long)*(int*)a[{names.index('H')}] * *(int*)a[{names.index('W')}]"
+                     if "H" in names and "W" in names else "0")
             lines.append(
                 f'extern "C" void mx_roi_launch_{k}(int nthreads, void** a) {{\n'
                 f"  mx_roi_launch_channels(*(int*)a[{names.index('C')}], nthreads, "
-                f"[&]() {{ {expr}({call_args}); }});\n}}")
+                f"[&]() {{ {expr}({call_args}); }}, {plane});\n}}")
         else:
             lines.append(
                 f'extern "C" void mx_roi_launch_{k}(unsigned grid, unsigned block, void** a) {{\n'

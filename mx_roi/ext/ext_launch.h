@@ -413,7 +413,7 @@ struct Call {
   // ``kernel()`` on the native backend's threads, the C output channels split among them
   template <typename F>
   void launch(F&& kernel) const {
-    mx_roi_launch_channels(C, native_threads(n), kernel);
+    mx_roi_launch_channels(C, native_threads(n), kernel, (long long)H * W);
   }
 };
 
