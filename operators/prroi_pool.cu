@@ -297,6 +297,127 @@ void tabulate_nodes(std::vector<PreciseNodeWeights<A>>& t, const mx_roi::Precise
 }
 #endif
 
+#ifdef MX_ROI_HOST_NATIVE
+// Native rois' gradient: the calling thread's rois (the launch's "channels"), every channel
+// of the images they read channels-last, each bin's five integrals taken for 16 channels
+// at a time (per lane the generic loop's operations in its order), and the lanes' terms
+// then added to the roi's four sums channel by channel -- the generic order (bin, then
+// channel; a channel whose out-grad is 0 skipped): the same bits.
+template <typename T, typename A>
+bool prroi_pool_rois_backward_lanes(const T* grad, const T* data, const T* rois,
+                                    float spatial_scale, int channels, int H, int W, int P,
+                                    int Q, A* rois_grad) {
+  typedef mx_roi::Traits<T> Tr;
+  const int L = mx_roi::LANES, ncp = mx_roi::padded_lanes(channels);
+  const int r0 = mx_roi_c_begin, r1 = mx_roi_c_end;
+  if (r1 <= r0) return true;
+  const long long HW = (long long)H * W;
+  // the images the thread's rois read, all channels channels-last: each made once per
+  // launch and thread (a launch hands a thread several blocks of rois), slot[b] its place
+  static thread_local std::vector<long long> slot;
+  static thread_local std::vector<A> cells;
+  static thread_local std::vector<const T*> planes;
+  static thread_local unsigned long long launch = 0;
+  static thread_local int images = 0;
+  if (launch != mx_roi_launch_id || launch == 0) {
+    launch = mx_roi_launch_id;
+    slot.clear();
+    images = 0;
+  }
+  for (int r = r0; r < r1; ++r) {
+    const int b = (int)(A)Tr::load(rois[r * 5LL]);
+    if (b < 0) continue;
+    if ((size_t)b >= slot.size()) slot.resize((size_t)b + 1, -1);
+    if (slot[b] >= 0) continue;
+    slot[b] = images++;
+    cells.resize((size_t)images * HW * ncp);
+    A* img = cells.data() + (size_t)slot[b] * HW * ncp;
+    planes.resize((size_t)channels);
+    for (int c = 0; c < channels; ++c) planes[c] = data + mx_roi::plane_offset(b, c, channels, H, W);
+    mx_roi::ChannelsLast<T, A>::run(img, planes.data(), channels, HW, ncp);
+    if (channels < ncp)
+      for (long long k = 0; k < HW; ++k)
+        for (int c = channels; c < ncp; ++c) img[k * ncp + c] = (A)0;
+  }
+  static thread_local std::vector<PreciseNodeWeights<A>> ny, nx;
+  A g[16], I[16], ey1[16], ey2[16], ex1[16], ex2[16], rs[16], q1[16], q2[16];
+  A tys[16], tye[16], txs[16], txe[16];
+  for (int r = r0; r < r1; ++r) {
+    A* out = rois_grad + r * 5LL;
+    for (int k = 0; k < 5; ++k) out[k] = 0;
+    const mx_roi::PreciseBox<A> b = mx_roi::precise_box<T, A>(rois + r * 5LL, spatial_scale, P,
+                                                              Q);
+    if (b.batch < 0 || !(b.area > (A)0)) continue;
+    const A* img = cells.data() + (size_t)slot[b.batch] * HW * ncp;
+    A d_ys = 0, d_ye = 0, d_xs = 0, d_xe = 0;
+    for (int p = 0; p < P; ++p) {
+      const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
+      tabulate_nodes(ny, ay);
+      const A fp = (A)p / (A)P, fp1 = (A)(p + 1) / (A)P;
+      for (int q = 0; q < Q; ++q) {
+        const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
+        tabulate_nodes(nx, ax);
+        const A fq = (A)q / (A)Q, fq1 = (A)(q + 1) / (A)Q;
+        for (int cc = 0; cc < ncp; cc += L) {
+          const int lanes = channels - cc < L ? channels - cc : L;
+          bool any = false;
+          for (int c = 0; c < L; ++c) {
+            g[c] = c < lanes ? (A)Tr::load(grad[(((long long)r * channels + cc + c) * P + p) * Q + q])
+                             : (A)0;
+            any |= g[c] != (A)0;
+          }
+          if (!any) continue;
+          for (int c = 0; c < L; ++c) I[c] = ey1[c] = ey2[c] = ex1[c] = ex2[c] = (A)0;
+          for (int i = 0; i < ay.count; ++i) {
+            const PreciseNodeWeights<A> wy = ny[i];
+            const A* cell = img + ((size_t)(ay.first + i) * W + ax.first) * ncp + cc;
+            for (int c = 0; c < L; ++c) rs[c] = q1[c] = q2[c] = (A)0;
+            for (int j = 0; j < ax.count; ++j) {
+              const PreciseNodeWeights<A> wx = nx[j];
+              const A* f = cell + (size_t)j * ncp;
+              for (int c = 0; c < L; ++c) {
+                rs[c] += wx.w * f[c];
+                q1[c] += wx.lo * f[c];
+                q2[c] += wx.hi * f[c];
+              }
+            }
+            for (int c = 0; c < L; ++c) {
+              I[c] += wy.w * rs[c];
+              ey1[c] += wy.lo * rs[c];
+              ey2[c] += wy.hi * rs[c];
+              ex1[c] += wy.w * q1[c];
+              ex2[c] += wy.w * q2[c];
+            }
+          }
+          for (int c = 0; c < L; ++c) {
+            const A o = I[c] / b.area;
+            tys[c] = g[c] * ((-ey1[c] * ((A)1 - fp) + ey2[c] * ((A)1 - fp1)) / b.area +
+                             o / ((A)P * b.bh));
+            tye[c] = g[c] * ((-ey1[c] * fp + ey2[c] * fp1) / b.area - o / ((A)P * b.bh));
+            txs[c] = g[c] * ((-ex1[c] * ((A)1 - fq) + ex2[c] * ((A)1 - fq1)) / b.area +
+                             o / ((A)Q * b.bw));
+            txe[c] = g[c] * ((-ex1[c] * fq + ex2[c] * fq1) / b.area - o / ((A)Q * b.bw));
+          }
+          for (int c = 0; c < lanes; ++c) {
+            if (g[c] == (A)0) continue;
+            d_ys += tys[c];
+            d_ye += tye[c];
+            d_xs += txs[c];
+            d_xe += txe[c];
+          }
+        }
+      }
+    }
+    const A sc = (A)spatial_scale;
+    out[1] = d_xs * sc;
+    out[2] = d_ys * sc;
+    out[3] = d_xe * sc;
+    out[4] = d_ye * sc;
+  }
+  return true;
+}
+#endif
+
 template <typename T, typename A>
 __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          const T* __restrict__ data,
@@ -305,6 +426,9 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
                                          A* __restrict__ rois_grad, long long n) {
   typedef mx_roi::Traits<T> Tr;
 #ifdef MX_ROI_HOST_NATIVE
+  if (prroi_pool_rois_backward_lanes<T, A>(grad, data, rois, spatial_scale, channels, H, W, P,
+                                           Q, rois_grad))
+    return;
   static thread_local std::vector<PreciseNodeWeights<A>> ny, nx;
 #endif
   MX_ROI_ITEM_LOOP(it, n, C, 1, 1, false) {

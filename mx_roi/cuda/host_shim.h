@@ -149,6 +149,11 @@ static inline unsigned long long atomicMax(unsigned long long* p, unsigned long 
 #include <thread>
 // The output channels [begin, end) of the calling thread (read by mx_roi::ItemLoop).
 static thread_local int mx_roi_c_begin = 0, mx_roi_c_end = 0;
+// The launch the calling thread's block belongs to (a number no other launch of this
+// process had): a kernel may keep what it derived from the inputs for the thread's next
+// block of the same launch (PrRoIPool's rois' gradient: its channels-last images).
+static std::atomic<unsigned long long> mx_roi_launches{0};
+static thread_local unsigned long long mx_roi_launch_id = 0;
 
 // Channel blocks per thread of a native launch: enough that a thread sharing its core
 // with another process hands most of its share to the others, few enough that a block
@@ -181,6 +186,7 @@ struct mx_roi_launch_state {
   std::atomic<int> seats{0};  // helpers that may still join (the thread count's limit)
   int blocks = 1, C = 0, quantum = 1;
   int caller_cpu = -1;  // the CPU the caller published the launch from (-1: unknown)
+  unsigned long long id = 0;  // mx_roi_launch_id of its blocks
   void (*call)(void*) = nullptr;  // runs the launch's fn, type-erased
   void* fn = nullptr;
   std::mutex m;
@@ -201,6 +207,7 @@ static inline void mx_roi_block_range(int C, int blocks, int quantum, int b) {
 static inline void mx_roi_run_blocks(mx_roi_launch_state& st) {
   for (int b; (b = st.next.fetch_add(1, std::memory_order_relaxed)) < st.blocks;) {
     mx_roi_block_range(st.C, st.blocks, st.quantum, b);
+    mx_roi_launch_id = st.id;
     st.call(st.fn);
     if (st.done.fetch_add(1, std::memory_order_acq_rel) + 1 == st.blocks) {
       std::lock_guard<std::mutex> lock(st.m);
@@ -335,6 +342,7 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn, long long p
                                 MX_ROI_SERIAL_BLOCK_CELLS;
       if (by_size < blocks) blocks = by_size < 1 ? 1 : (int)by_size;
     }
+    mx_roi_launch_id = ++mx_roi_launches;
     if (blocks <= 0) {  // no channels: one call over the empty range, as ever
       mx_roi_c_begin = mx_roi_c_end = 0;
       fn();
@@ -353,6 +361,7 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn, long long p
   st->caller_cpu = mx_roi_current_cpu();
   st->call = &mx_roi_call<F>;
   st->fn = &fn;
+  st->id = ++mx_roi_launches;
   {
     std::lock_guard<std::mutex> lock(pool->m);
     while (pool->threads < T - 1) {
