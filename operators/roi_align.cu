@@ -13,7 +13,7 @@
 // channels (LaneWalk::each_group; mx_roi::SumLanes per 16-channel pass of the group: per
 // lane the generic kernel's operations in its order).  NP: the group's passes.
 template <int NP, typename T, typename A>
-inline void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny, int nx,
+__forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny, int nx,
                                     long long yb, long long xb, const int* y_low,
                                     const int* y_high, const A* y_wl, const A* y_wh,
                                     const int* x_low, const int* x_high, const A* x_wl,
@@ -53,10 +53,11 @@ inline void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny
 }
 
 // Passes per group: 4 in the 8-wide (AVX) build, whose 16 vector registers hold the four
-// passes' sums; 1 in the 4-wide build, which keeps the one-pass walk: there g++ swapped
-// the operands of an add in the group code (legal, but a NaN of the data then lost to an
-// invalid operation's NaN: a sign bit unlike the emulation's; tests/test_native.py's
-// vector widths test compares both builds bit for bit, NaN cells included).
+// passes' sums; 1 in the 4-wide build: with more, its sums spill and g++ swapped the
+// operands of an add (legal, but a NaN of the data then lost to an invalid operation's
+// NaN: a sign bit unlike the emulation's; so too when roi_align_avg_bin_lanes was not
+// inlined).  tests/test_native.py's vector widths test compares both builds bit for bit,
+// NaN cells included, with one to four passes per group.
 const int AVG_GROUP = mx_roi::VW == 8 ? 4 : 1;
 
 template <typename T, typename A>
@@ -69,33 +70,6 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  if (AVG_GROUP == 1) {  // the 4-wide build: one pass at a time, as written before groups
-    walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                             const A* img, T* o) {
-      if (!img) {  // skipped roi: 0
-        for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
-        return;
-      }
-      const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-      const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-      mx_roi::SumLanes<A> m;
-      m.zero();
-      for (int iy = 0; iy < ny; ++iy) {
-        for (int ix = 0; ix < nx; ++ix) {
-          const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high, y_wl,
-                                                        y_wh, x_low, x_high, x_wl, x_wh);
-          const A* row_l = img + (size_t)s.yl * W * ncp + cc;
-          const A* row_h = img + (size_t)s.yh * W * ncp + cc;
-          m.add(row_l + (size_t)s.xl * ncp, row_l + (size_t)s.xh * ncp,
-                row_h + (size_t)s.xl * ncp, row_h + (size_t)s.xh * ncp, s.w1, s.w2, s.w3,
-                s.w4);
-        }
-      }
-      m.divide(divisor[(r * P + p) * Q + q]);
-      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
-    });
-    return;
-  }
   walk.template each_group<AVG_GROUP>(batch, C, P, Q, out, [&](long long r, int cc, int passes,
                                                                int lanes, int p, int q,
                                                                const A* img, T* o) {
