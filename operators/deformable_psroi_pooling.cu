@@ -357,9 +357,9 @@ struct DeformBins {
 // plane hot, measured 1.7x slower on R-FCN 7x7 / 256 rois: the out / out-grad and offset
 // reads then stride by a roi.)
 template <typename T, typename A, typename Phase, typename ItemFn>
-__forceinline__ void deform_walk(long long n, int C, int K, int P, int Q, const T* rois, const T* trans,
-                        A spatial_scale, A trans_std, bool no_trans, int part, int S, int H,
-                        int W, Phase&& phase, ItemFn&& item) {
+__forceinline__ void deform_walk(long long n, int C, int K, int P, int Q, const T* rois,
+                                 const T* trans, A spatial_scale, A trans_std, bool no_trans,
+                                 int part, int S, int H, int W, Phase&& phase, ItemFn&& item) {
   DeformBins<T, A> bins;
   Item it;
   int phase_c = -1, phase_b = -1;

@@ -271,8 +271,9 @@ __global__ void prroi_pool_backward(const T* __restrict__ grad, const T* __restr
 // y2 (dI/dy1 the negative at y1), and out = I / (bh * bw) with y1 = ys + p * bh,
 // y2 = y1 + bh, bh = (ye - ys) / P (x alike); chained to the image coordinates.  Per
 // node row i the three row sums over j (weights wx_j, and the hat values at x1 and x2)
-// give all five integrals.  The native build takes each bin's node weights from a table
-// made once per bin instead of once per channel (the same values: the same bits).
+// give all five integrals.  The native build (prroi_pool_rois_backward_lanes) takes each
+// bin's node weights from a table made once per bin instead of once per channel (the same
+// values: the same bits).
 template <typename A>
 struct PreciseNodeWeights {
   A w, lo, hi;  // the hat integral over the window, the hat values at its two ends
@@ -333,7 +334,8 @@ bool prroi_pool_rois_backward_lanes(const T* grad, const T* data, const T* rois,
     cells.resize((size_t)images * HW * ncp);
     A* img = cells.data() + (size_t)slot[b] * HW * ncp;
     planes.resize((size_t)channels);
-    for (int c = 0; c < channels; ++c) planes[c] = data + mx_roi::plane_offset(b, c, channels, H, W);
+    for (int c = 0; c < channels; ++c)
+      planes[c] = data + mx_roi::plane_offset(b, c, channels, H, W);
     mx_roi::ChannelsLast<T, A>::run(img, planes.data(), channels, HW, ncp);
     if (channels < ncp)
       for (long long k = 0; k < HW; ++k)
@@ -362,8 +364,8 @@ bool prroi_pool_rois_backward_lanes(const T* grad, const T* data, const T* rois,
           const int lanes = channels - cc < L ? channels - cc : L;
           bool any = false;
           for (int c = 0; c < L; ++c) {
-            g[c] = c < lanes ? (A)Tr::load(grad[(((long long)r * channels + cc + c) * P + p) * Q + q])
-                             : (A)0;
+            const long long at = (((long long)r * channels + cc + c) * P + p) * Q + q;
+            g[c] = c < lanes ? (A)Tr::load(grad[at]) : (A)0;
             any |= g[c] != (A)0;
           }
           if (!any) continue;
@@ -429,7 +431,6 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
   if (prroi_pool_rois_backward_lanes<T, A>(grad, data, rois, spatial_scale, channels, H, W, P,
                                            Q, rois_grad))
     return;
-  static thread_local std::vector<PreciseNodeWeights<A>> ny, nx;
 #endif
   MX_ROI_ITEM_LOOP(it, n, C, 1, 1, false) {
     const long long r = it.c;
@@ -441,14 +442,8 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
     A d_ys = 0, d_ye = 0, d_xs = 0, d_xe = 0;
     for (int p = 0; p < P; ++p) {
       const mx_roi::PreciseAxis<A> ay = mx_roi::precise_axis(b.y1, b.bh, p, H);
-#ifdef MX_ROI_HOST_NATIVE
-      tabulate_nodes(ny, ay);
-#endif
       for (int q = 0; q < Q; ++q) {
         const mx_roi::PreciseAxis<A> ax = mx_roi::precise_axis(b.x1, b.bw, q, W);
-#ifdef MX_ROI_HOST_NATIVE
-        tabulate_nodes(nx, ax);
-#endif
         for (int c = 0; c < channels; ++c) {
           const A g = (A)Tr::load(grad[((r * channels + c) * P + p) * Q + q]);
           if (g == (A)0) continue;
@@ -456,19 +451,11 @@ __global__ void prroi_pool_rois_backward(const T* __restrict__ grad,
           A I = 0, ey1 = 0, ey2 = 0, ex1 = 0, ex2 = 0;
           for (int i = 0; i < ay.count; ++i) {
             const int y = ay.first + i;
-#ifdef MX_ROI_HOST_NATIVE
-            const PreciseNodeWeights<A> wy = ny[i];
-#else
             const PreciseNodeWeights<A> wy = precise_node(ay, y);
-#endif
             const T* row = plane + (long long)y * W + ax.first;
             A rs = 0, r1 = 0, r2 = 0;
             for (int j = 0; j < ax.count; ++j) {
-#ifdef MX_ROI_HOST_NATIVE
-              const PreciseNodeWeights<A> wx = nx[j];
-#else
               const PreciseNodeWeights<A> wx = precise_node(ax, ax.first + j);
-#endif
               const A f = (A)Tr::load(row[j]);
               rs += wx.w * f;
               r1 += wx.lo * f;

@@ -13,11 +13,12 @@
 // channels (LaneWalk::each_group; mx_roi::SumLanes per 16-channel pass of the group: per
 // lane the generic kernel's operations in its order).  NP: the group's passes.
 template <int NP, typename T, typename A>
-__forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny, int nx,
-                                    long long yb, long long xb, const int* y_low,
-                                    const int* y_high, const A* y_wl, const A* y_wh,
-                                    const int* x_low, const int* x_high, const A* x_wl,
-                                    const A* x_wh, A d, int lanes, long long plane_out, T* o) {
+__forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny,
+                                             int nx, long long yb, long long xb,
+                                             const int* y_low, const int* y_high,
+                                             const A* y_wl, const A* y_wh, const int* x_low,
+                                             const int* x_high, const A* x_wl, const A* x_wh,
+                                             A d, int lanes, long long plane_out, T* o) {
   const int L = mx_roi::LANES;
   // four named sums (an array of them is kept in memory)
   mx_roi::SumLanes<A> m0, m1, m2, m3;
