@@ -122,12 +122,11 @@ void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale
   const long long R = per_roi > 0 ? n / per_roi : 0;
   const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   static thread_local PreciseRoi<A> pr;
   pr.roi = -1;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                                 const A* img, T* o) {
+  walk.each_pass_staged(batch, C, P, Q, out, (int*)nullptr, [&](
+      long long r, int cc, int lanes, int p, int q, const A* img, T* o, int*) {
     A sum[16] = {};
     if (img) pr.load(r, rois, spatial_scale, P, Q, H, W);
     if (img && pr.box.area > (A)0) {
@@ -144,7 +143,7 @@ void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale
       }
       for (int c = 0; c < 16; ++c) sum[c] = sum[c] / pr.box.area;
     }
-    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(sum[c]);
+    for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store(sum[c]);
   });
 }
 

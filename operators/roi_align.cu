@@ -10,15 +10,16 @@
 #ifdef MX_ROI_HOST_NATIVE
 // Native host build of the average forward: the thread's channel block channels-last
 // (mx_roi::channels_last_block), each bin's samples taken once for a group of up to 64
-// channels (LaneWalk::each_group; mx_roi::SumLanes per 16-channel pass of the group: per
-// lane the generic kernel's operations in its order).  NP: the group's passes.
+// channels (LaneWalk::each_group_staged; mx_roi::SumLanes per 16-channel pass of the
+// group: per lane the generic kernel's operations in its order), the bin's sums stored
+// to its staged row ``o`` (the group's channel c at o[c]).  NP: the group's passes.
 template <int NP, typename T, typename A>
 __forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int W, int ny,
                                              int nx, long long yb, long long xb,
                                              const int* y_low, const int* y_high,
                                              const A* y_wl, const A* y_wh, const int* x_low,
                                              const int* x_high, const A* x_wl, const A* x_wh,
-                                             A d, int lanes, long long plane_out, T* o) {
+                                             A d, T* o) {
   const int L = mx_roi::LANES;
   // four named sums (an array of them is kept in memory)
   mx_roi::SumLanes<A> m0, m1, m2, m3;
@@ -40,12 +41,16 @@ __forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int 
       if (NP > 3) m3.add(v1 + 3 * L, v2 + 3 * L, v3 + 3 * L, v4 + 3 * L, s.w1, s.w2, s.w3, s.w4);
     }
   }
-  // pass k's real lanes to its 16 output planes
+  // pass k's 16 lanes to its staged row (LaneWalk::each_group_staged)
   auto store = [&](mx_roi::SumLanes<A>& m, int k) {
     m.divide(d);
-    const int left = lanes - k * L, nl = left < L ? left : L;
-    T* const ok = o + (long long)k * L * plane_out;
-    for (int c = 0; c < nl; ++c) ok[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+    T* const ok = o + k * L;
+    if (std::is_same<T, A>::value) {  // the 16 sums as they lie (SumLanes: 16 A in a row)
+      static_assert(sizeof m.sum == 16 * sizeof(A), "SumLanes holds 16 lanes");
+      std::memcpy(ok, &m.sum, sizeof m.sum);
+    } else {
+      for (int c = 0; c < L; ++c) ok[c] = mx_roi::Traits<T>::store(m.value(c));
+    }
   };
   store(m0, 0);
   if (NP > 1) store(m1, 1);
@@ -69,13 +74,11 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
                                   const A* divisor, int C, int H, int W, int P, int Q, int Gy,
                                   int Gx, T* out, long long n) {
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  walk.template each_group<AVG_GROUP>(batch, C, P, Q, out, [&](long long r, int cc, int passes,
-                                                               int lanes, int p, int q,
-                                                               const A* img, T* o) {
+  walk.template each_group_staged<AVG_GROUP>(batch, C, P, Q, out, (int*)nullptr, [&](
+      long long r, int cc, int passes, int lanes, int p, int q, const A* img, T* o, int*) {
     if (!img) {  // skipped roi: 0
-      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+      for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store((A)0);
       return;
     }
     const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
@@ -83,7 +86,7 @@ void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_
     const A d = divisor[(r * P + p) * Q + q];
 #define MX_ROI_AVG_BIN(NP)                                                                   \
   roi_align_avg_bin_lanes<NP, T, A>(img, cc, ncp, W, ny, nx, yb, xb, y_low, y_high, y_wl,   \
-                                    y_wh, x_low, x_high, x_wl, x_wh, d, lanes, plane_out, o)
+                                    y_wh, x_low, x_high, x_wl, x_wh, d, o)
     switch (passes) {
       case 1: MX_ROI_AVG_BIN(1); break;
       case 2: MX_ROI_AVG_BIN(2); break;
@@ -340,13 +343,13 @@ void roi_align_forward_max_native(const T* data, const int* batch, const int* y_
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                           const A* img, T* o) {
-    I* a = store_argmax ? argmax + (o - out) : nullptr;  // same (R, C, P, Q) layout
+  // the output staged, the argmax stored directly (none kept for inference)
+  walk.each_pass_staged(batch, C, P, Q, out, store_argmax ? argmax : nullptr, [&](
+      long long r, int cc, int lanes, int p, int q, const A* img, T* o, I* a) {
     const int ny = img ? y_count[r * P + p] : 0, nx = img ? x_count[r * Q + q] : 0;
     if (ny <= 0 || nx <= 0) {  // a skipped roi or a bin without samples: 0, no winner
       for (int c = 0; c < lanes; ++c) {
-        o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+        o[c] = mx_roi::Traits<T>::store((A)0);
         if (a) a[c * plane_out] = mx_roi::index_store<I>(-1);
       }
       return;
@@ -356,7 +359,7 @@ void roi_align_forward_max_native(const T* data, const int* batch, const int* y_
                        (r * Q + q) * (long long)Gx, Gx, y_low, y_high, y_wl, y_wh, x_low,
                        x_high, x_wl, x_wh);
     for (int c = 0; c < lanes; ++c) {
-      o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+      o[c] = mx_roi::Traits<T>::store(m.value(c));
       if (a) a[c * plane_out] = m.template index<I>(c);
     }
   });

@@ -50,9 +50,9 @@ inline void scan_int_bin_lanes(MaxLanes<A>& m, const A* img, int cc, int ncp, in
 
 #ifdef MX_ROI_HOST_NATIVE
 // Native host build of the forward: the thread's channel block copied channels-last
-// (mx_roi::channels_last_block), then, 16 channels at a time (LaneWalk::each_pass), every
-// bin of a roi scanned cell by cell in row-major order (mx_roi::MaxLanes:
-// strict '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit).
+// (mx_roi::channels_last_block), then, 16 channels at a time (LaneWalk::each_pass_staged),
+// every bin of a roi scanned cell by cell in row-major order (mx_roi::MaxLanes: strict
+// '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit).
 template <typename T, typename A, typename I>
 void roi_pooling_forward_native(const T* data, const int* batch, const int* hstart,
                                 const int* hend, const int* wstart, const int* wend, int C,
@@ -61,14 +61,14 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                           const A* img, T* o) {
+  // the output staged, the argmax stored directly (a null a: inference, nothing kept)
+  walk.each_pass_staged(batch, C, P, Q, out, store_argmax ? argmax : nullptr, [&](
+      long long r, int cc, int lanes, int p, int q, const A* img, T* o, I* a) {
     const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
     const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
-    I* a = store_argmax ? argmax + (o - out) : nullptr;  // 0: inference, nothing kept
     if (!img || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
       for (int c = 0; c < lanes; ++c) {
-        o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+        o[c] = mx_roi::Traits<T>::store((A)0);
         if (a) a[c * plane_out] = mx_roi::index_store<I>(-1);
       }
       return;
@@ -76,7 +76,7 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
     mx_roi::MaxLanes<A> m;
     mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
     for (int c = 0; c < lanes; ++c) {
-      o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+      o[c] = mx_roi::Traits<T>::store(m.value(c));
       if (a) a[c * plane_out] = m.template index<I>(c);
     }
   });

@@ -241,14 +241,13 @@ void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale
   const long long R = per_roi > 0 ? n / per_roi : 0;
   const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 6);
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
-  const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   static thread_local RotatedRoiSamples<A> rs;
   rs.start(rois, R, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
-  walk.each_pass(batch, C, P, Q, out, [&](long long r, int cc, int lanes, int p, int q,
-                                                 const A* img, T* o) {
+  walk.each_pass_staged(batch, C, P, Q, out, (int*)nullptr, [&](
+      long long r, int cc, int lanes, int p, int q, const A* img, T* o, int*) {
     if (!img) {  // padding roi: 0
-      for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store((A)0);
+      for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store((A)0);
       return;
     }
     rs.load(r, rois, spatial_scale, P, Q, ratio, aligned, clockwise, H, W, ncp);
@@ -259,7 +258,7 @@ void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale
       m.add(base + t.o1, base + t.o2, base + t.o3, base + t.o4, t.w1, t.w2, t.w3, t.w4);
     });
     m.divide(rs.box().divisor);
-    for (int c = 0; c < lanes; ++c) o[c * plane_out] = mx_roi::Traits<T>::store(m.value(c));
+    for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store(m.value(c));
   });
 }
 
