@@ -177,13 +177,12 @@ struct PreciseBackwardLanes<T, A, A> {
       A* img = block.image(batch[r]);
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
-        const T* go = grad + (r * C + c0 + cc) * plane_out;
+        const A* const rows = mx_roi::pass_rows<T, A>(grad + (r * C + c0 + cc) * plane_out,
+                                                      plane_out, lanes);
         for (int p = 0; p < P; ++p)
           for (int q = 0; q < Q; ++q) {
             const long long o = p * Q + q;
-            for (int c = 0; c < L; ++c)
-              g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
-            for (int c = 0; c < L; ++c) g[c] = g[c] / pr.box.area;
+            for (int c = 0; c < L; ++c) g[c] = rows[o * L + c] / pr.box.area;
             const mx_roi::PreciseAxis<A>& ay = pr.ay[p];
             const mx_roi::PreciseAxis<A>& ax = pr.ax[q];
             const A* wy = pr.wy.data() + pr.oy[p];

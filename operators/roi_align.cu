@@ -201,16 +201,15 @@ struct AvgBackwardLanes<T, A, A> {
       // again (they stay in L1); per channel the order is still bin, sample, tap
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
-        const T* go = grad + (r * C + c0 + cc) * plane_out;
+        const A* const rows = mx_roi::pass_rows<T, A>(grad + (r * C + c0 + cc) * plane_out,
+                                                      plane_out, lanes);
         for (int p = 0; p < P; ++p) {
           for (int q = 0; q < Q; ++q) {
             const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
             const A d = divisor[(r * P + p) * Q + q];
             const long long o = p * Q + q;
-            for (int c = 0; c < L; ++c)
-              g[c] = c < lanes ? (A)mx_roi::Traits<T>::load(go[c * plane_out + o]) : (A)0;
-            for (int c = 0; c < L; ++c) g[c] = g[c] / d;  // (vectorised; 0 stays 0)
+            for (int c = 0; c < L; ++c) g[c] = rows[o * L + c] / d;  // (vectorised)
             if (roi_table) {
               A* const lane = img + cc;
               for (int iy = 0; iy < ny; ++iy) {

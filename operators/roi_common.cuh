@@ -371,6 +371,7 @@ __device__ __forceinline__ void sample_backward(O* plane, int W, const Sample<A>
 // the channels being independent vector lanes: per lane the same operations in the same
 // order as the generic kernel, so the same bits (-ffp-contract=off, no fast-math).
 }  // namespace mx_roi
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -531,6 +532,23 @@ struct StagedToPlanes<float> {
   }
 };
 #endif
+
+// A backward's out-grad of one roi's 16-channel pass, bin-major and loaded as A:
+// rows[k * LANES + c] = go[c * plane_out + k] for c < lanes, k < PQ (ChannelsLast's
+// tiles); the lanes past ``lanes`` hold 0 or a copy of a real lane and feed only the
+// padding lanes of a GradBlock, which no gradient plane receives.  Read bin by bin from
+// the planes, each bin was 16 channel-strided scalar loads.  Thread-local, reused.
+template <typename T, typename A>
+const A* pass_rows(const T* go, long long plane_out, int lanes) {
+  static thread_local std::vector<A> rows;
+  static thread_local std::vector<const T*> planes;
+  rows.resize((size_t)(plane_out * LANES));
+  if (lanes < LANES) std::fill(rows.begin(), rows.end(), (A)0);
+  planes.resize(LANES);
+  for (int c = 0; c < lanes; ++c) planes[c] = go + c * plane_out;
+  ChannelsLast<T, A>::run(rows.data(), planes.data(), lanes, plane_out, LANES);
+  return rows.data();
+}
 
 // The block [mx_roi_c_begin, mx_roi_c_end) of every image a roi reads, channels-last and
 // loaded as A: element (b, k, c) at (b * H*W + k) * padded_lanes(nc) + c - c_begin; the
