@@ -143,7 +143,7 @@ void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale
       }
       for (int c = 0; c < 16; ++c) sum[c] = sum[c] / pr.box.area;
     }
-    for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store(sum[c]);
+    for (int c = 0; c < 16; ++c) o[c] = mx_roi::Traits<T>::store(sum[c]);  // (row of 16)
   });
 }
 

@@ -44,13 +44,7 @@ __forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int 
   // pass k's 16 lanes to its staged row (LaneWalk::each_group_staged)
   auto store = [&](mx_roi::SumLanes<A>& m, int k) {
     m.divide(d);
-    T* const ok = o + k * L;
-    if (std::is_same<T, A>::value) {  // the 16 sums as they lie (SumLanes: 16 A in a row)
-      static_assert(sizeof m.sum == 16 * sizeof(A), "SumLanes holds 16 lanes");
-      std::memcpy(ok, &m.sum, sizeof m.sum);
-    } else {
-      for (int c = 0; c < L; ++c) ok[c] = mx_roi::Traits<T>::store(m.value(c));
-    }
+    mx_roi::store_lanes<T>(m, o + k * L);
   };
   store(m0, 0);
   if (NP > 1) store(m1, 1);
@@ -357,10 +351,9 @@ void roi_align_forward_max_native(const T* data, const int* batch, const int* y_
     scan_samples_lanes(m, img, cc, ncp, W, ny, nx, (r * P + p) * (long long)Gy,
                        (r * Q + q) * (long long)Gx, Gx, y_low, y_high, y_wl, y_wh, x_low,
                        x_high, x_wl, x_wh);
-    for (int c = 0; c < lanes; ++c) {
-      o[c] = mx_roi::Traits<T>::store(m.value(c));
-      if (a) a[c * plane_out] = m.template index<I>(c);
-    }
+    mx_roi::store_lanes<T>(m, o);
+    if (a)
+      for (int c = 0; c < lanes; ++c) a[c * plane_out] = m.template index<I>(c);
   });
 }
 #endif

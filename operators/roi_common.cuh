@@ -875,6 +875,9 @@ struct MaxLanes {
     for (int c = 0; c < 16; ++c) max_step(v[c], best[c], k, arg[c]);
   }
   A value(int c) const { return best[c]; }
+  void store(A* dst) const {  // the 16 maxima to dst[0..16)
+    for (int c = 0; c < 16; ++c) dst[c] = best[c];
+  }
   template <typename I>
   I index(int c) const { return index_store<I>(arg[c]); }
 };
@@ -901,6 +904,9 @@ struct MaxLanes<float> {
     }
   }
   float value(int c) const { return best[c / VW][c % VW]; }
+  void store(float* dst) const {  // one vector store each
+    for (int i = 0; i < VN; ++i) memcpy(dst + VW * i, &best[i], sizeof best[i]);
+  }
   template <typename I>
   I index(int c) const { return index_store<I>(arg[c / VW][c % VW]); }
 };
@@ -957,6 +963,9 @@ struct SumLanes {
     for (int c = 0; c < 16; ++c) sum[c] = sum[c] / d;
   }
   A value(int c) const { return sum[c]; }
+  void store(A* dst) const {  // the 16 lanes to dst[0..16)
+    for (int c = 0; c < 16; ++c) dst[c] = sum[c];
+  }
 };
 
 template <>
@@ -979,7 +988,21 @@ struct SumLanes<float> {
     for (int i = 0; i < VN; ++i) sum[i] = sum[i] / d;
   }
   float value(int c) const { return sum[c / VW][c % VW]; }
+  void store(float* dst) const {  // one vector store each (a memcpy of the array went
+    for (int i = 0; i < VN; ++i)  // through the stack and general registers)
+      memcpy(dst + VW * i, &sum[i], sizeof sum[i]);
+  }
 };
+
+// The 16 lanes of a MaxLanes / SumLanes to a staged row dst[0..16) as T: vector stores
+// where T is the lanes' type, else one conversion (Traits<T>::store) per lane.
+template <typename T, typename A, template <typename> class M>
+void store_lanes(const M<A>& m, T* dst) {
+  if (std::is_same<T, A>::value)
+    m.store(reinterpret_cast<A*>(dst));
+  else
+    for (int c = 0; c < 16; ++c) dst[c] = Traits<T>::store(m.value(c));
+}
 
 // dst[c] += g[c] * w for LANES channels (a gradient scattered to one tap: the product,
 // then the sum, as grad_add(dst, g * w)).  float: VN vectors of VW lanes.

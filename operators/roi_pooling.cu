@@ -75,10 +75,9 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
     }
     mx_roi::MaxLanes<A> m;
     mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
-    for (int c = 0; c < lanes; ++c) {
-      o[c] = mx_roi::Traits<T>::store(m.value(c));
-      if (a) a[c * plane_out] = m.template index<I>(c);
-    }
+    mx_roi::store_lanes<T>(m, o);
+    if (a)
+      for (int c = 0; c < lanes; ++c) a[c * plane_out] = m.template index<I>(c);
   });
 }
 #endif

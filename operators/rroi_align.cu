@@ -258,7 +258,7 @@ void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale
       m.add(base + t.o1, base + t.o2, base + t.o3, base + t.o4, t.w1, t.w2, t.w3, t.w4);
     });
     m.divide(rs.box().divisor);
-    for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store(m.value(c));
+    mx_roi::store_lanes<T>(m, o);
   });
 }
 
