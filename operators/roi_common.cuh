@@ -778,37 +778,21 @@ struct LaneWalk {
       }
     }
   }
-  // each_pass over groups of up to GROUP passes: f(r, cc, passes, lanes, p, q, img, o)
-  // for the group's first channel cc, its 16-channel passes (1..GROUP) and real channels
-  // (lanes <= 16 * passes), so that a kernel takes a sample's taps once for the group's
-  // channels instead of once per pass.  A group of 4 (64 channels, 4 lines a cell) still
-  // stays in L1 from bin to bin for a roi of a few hundred cells.
-  template <int GROUP, typename U, typename F>
-  void each_group(const int* batch, int C, int P, int Q, U* out, F&& f) const {
-    if (empty()) return;
-    for (long long r = 0; r < R; ++r) {
-      const A* img = image(batch[r]);
-      for (int cc = 0; cc < ncp; cc += GROUP * LANES) {
-        const int left = (ncp - cc) / LANES, passes = left < GROUP ? left : GROUP;
-        const int lanes = nc - cc < passes * LANES ? nc - cc : passes * LANES;
-        U* o = out + (r * C + c0 + cc) * plane_out;
-        for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) f(r, cc, passes, lanes, p, q, img, o + p * Q + q);
-      }
-    }
-  }
-  // each_group for a forward whose bins' outputs are staged: f(r, cc, passes, lanes, p,
-  // q, img, s, a) stores the group's channel cc + c of the bin at s[c] (c < 16 * passes;
-  // lanes past ``lanes`` are scratch), and the walk then moves the roi's group to
-  // ``out`` one channel plane at a time.  Stored bin by bin straight into the output,
-  // every value is a channel-strided scalar store; staged, a bin's values are
-  // contiguous and a plane is written as 8 x 8 tiles (StagedToPlanes).  A second output
-  // (the argmax: ``aux``, in the (R, C, P, Q) layout of ``out``; null: none) is stored
-  // directly, channel c at a[c * plane_out] (its small index types have no tiles, and
-  // moved one at a time it cost more than it saved: max forwards ~15% slower).
-  // Measured (A/B of the libraries, 256 channels, 7x7, 256 rois, one thread): ROIAlign
-  // average ~7%, RROIAlign ~13%, PrRoIPool ~11% faster.  Values are moved, never
-  // changed: the same bits.
+  // each_pass for a forward, over groups of up to GROUP passes, with the bins' outputs
+  // staged.  f(r, cc, passes, lanes, p, q, img, s, a) gets the group's first channel cc,
+  // its 16-channel passes (1..GROUP) and real channels (lanes <= 16 * passes), so that a
+  // kernel takes a sample's taps once for the group's channels instead of once per pass
+  // (a group of 4, 64 channels or 4 lines a cell, still stays in L1 from bin to bin for
+  // a roi of a few hundred cells); it stores the group's channel cc + c of the bin at
+  // s[c] (c < 16 * passes; lanes past ``lanes`` are scratch), and the walk then moves
+  // the roi's group to ``out`` plane by plane (StagedToPlanes' tiles).  Stored straight
+  // into the output, every value was a channel-strided scalar store (paired A/B, 256
+  // channels, 7x7, 256 rois, inference on one thread: ROIAlign average 36%, RROIAlign
+  // 11%, PrRoIPool 8% faster staged).  A second output (the argmax: ``aux``, in the (R,
+  // C, P, Q) layout of ``out``; null: none) is stored directly, channel c at a[c *
+  // plane_out]: its small index types have no tiles, and moved one at a time it cost
+  // more than it saved (max forwards ~15% slower).  Values are moved, never changed: the
+  // same bits.
   template <int GROUP, typename U, typename V, typename F>
   void each_group_staged(const int* batch, int C, int P, int Q, U* out, V* aux, F&& f) const {
     if (empty()) return;
