@@ -786,9 +786,9 @@ struct LaneWalk {
   // a roi of a few hundred cells); it stores the group's channel cc + c of the bin at
   // s[c] (c < 16 * passes; lanes past ``lanes`` are scratch), and the walk then moves
   // the roi's group to ``out`` plane by plane (StagedToPlanes' tiles).  Stored straight
-  // into the output, every value was a channel-strided scalar store (paired A/B, 256
-  // channels, 7x7, 256 rois, inference on one thread: ROIAlign average 36%, RROIAlign
-  // 11%, PrRoIPool 8% faster staged).  A second output (the argmax: ``aux``, in the (R,
+  // into the output, every value was a channel-strided scalar store (python -m
+  // mx_roi.bench.kernel_ab, 256 channels, 7x7, 256 rois, inference on one thread:
+  // ROIAlign average 32%, RROIAlign 17%, PrRoIPool 15% faster staged).  A second output (the argmax: ``aux``, in the (R,
   // C, P, Q) layout of ``out``; null: none) is stored directly, channel c at a[c *
   // plane_out]: its small index types have no tiles, and moved one at a time it cost
   // more than it saved (max forwards ~15% slower).  Values are moved, never changed: the
