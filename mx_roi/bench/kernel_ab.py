@@ -8,8 +8,9 @@ working tree -- and loaded side by side (a compiled module is keyed by its sourc
 Each detector workload (:func:`mx_roi.bench.workloads.build_workloads`, without the
 variants; ops with extra inputs left out) then runs through the backend ``N`` times per
 side, alternating (run k starts with the base when k is even), on the checked path (no
-recorded program: both sides pay the same Python).  Per workload: both medians, the ratio
-tree / base, and the runs where the tree's call was the faster of its pair.
+recorded program: both sides pay the same Python); a backward computes every gradient the
+op has (PrRoIPool's rois' gradient too).  Per workload: both medians, the ratio tree /
+base, and the runs where the tree's call was the faster of its pair.
 
 For a kernel change on a noisy machine the pairing is what counts: on the 2-vCPU VM, the
 same library timed in separate processes drifted by 30% from run to run, while the
@@ -75,10 +76,16 @@ def _use(side: _Side) -> None:
     loader._MODULES = side.modules
 
 
-def _call(backend, op, direction, x, rois, out, grad, dgrad, saved):
-    """One call in ``direction``; returns the array to wait for."""
+def _call(backend, op, direction, x, rois, out, grad, dgrad, saved, rgrad=None):
+    """One call in ``direction``; returns the array to wait for.  A backward computes every
+    gradient the op has (the rois' too where it differentiates them: ``rgrad``)."""
     if direction == "bwd":
-        backend.backward(op, "write", grad, x, rois, dgrad, saved)
+        if rgrad is not None:
+            backend.backward(op, "write", grad, x, rois, dgrad, saved, rois_req="write",
+                             rois_grad_nd=rgrad)
+            rgrad.wait_to_read()
+        else:
+            backend.backward(op, "write", grad, x, rois, dgrad, saved)
         return dgrad
     backend.forward(op, "write", x, rois, out, keep=direction == "train")
     return out
@@ -111,19 +118,20 @@ def compare(rev: str, direction: str = "fwd", repeat: int = 30, only=None,
                 x, rois = inputs.data(w.channels), inputs.rois(w.boxes, w.rois_columns)
                 out = mx.nd.zeros(w.out_shape)
                 grad, dgrad = inputs.out_grad(w.out_shape), mx.nd.zeros(x.shape)
+                rgrad = mx.nd.zeros(rois.shape) if op.differentiates_rois else None
                 saved = {}
                 for name, side in sides.items():  # build, warm up, keep a training forward
                     _use(side)
                     saved[name] = backend.forward(op, "write", x, rois, out, keep=True)
-                    _call(backend, op, direction, x, rois, out, grad, dgrad,
-                          saved[name]).wait_to_read()
+                    _call(backend, op, direction, x, rois, out, grad, dgrad, saved[name],
+                          rgrad).wait_to_read()
                 runs = {name: [] for name in sides}
                 for k in range(repeat):
                     for name in (("base", "tree") if k % 2 == 0 else ("tree", "base")):
                         _use(sides[name])
                         t0 = time.perf_counter()
-                        _call(backend, op, direction, x, rois, out, grad, dgrad,
-                              saved[name]).wait_to_read()
+                        _call(backend, op, direction, x, rois, out, grad, dgrad, saved[name],
+                              rgrad).wait_to_read()
                         runs[name].append((time.perf_counter() - t0) * 1e3)
                 base, tree = (statistics.median(runs[n]) for n in ("base", "tree"))
                 rows.append(dict(key=w.key, direction=direction, base_ms=base, tree_ms=tree,
