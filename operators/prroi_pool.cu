@@ -177,12 +177,12 @@ struct PreciseBackwardLanes<T, A, A> {
       A* img = block.image(batch[r]);
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
-        const A* const rows = mx_roi::pass_rows<T, A>(grad + (r * C + c0 + cc) * plane_out,
-                                                      plane_out, lanes);
+        mx_roi::PassRows<T, A> rows(grad + (r * C + c0 + cc) * plane_out, plane_out, lanes);
         for (int p = 0; p < P; ++p)
           for (int q = 0; q < Q; ++q) {
             const long long o = p * Q + q;
-            for (int c = 0; c < L; ++c) g[c] = rows[o * L + c] / pr.box.area;
+            const A* const gk = rows.at(o);
+            for (int c = 0; c < L; ++c) g[c] = gk[c] / pr.box.area;
             const mx_roi::PreciseAxis<A>& ay = pr.ay[p];
             const mx_roi::PreciseAxis<A>& ax = pr.ax[q];
             const A* wy = pr.wy.data() + pr.oy[p];

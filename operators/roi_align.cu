@@ -195,15 +195,15 @@ struct AvgBackwardLanes<T, A, A> {
       // again (they stay in L1); per channel the order is still bin, sample, tap
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
-        const A* const rows = mx_roi::pass_rows<T, A>(grad + (r * C + c0 + cc) * plane_out,
-                                                      plane_out, lanes);
+        mx_roi::PassRows<T, A> rows(grad + (r * C + c0 + cc) * plane_out, plane_out, lanes);
         for (int p = 0; p < P; ++p) {
           for (int q = 0; q < Q; ++q) {
             const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
             const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
             const A d = divisor[(r * P + p) * Q + q];
             const long long o = p * Q + q;
-            for (int c = 0; c < L; ++c) g[c] = rows[o * L + c] / d;  // (vectorised)
+            const A* const gk = rows.at(o);
+            for (int c = 0; c < L; ++c) g[c] = gk[c] / d;  // (vectorised)
             if (roi_table) {
               A* const lane = img + cc;
               for (int iy = 0; iy < ny; ++iy) {

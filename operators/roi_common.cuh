@@ -533,22 +533,44 @@ struct StagedToPlanes<float> {
 };
 #endif
 
-// A backward's out-grad of one roi's 16-channel pass, bin-major and loaded as A:
-// rows[k * LANES + c] = go[c * plane_out + k] for c < lanes, k < PQ (ChannelsLast's
-// tiles); the lanes past ``lanes`` hold 0 or a copy of a real lane and feed only the
-// padding lanes of a GradBlock, which no gradient plane receives.  Read bin by bin from
-// the planes, each bin was 16 channel-strided scalar loads.  Thread-local, reused.
+// The staged copies below (a forward's outputs, a backward's out-grad) hold at most this
+// many bins at a time: their memory stays that of a few hundred bins (64 KB of float
+// lanes a pass) whatever the pool (a (3000, 3000) pool is 9M bins).
+#ifndef MX_ROI_STAGED_BINS
+#define MX_ROI_STAGED_BINS 256
+#endif
+
+// A backward's out-grad of one roi's 16-channel pass, bin-major and loaded as A: at(k)
+// points at bin k's LANES values, channel c at at(k)[c] = go[c * plane_out + k] for c <
+// lanes, copied MX_ROI_STAGED_BINS bins at a time with ChannelsLast's tiles as the bins
+// are asked for in increasing order; the lanes past ``lanes`` hold 0 or a copy of a real
+// lane and feed only the padding lanes of a GradBlock, which no gradient plane
+// receives.  Read bin by bin from the planes, each bin was 16 channel-strided scalar
+// loads.  Thread-local storage, reused.
 template <typename T, typename A>
-const A* pass_rows(const T* go, long long plane_out, int lanes) {
-  static thread_local std::vector<A> rows;
-  static thread_local std::vector<const T*> planes;
-  rows.resize((size_t)(plane_out * LANES));
-  if (lanes < LANES) std::fill(rows.begin(), rows.end(), (A)0);
-  planes.resize(LANES);
-  for (int c = 0; c < lanes; ++c) planes[c] = go + c * plane_out;
-  ChannelsLast<T, A>::run(rows.data(), planes.data(), lanes, plane_out, LANES);
-  return rows.data();
-}
+struct PassRows {
+  const T* go;
+  long long plane_out, k0 = 0, k1 = 0;
+  int lanes;
+  A* rows;
+  const T* planes[LANES];
+  PassRows(const T* go_, long long plane_out_, int lanes_)
+      : go(go_), plane_out(plane_out_), lanes(lanes_) {
+    static thread_local std::vector<A> buf;
+    buf.resize((size_t)MX_ROI_STAGED_BINS * LANES);
+    rows = buf.data();
+  }
+  const A* at(long long k) {
+    if (k < k0 || k >= k1) {
+      k0 = k;
+      k1 = k + MX_ROI_STAGED_BINS < plane_out ? k + MX_ROI_STAGED_BINS : plane_out;
+      if (lanes < LANES) std::fill(rows, rows + (k1 - k0) * LANES, (A)0);
+      for (int c = 0; c < lanes; ++c) planes[c] = go + c * plane_out + k0;
+      ChannelsLast<T, A>::run(rows, planes, lanes, k1 - k0, LANES);
+    }
+    return rows + (k - k0) * LANES;
+  }
+};
 
 // The block [mx_roi_c_begin, mx_roi_c_end) of every image a roi reads, channels-last and
 // loaded as A: element (b, k, c) at (b * H*W + k) * padded_lanes(nc) + c - c_begin; the
@@ -784,21 +806,21 @@ struct LaneWalk {
   // kernel takes a sample's taps once for the group's channels instead of once per pass
   // (a group of 4, 64 channels or 4 lines a cell, still stays in L1 from bin to bin for
   // a roi of a few hundred cells); it stores the group's channel cc + c of the bin at
-  // s[c] (c < 16 * passes; lanes past ``lanes`` are scratch), and the walk then moves
-  // the roi's group to ``out`` plane by plane (StagedToPlanes' tiles).  Stored straight
-  // into the output, every value was a channel-strided scalar store (python -m
-  // mx_roi.bench.kernel_ab, 256 channels, 7x7, 256 rois, inference on one thread:
-  // ROIAlign average 32%, RROIAlign 17%, PrRoIPool 15% faster staged).  A second output (the argmax: ``aux``, in the (R,
-  // C, P, Q) layout of ``out``; null: none) is stored directly, channel c at a[c *
-  // plane_out]: its small index types have no tiles, and moved one at a time it cost
-  // more than it saved (max forwards ~15% slower).  Values are moved, never changed: the
-  // same bits.
+  // s[c] (c < 16 * passes; lanes past ``lanes`` are scratch), and the walk moves every
+  // MX_ROI_STAGED_BINS staged bins to ``out``, plane by plane (StagedToPlanes' tiles).
+  // Stored straight into the output, every value was a channel-strided scalar store
+  // (python -m mx_roi.bench.kernel_ab, 256 channels, 7x7, 256 rois, inference on one
+  // thread: ROIAlign average 32%, RROIAlign 17%, PrRoIPool 15% faster staged).  A second
+  // output (the argmax: ``aux``, in the (R, C, P, Q) layout of ``out``; null: none) is
+  // stored directly, channel c at a[c * plane_out]: its small index types have no tiles,
+  // and moved one at a time it cost more than it saved (max forwards ~15% slower).
+  // Values are moved, never changed: the same bits.
   template <int GROUP, typename U, typename V, typename F>
   void each_group_staged(const int* batch, int C, int P, int Q, U* out, V* aux, F&& f) const {
     if (empty()) return;
     const int GL = GROUP * LANES;
-    static thread_local std::vector<U> staged;  // (P * Q, GL): one roi's group
-    staged.resize((size_t)(plane_out * GL));
+    static thread_local std::vector<U> staged;  // (MX_ROI_STAGED_BINS, GL)
+    staged.resize((size_t)MX_ROI_STAGED_BINS * GL);
     U* const s = staged.data();
     for (long long r = 0; r < R; ++r) {
       const A* img = image(batch[r]);
@@ -806,12 +828,16 @@ struct LaneWalk {
         const int left = (ncp - cc) / LANES, passes = left < GROUP ? left : GROUP;
         const int lanes = nc - cc < passes * LANES ? nc - cc : passes * LANES;
         const long long at = (r * C + c0 + cc) * plane_out;
-        for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) {
-            const long long k = p * (long long)Q + q;
-            f(r, cc, passes, lanes, p, q, img, s + k * GL, aux ? aux + at + k : nullptr);
+        long long k0 = 0;  // the staged bins: [k0, k)
+        int p = 0, q = 0;
+        for (long long k = 0; k < plane_out; ++k) {
+          f(r, cc, passes, lanes, p, q, img, s + (k - k0) * GL, aux ? aux + at + k : nullptr);
+          if (++q == Q) q = 0, ++p;
+          if (k + 1 - k0 == MX_ROI_STAGED_BINS || k + 1 == plane_out) {
+            StagedToPlanes<U>::run(s, GL, k + 1 - k0, lanes, out + at + k0, plane_out);
+            k0 = k + 1;
           }
-        StagedToPlanes<U>::run(s, GL, plane_out, lanes, out + at, plane_out);
+        }
       }
     }
   }

@@ -295,13 +295,13 @@ struct RotatedBackwardLanes<T, A, A> {
       const A d = rs.box().divisor;
       for (int cc = 0; cc < ncp; cc += L) {
         const int lanes = nc - cc < L ? nc - cc : L;
-        const A* const rows = mx_roi::pass_rows<T, A>(grad + (r * C + c0 + cc) * plane_out,
-                                                      plane_out, lanes);
+        mx_roi::PassRows<T, A> rows(grad + (r * C + c0 + cc) * plane_out, plane_out, lanes);
         A* const lane = img + cc;
         for (int p = 0; p < P; ++p)
           for (int q = 0; q < Q; ++q) {
             const long long o = p * Q + q;
-            for (int c = 0; c < L; ++c) g[c] = rows[o * L + c] / d;
+            const A* const gk = rows.at(o);
+            for (int c = 0; c < L; ++c) g[c] = gk[c] / d;
             rs.each(p, q, [&](const typename RotatedRoiSamples<A>::Taps& t) {
               mx_roi::AddLanes<A>::run(lane + t.o1, g, t.w1);
               mx_roi::AddLanes<A>::run(lane + t.o2, g, t.w2);

@@ -1087,8 +1087,8 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
     """The float lanes are 8-wide vectors in a build for AVX and 4-wide otherwise, with
     the same operations per lane: both builds give the emulation's bits -- ROIPooling,
     average and max ROIAlign (forward and backward), PSROIAlign's and PSROIPooling's
-    channels-last walks, and RROIAlign and PrRoIPool where the staged outputs' tiles
-    run (15 bins) --
+    channels-last walks, and RROIAlign and PrRoIPool where the staged outputs' and
+    out-grads' tiles run (15 bins, staged 12 at a time) --
     for channel counts around the widths, NaN / -inf cells, skipped rois, 1 and 3
     threads, over garbage-filled outputs; each library reports the width it was built
     with."""
@@ -1130,9 +1130,11 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
         grad = rng.randn(*op.out_shape(x.shape, rois.shape)).astype(np.float32)
         wants.append((grad, run(EMU, op, x, rois, grad)))
     for flags, width in _float_vector_widths():
-        # every position-sensitive call with 8+ channels takes the channels-last walk
+        # every position-sensitive call with 8+ channels takes the channels-last walk; the
+        # staged bins go in chunks of 12 (15 bins: a chunk with a tile and leftovers, then
+        # one of leftovers only)
         monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags + " -DMX_ROI_PS_LANES_READS=0"
-                           " -DMX_ROI_PSP_LANES_READS=0")
+                           " -DMX_ROI_PSP_LANES_READS=0 -DMX_ROI_STAGED_BINS=12")
         monkeypatch.setattr(loader, "_MODULES", {})
         for src in ("roi_pooling.cu", "roi_align.cu", "psroi_align.cu", "psroi_pooling.cu",
                     "rroi_align.cu", "prroi_pool.cu"):
