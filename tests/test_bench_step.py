@@ -118,6 +118,16 @@ def test_profile_finds_each_side_op(step_run):
         for key in pieces + ("callback_fwd", "callback_bwd"):
             assert _positive(cb.get(key)), (key, cb)
         assert cb[pieces[0]] <= cb["callback_fwd"]
+        # the native door: its callbacks timed by the library, the rest of its operators'
+        # time is MXNet's (nested inside the profiler's span: never negative beyond the
+        # profiler's microsecond rounding)
+        native = r["profile"]["native"]
+        ncb = native["callback_ms"]
+        assert _positive(ncb["fwd"]) and _positive(ncb["bwd"]), ncb
+        assert math.isclose(native["mxnet_ms"], native["op_ms"] - ncb["fwd"] - ncb["bwd"])
+        assert native["mxnet_ms"] >= -0.05, native
+        assert (f"inside the callbacks: fwd {ncb['fwd']:.1f}, bwd {ncb['bwd']:.1f}; "
+                f"MXNet's share {native['mxnet_ms']:.1f})") in proc.stdout
     assert "ours/bi" in proc.stdout and "op%bi" in proc.stdout
     assert "frcnn-pool7" in proc.stdout and "rfcn-pspool7" in proc.stdout
 
@@ -127,3 +137,18 @@ def test_bad_config_name_is_rejected():
                            "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown configuration(s) ['nope']" in proc.stderr
+
+
+def test_hugetlb_setting_adds_the_tunable(monkeypatch):
+    """``--hugetlb``: the children get glibc's huge-page tunable, after any the caller set;
+    without it their GLIBC_TUNABLES is the caller's."""
+    from mx_roi.bench import step
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert step._child_env("default", True)["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert step._child_env("equal", False)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert step._child_env("default", True)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" not in step._child_env("default", False)
+    assert step._parse_args(["--hugetlb", "--quick"]).hugetlb
+    assert not step._parse_args(["--quick"]).hugetlb

@@ -142,13 +142,21 @@ def _native_row(runs, missing: str, check, syms) -> dict:
 THREAD_SETTINGS = ("default", "equal")
 
 
-def _child_env(setting: str) -> dict:
+#: glibc's tunable that backs malloc's large allocations with transparent huge pages
+#: (glibc >= 2.35; older ones ignore it): ``--hugetlb``
+HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def _child_env(setting: str, hugetlb: bool = False) -> dict:
     env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "MX_ROI_NUM_THREADS"):
         env.pop(k, None)
     if setting == "equal":
         n = str(os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = env["MX_ROI_NUM_THREADS"] = n
+    if hugetlb:
+        env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"),
+                                                      HUGETLB_TUNABLE) if t)
     from .machine import CHECKOUT as root
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -159,7 +167,8 @@ def _run_child(setting: str, args) -> dict:
            ",".join(c.name for c in args.config_list), "--steps", str(args.steps),
            "--model", args.model] + (["--quick"] if args.quick else []) + \
         ([] if args.profile else ["--no-profile"])
-    proc = subprocess.run(cmd, env=_child_env(setting), capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=_child_env(setting, args.hugetlb), capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"step benchmark child ({setting}) failed with status "
                            f"{proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -220,7 +229,9 @@ def _report(settings: List[dict]) -> List[str]:
                 lines.append(f"  {r['name']}: profiled step native {na['wall_ms']:.0f} ms (op "
                              f"{na['op_ms']:.1f}: " + ", ".join(
                                  f"{k} {v:.1f}" for k, v in na["op_entries"].items()) +
-                             f"; guard {na['guard_ms']:.1f})")
+                             f"; guard {na['guard_ms']:.1f}; inside the callbacks: fwd "
+                             f"{na['callback_ms']['fwd']:.1f}, bwd {na['callback_ms']['bwd']:.1f}"
+                             f"; MXNet's share {na['mxnet_ms']:.1f})")
     lines.append("\nours/bi: least-disturbed (min) step time, ours / built-in (< 1: ours is "
                  "faster); median: the same for the median steps; spread: the built-in's "
                  "slowest / fastest step - 1 (the machine's noise: a ratio closer to 1 than "
@@ -229,7 +240,10 @@ def _report(settings: List[dict]) -> List[str]:
                  "(_copy/clip/_backward_clip) share; ours = the Custom door (mx.sym.Custom), "
                  "native = the native door (mx.sym.mx_roi_<Op>): nat/ours its min (median) "
                  "step / ours's, nat<=ours the verdict on the min steps, op%nat its "
-                 "operators' share; all times in ms.")
+                 "operators' share (MXNet's share: the operators' time outside the "
+                 "library's callbacks -- MXNet's dispatch, and its copy of each "
+                 "oneDNN-layout input, e.g. a convolution's gradient, into fresh memory); "
+                 "all times in ms.")
     return lines
 
 
@@ -263,6 +277,10 @@ def _parse_args(argv):
     p.add_argument("--model", choices=("lite", "resnet50", "quick"), default="lite",
                    help="lite: narrow ResNet layers (C4 256 channels); resnet50: "
                         "example_rcnn.symbol's ResNet-50 C4 body and stage-5 head")
+    p.add_argument("--hugetlb", action="store_true",
+                   help="run the steps with GLIBC_TUNABLES=" + HUGETLB_TUNABLE + " (glibc >= "
+                        "2.35 backs large allocations with transparent huge pages: MXNet "
+                        "1.9.1 mallocs every CPU array, and a large fresh one page-faults)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled step")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
@@ -306,7 +324,8 @@ def main(argv=None) -> int:
                                         f"OMP_NUM_THREADS=MX_ROI_NUM_THREADS={n}"))
         settings.append(res)
     print(f"step benchmark: model {args.model}, {IMAGES} images, {args.steps} interleaved "
-          "steps per side (forward+backward, no update), min reported")
+          "steps per side (forward+backward, no update), min reported" +
+          (f"; every side with GLIBC_TUNABLES={HUGETLB_TUNABLE}" if args.hugetlb else ""))
     print("\n".join(_report(settings)))
     failures = [f"{s['threads']}:{r['name']}" for s in settings for r in s["results"]
                 if not _row_ok(r)]
@@ -319,6 +338,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(mode="step", model=args.model, steps=args.steps, quick=args.quick,
+                           hugetlb=args.hugetlb,
                            settings=settings, failures=failures), f, indent=1)
     if failures:
         print("MISMATCH between ours (Custom or native door) and the built-in: "

@@ -1,5 +1,6 @@
 """Where a step's time goes: one step under ``mx.profiler`` per side, and timers inside
-mx_roi's callbacks (kernel, geometry, input checks)."""
+mx_roi's callbacks (the Custom door's: kernel, geometry, input checks; the native door's:
+its forward and backward callbacks, timed by the library)."""
 from __future__ import annotations
 
 import os
@@ -100,9 +101,15 @@ def profile_side(mx, exe, side: str, cfg: StepConfig, timers: Optional[Timers]) 
                            filename=os.devnull if os.name != "nt" else "NUL")
     if timers is not None:
         timers.ms.clear()
+    if side == "native":
+        from .. import ext
+        ext.callback_timing(True)
     mx.profiler.set_state("run")
     wall = run_step(exe)
     mx.profiler.set_state("stop")
+    if side == "native":
+        inside = ext.callback_times()
+        ext.callback_timing(False)
     table = parse_aggregate(mx.profiler.dumps(reset=True))
     ops = table.get("operator", {})
     custom = table.get("Custom Operator", {})
@@ -116,6 +123,10 @@ def profile_side(mx, exe, side: str, cfg: StepConfig, timers: Optional[Timers]) 
         res["op_ms"] = sum(res["op_entries"].values())
         res["guard_ms"] = sum(ops.get(n, 0.0) for n in GUARD_OPS)
         res["guard_entries"] = {n: ops[n] for n in GUARD_OPS if n in ops}
+        # the library's callbacks (mx_roi.ext.callback_times): the rest of op_ms is
+        # MXNet's (dispatch; oneDNN-layout inputs copied into fresh memory first)
+        res["callback_ms"] = dict(fwd=inside["fwd_ms"], bwd=inside["bwd_ms"])
+        res["mxnet_ms"] = res["op_ms"] - inside["fwd_ms"] - inside["bwd_ms"]
     else:
         py = {k: v for k, v in custom.items() if cfg.op in k}
         res["op_ms"] = sum(v for k, v in py.items() if k.endswith("pure_python"))

@@ -33,7 +33,8 @@ from ..cuda import source as S
 
 __all__ = ["ExtLibraryError", "library_path", "load", "load_if_cached", "loaded_ops",
            "unavailable_reason", "op_sources",
-           "mxnet_extension_files", "LAUNCHER_MACRO", "add_safe", "parse_params"]
+           "mxnet_extension_files", "LAUNCHER_MACRO", "add_safe", "parse_params",
+           "callback_timing", "callback_times"]
 
 #: the macro of an op's extension section in its ``.cu`` file
 LAUNCHER_MACRO = "MX_ROI_EXT_LAUNCHER"
@@ -349,6 +350,33 @@ def parse_params(op: str, **kwargs) -> Tuple[bool, str]:
     if rc < 0:
         raise ValueError(f"mx_roi_ext_parse_params({op!r}) returned {rc}")
     return rc == 0, out.value.decode()
+
+
+def _loaded_library() -> ctypes.CDLL:
+    """The library MXNet loaded (:func:`load`), opened again by its path: the dynamic
+    loader hands out the same loaded object, so its globals are MXNet's."""
+    path = _STATE["loaded"]
+    if not path:
+        raise ExtLibraryError("mx_roi's extension library is not loaded (mx_roi.ext.load())")
+    return ctypes.CDLL(path)
+
+
+def callback_timing(enable: bool) -> None:
+    """Start (zeroing the totals) or stop timing the native ops' CPU forward and backward
+    callbacks in the loaded library (:func:`callback_times`).  The profiler's time of an
+    ``mx_roi_<Op>`` operator minus its callbacks' is MXNet's share of the call: its
+    dispatch, and its copy of every input in a oneDNN layout into fresh memory before
+    the callback runs."""
+    _loaded_library().mx_roi_ext_callback_timing(ctypes.c_int(1 if enable else 0))
+
+
+def callback_times() -> dict:
+    """Totals since :func:`callback_timing` started: ``fwd_ms``, ``fwd_calls``,
+    ``bwd_ms``, ``bwd_calls`` (every native op's callbacks, on every thread)."""
+    out = (ctypes.c_longlong * 4)()
+    _loaded_library().mx_roi_ext_callback_times(out)
+    return dict(fwd_ms=out[0] / 1e6, fwd_calls=int(out[1]), bwd_ms=out[2] / 1e6,
+                bwd_calls=int(out[3]))
 
 
 def add_safe(x, name=None):

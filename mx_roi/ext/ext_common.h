@@ -9,6 +9,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -47,6 +49,29 @@ typedef std::string (*ParamsFormatter)(const std::unordered_map<std::string, std
 std::map<std::string, ParamsFormatter>& params_formatters();
 struct RegisterParams {
   RegisterParams(const char* op, ParamsFormatter f) { params_formatters()[op] = f; }
+};
+
+// ---- the callbacks' own time (mx_roi_ext_callback_timing / mx_roi_ext_callback_times) --
+// While enabled, each op's forward and backward callback adds its wall time and one call
+// to its direction's totals (0: forward, 1: backward): the profiler's time of an
+// extension operator minus these is MXNet's share of the call (its dispatch, and the
+// reorder of oneDNN-layout inputs into fresh memory before the callback runs).
+// Defined in ext_main.cc.
+extern std::atomic<bool> callback_timing;
+void add_callback_time(int direction, long long ns);
+struct CallbackTimer {
+  const int direction;
+  const bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit CallbackTimer(int d)
+      : direction(d), on(callback_timing.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~CallbackTimer() {
+    if (on)
+      add_callback_time(direction, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - t0).count());
+  }
 };
 
 // A parameter, shape or input problem: its what() is the whole message (op name first).

@@ -665,6 +665,7 @@ struct Callbacks {
 
   static MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                std::vector<MXTensor>* outputs, const OpResource& res) {
+    const ::mx_roi_ext::CallbackTimer timer(0);
     MX_ROI_EXT_CALL({
       const typename Op::Params p = params(attrs);
       const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
@@ -734,6 +735,7 @@ struct Callbacks {
   // The forward cannot avoid failing (its error is the user's), the backward can.
   static MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                 std::vector<MXTensor>* outputs, const OpResource& res) {
+    const ::mx_roi_ext::CallbackTimer timer(1);
     ::mx_roi_ext::begin_call();
     try {
       backward_checked(attrs, inputs, outputs);

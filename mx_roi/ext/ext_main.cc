@@ -60,6 +60,35 @@ std::map<std::string, ParamsFormatter>& params_formatters() {
 }
 }  // namespace mx_roi_ext
 
+namespace mx_roi_ext {
+std::atomic<bool> callback_timing{false};
+namespace {
+std::atomic<long long> callback_ns[2], callback_calls[2];
+}
+void add_callback_time(int direction, long long ns) {
+  callback_ns[direction].fetch_add(ns, std::memory_order_relaxed);
+  callback_calls[direction].fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace mx_roi_ext
+
+// Starts (1) or stops (0) timing the ops' callbacks; starting zeroes the totals.
+extern "C" void mx_roi_ext_callback_timing(int enable) {
+  using namespace mx_roi_ext;
+  if (enable)
+    for (int d = 0; d < 2; ++d) callback_ns[d] = callback_calls[d] = 0;
+  callback_timing.store(enable != 0);
+}
+
+// The totals since timing started: out[0..3] = forward ns, forward calls, backward ns,
+// backward calls.
+extern "C" void mx_roi_ext_callback_times(long long* out) {
+  using namespace mx_roi_ext;
+  for (int d = 0; d < 2; ++d) {
+    out[2 * d] = callback_ns[d].load();
+    out[2 * d + 1] = callback_calls[d].load();
+  }
+}
+
 // The messages MXNet would print now (tests: the list holds one message per failure).
 extern "C" int mx_roi_ext_message_count() {
   return MXerrorMsgs::get()->size();
