@@ -921,6 +921,50 @@ struct MaxLanes<float> {
   I index(int c) const { return index_store<I>(arg[c / VW][c % VW]); }
 };
 
+// MaxLanes without the argmax (an inference forward keeps none): the same strict '>'
+// per lane, the same maxima.  float: max_ps(x, best) is (x > best ? x : best) with
+// best kept where x is NaN -- MaxLanes' rule in one instruction instead of a compare
+// and a blend.
+template <typename A>
+struct MaxValueLanes {
+  A best[16];
+  void init() {
+    for (int c = 0; c < 16; ++c) best[c] = max_init<A>();
+  }
+  void step(const A* v, int) {
+    for (int c = 0; c < 16; ++c) best[c] = v[c] > best[c] ? v[c] : best[c];
+  }
+  A value(int c) const { return best[c]; }
+  void store(A* dst) const {
+    for (int c = 0; c < 16; ++c) dst[c] = best[c];
+  }
+};
+
+template <>
+struct MaxValueLanes<float> {
+  vf best[VN];
+  void init() {
+    for (int i = 0; i < VN; ++i) best[i] = vf{} + max_init<float>();
+  }
+  void step(const float* v, int) {
+    for (int i = 0; i < VN; ++i) {
+#if defined(__AVX__)
+      best[i] = (vf)_mm256_max_ps(_mm256_loadu_ps(v + VW * i), (__m256)best[i]);
+#elif defined(__SSE2__)
+      best[i] = (vf)_mm_max_ps(_mm_loadu_ps(v + VW * i), (__m128)best[i]);
+#else
+      vf x;
+      memcpy(&x, v + VW * i, sizeof x);
+      best[i] = x > best[i] ? x : best[i];
+#endif
+    }
+  }
+  float value(int c) const { return best[c / VW][c % VW]; }
+  void store(float* dst) const {  // one vector store each
+    for (int i = 0; i < VN; ++i) memcpy(dst + VW * i, &best[i], sizeof best[i]);
+  }
+};
+
 // v[c] = (w1*v1[c] + w2*v2[c]) + w3*v3[c] + w4*v4[c] for 16 lanes: sample_value per lane,
 // its operations in its order.  float: VN vectors of VW lanes.
 template <typename A>

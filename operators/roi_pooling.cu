@@ -36,8 +36,8 @@ __device__ __forceinline__ long long int_bin_cell(int k, int hs, int ws, int wl,
 // (lane pass cc of a channels-last image, ncp lanes per cell) by m; cell (i, j) is
 // candidate k0 + i * kstride + j (bin-relative: k0 = 0, kstride = wl; the plane offset:
 // k0 = h0 * W + w0, kstride = W).
-template <typename A>
-inline void scan_int_bin_lanes(MaxLanes<A>& m, const A* img, int cc, int ncp, int W, int h0,
+template <typename M, typename A>
+inline void scan_int_bin_lanes(M& m, const A* img, int cc, int ncp, int W, int h0,
                                int hl, int w0, int wl, int k0, int kstride) {
   m.init();
   for (int i = 0; i < hl; ++i) {
@@ -73,11 +73,16 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
       }
       return;
     }
+    if (!a) {  // inference: the maxima alone
+      mx_roi::MaxValueLanes<A> m;
+      mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
+      mx_roi::store_lanes<T>(m, o);
+      return;
+    }
     mx_roi::MaxLanes<A> m;
     mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
     mx_roi::store_lanes<T>(m, o);
-    if (a)
-      for (int c = 0; c < lanes; ++c) a[c * plane_out] = m.template index<I>(c);
+    for (int c = 0; c < lanes; ++c) a[c * plane_out] = m.template index<I>(c);
   });
 }
 #endif

@@ -119,6 +119,15 @@ def run(backend, op, data, rois, grad, req_f="write", req_b="write", init_out=No
     return out.asnumpy(), dgrad.asnumpy()
 
 
+def run_inference(backend, op, data, rois, init_out=None):
+    """Forward only, keeping nothing for a backward (an inference call: the max ops
+    store no argmax); returns the output as a NumPy array."""
+    out_shape = op.out_shape(data.shape, rois.shape)
+    out = nd(init_out if init_out is not None else np.zeros(out_shape, data.dtype))
+    backend.forward(op, "write", nd(data), nd(rois), out, keep=False)
+    return out.asnumpy()
+
+
 def close(actual, expected, dtype, what="", tol=None):
     assert actual.shape == expected.shape, what
     assert actual.dtype == np.dtype(dtype), what
@@ -1085,7 +1094,8 @@ def _float_vector_widths():
 
 def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
     """The float lanes are 8-wide vectors in a build for AVX and 4-wide otherwise, with
-    the same operations per lane: both builds give the emulation's bits -- ROIPooling,
+    the same operations per lane: both builds give the emulation's bits -- ROIPooling
+    (training and inference forward: the latter scans without an argmax),
     average and max ROIAlign (forward and backward), PSROIAlign's and PSROIPooling's
     channels-last walks, and RROIAlign and PrRoIPool where the staged outputs' and
     out-grads' tiles run (15 bins, staged 12 at a time) --
@@ -1155,3 +1165,8 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
                 else:
                     identical(got[0], want[0], "forward, " + where)
                 identical(got[1], want[1], "gradient, " + where)
+                if op.name == "ROIPooling" or op.param.to_kwargs().get("pool_mode") == "max":
+                    # the inference forward's scan keeps no argmax (MaxValueLanes)
+                    identical(run_inference(NATIVE, op, x, rois,
+                                            init_out=np.full(want[0].shape, 7, np.float32)),
+                              want[0], "inference forward, " + where)
