@@ -90,3 +90,33 @@ def test_inside_the_profilers_span(times):
     # the profiler rounds to microseconds: 5 calls' worth of slack
     assert 0 < p["fwd_ms"] <= ms["mx_roi_ROIAlign"] + 0.005, (p, ms)
     assert 0 < p["bwd_ms"] <= ms["_backward_mx_roi_ROIAlign"] + 0.005, (p, ms)
+
+
+def test_not_loaded_says_so():
+    """Before the library is loaded (``MX_ROI_NATIVE_OPS=0``: ``import mx_roi`` loads
+    nothing) the timers raise ExtLibraryError naming ``mx_roi.ext.load()``, not a ctypes
+    error; after ``load()`` they work."""
+    code = textwrap.dedent("""
+        import mx_roi
+        from mx_roi import ext
+        for fn in (lambda: ext.callback_timing(True), ext.callback_times):
+            try:
+                fn()
+                print("NO ERROR")
+            except ext.ExtLibraryError as e:
+                print("ERROR", e)
+        ext.load()
+        ext.callback_timing(True)
+        print("LOADED", ext.callback_times())
+    """)
+    env = dict(os.environ, MX_ROI_NATIVE_OPS="0",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.split(" ")[0] in
+             ("ERROR", "NO", "LOADED")]
+    want = "ERROR mx_roi's extension library is not loaded (mx_roi.ext.load())"
+    assert lines[:2] == [want, want], lines
+    assert lines[2] == "LOADED " + str(dict(fwd_ms=0.0, fwd_calls=0, bwd_ms=0.0,
+                                            bwd_calls=0)), lines
