@@ -52,7 +52,8 @@ inline void scan_int_bin_lanes(M& m, const A* img, int cc, int ncp, int W, int h
 // Native host build of the forward: the thread's channel block copied channels-last
 // (mx_roi::channels_last_block), then, 16 channels at a time (LaneWalk::each_pass_staged),
 // every bin of a roi scanned cell by cell in row-major order (mx_roi::MaxLanes: strict
-// '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit).
+// '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit; an
+// inference call, which keeps no argmax, takes mx_roi::MaxValueLanes: the same maxima).
 template <typename T, typename A, typename I>
 void roi_pooling_forward_native(const T* data, const int* batch, const int* hstart,
                                 const int* hend, const int* wstart, const int* wend, int C,
