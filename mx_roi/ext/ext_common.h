@@ -30,6 +30,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "mxnet/lib_api.h"
 #include "ext_unicode.h"  // (generated at build time: mx_roi/ext/unicode_table.py)
 
 namespace mx_roi_ext {
@@ -49,6 +50,18 @@ typedef std::string (*ParamsFormatter)(const std::unordered_map<std::string, std
 std::map<std::string, ParamsFormatter>& params_formatters();
 struct RegisterParams {
   RegisterParams(const char* op, ParamsFormatter f) { params_formatters()[op] = f; }
+};
+
+// The launchers mx_roi_ext_invoke calls (ext_main.cc), by native operator name: the Custom
+// door's native backend (mx_roi.cuda.library_calls) runs an op's forward or backward
+// through the code its native operator runs (MX_ROI_EXT_REGISTER registers each op's
+// Callbacks<Op>::invoke).
+typedef void (*InvokeFn)(int direction, const std::unordered_map<std::string, std::string>&,
+                         std::vector<::mxnet::ext::MXTensor>*,
+                         std::vector<::mxnet::ext::MXTensor>*);
+std::map<std::string, InvokeFn>& invoke_table();
+struct RegisterInvoke {
+  RegisterInvoke(const char* op, InvokeFn f) { invoke_table()[op] = f; }
 };
 
 // ---- the callbacks' own time (mx_roi_ext_callback_timing / mx_roi_ext_callback_times) --
@@ -868,9 +881,9 @@ inline int native_threads(long long items) {
 
 // ---- huge pages for a call's fresh output (mx_roi.scratch.advise_huge_pages_at) ----------
 // MXNet hands a large output fresh mmap pages in every call; the kernels' first write to
-// each 4 KiB page is a page fault and its zeroing.  The Custom door on the native backend
-// asks for transparent huge pages on MXNet's output and input gradient before they are
-// first touched (native_program.py); the native door does the same.  Without it (issue 42's
+// each 4 KiB page is a page fault and its zeroing.  The launcher asks for transparent huge
+// pages on MXNet's output and input gradient before they are first touched (both doors;
+// the Custom door's checked path does the same, mx_roi.scratch).  Without it (issue 42's
 // detector rows: ROIAlign 14x14, 256 boxes, 2 x 256 x 50 x 50, a 51 MB output) the native
 // door took ~12,500 page faults more per forward than the Custom door, perf put 37% of its
 // samples in the kernel's fault path (6% with the advice), and it ran up to 1.4x slower.

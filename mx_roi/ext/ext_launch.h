@@ -4,8 +4,11 @@
 // namespace of its own (mx_roi.ext._unit_source): its names, this file's namespace
 // mx_roi_op included, are the unit's alone, so several ops link into one library.
 //
-// The geometry of a sample-grid op as the native backend's recorded call builds it
-// (mx_roi.cuda.native_program / device_geometry.build): the device-geometry kernel
+// Both doors run it: the native operators' callbacks, and the Custom door's native backend
+// through mx_roi_ext_invoke (mx_roi.cuda.library_calls).
+//
+// The geometry of a sample-grid op as the GPU path builds it (device_geometry.build): the
+// device-geometry kernel
 // roi_grid_geometry over tables sized from the shapes (grid_widths), its status word
 // checked before any op kernel runs; a bad roi raises the Custom path's message
 // (registry.RoIOp.roi_error, decoded as DeviceGeometry.error decodes it); a roi needing
@@ -84,9 +87,9 @@ struct RoiLayout<Op, typename make_void<decltype(Op::ROI_COLUMNS)>::type> {
   static const char* layout() { return Op::ROI_LAYOUT; }
 };
 
-// The roi check of an op whose kernels read the rois themselves (RoIOp.kernels_read_rois;
-// native_program's recorded call: the roi_check kernel into a status word first); throws
-// the Custom path's message (roi_error) for a bad roi.  R >= 1.
+// The roi check of an op whose kernels read the rois themselves (RROIAlign, PrRoIPool: no
+// tables; the roi_check kernel into a status word first); throws the Custom path's
+// message (roi_error) for a bad roi.  R >= 1.
 template <typename T, typename A>
 void check_rois_status(const std::string& op, const T* rois, long long R, int columns,
                        long long N) {
@@ -395,7 +398,7 @@ struct PooledOp {
 // One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
 // (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
 // n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
-// as the recorded call builds it).
+// as the device path builds it).
 template <typename Op, typename T, typename A>
 struct Call {
   typedef decltype(Op::template geometry<T, A>(std::declval<const typename Op::Params&>(),
@@ -666,18 +669,33 @@ struct Callbacks {
   static MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                std::vector<MXTensor>* outputs, const OpResource& res) {
     const ::mx_roi_ext::CallbackTimer timer(0);
-    MX_ROI_EXT_CALL({
-      const typename Op::Params p = params(attrs);
-      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
-      check(data, rois);
-      advise_fresh(*outputs);
-      dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
-        typedef typename std::remove_pointer<decltype(t)>::type T;
-        typedef typename std::remove_pointer<decltype(a)>::type A;
-        run_forward<T, A>(ExtraInput<Op>(), p, data, rois,
-                          inputs->size() > 2 ? &(*inputs)[2] : nullptr, (*outputs)[0]);
-      });
-    })
+    MX_ROI_EXT_CALL(forward_checked(attrs, inputs, outputs);)
+  }
+
+  // inputs: data, rois[, extra]; outputs: the output.  Throws for a bad input.
+  static void forward_checked(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                              std::vector<MXTensor>* outputs) {
+    const typename Op::Params p = params(attrs);
+    const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+    check(data, rois);
+    advise_fresh(*outputs);
+    dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
+      typedef typename std::remove_pointer<decltype(t)>::type T;
+      typedef typename std::remove_pointer<decltype(a)>::type A;
+      run_forward<T, A>(ExtraInput<Op>(), p, data, rois,
+                        inputs->size() > 2 ? &(*inputs)[2] : nullptr, (*outputs)[0]);
+    });
+  }
+
+  // A call of the Custom door's native backend (mx_roi_ext_invoke; mx_roi.cuda.library_calls):
+  // the forward (direction 0) or the backward (1), a bad input thrown -- the backward's too,
+  // which the Custom door raises (its caller then takes the checked path for the message)
+  static void invoke(int direction, const Attrs& attrs, std::vector<MXTensor>* inputs,
+                     std::vector<MXTensor>* outputs) {
+    if (direction == 0)
+      forward_checked(attrs, inputs, outputs);
+    else
+      backward_checked(attrs, inputs, outputs);
   }
 
   // Op::rois_backward<T, A>(p, call, grad, data, rois, rois_grad) where Op has one (the
@@ -790,7 +808,8 @@ struct Callbacks {
         typedef typename std::remove_pointer<decltype(t)>::type T;
         typedef typename std::remove_pointer<decltype(a)>::type A;
         MXTensor &data_grad = (*outputs)[0], &rois_grad = (*outputs)[1];
-        std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
+        if (rois_grad.data_ptr)  // (null: mx_roi_ext_invoke's call with the rois' req null)
+          std::memset(rois_grad.data_ptr, 0, (size_t)numel(rois_grad.shape) * sizeof(T));
         if (extra_grad)  // zeros unless the op writes it
           std::memset(extra_grad->data_ptr, 0, (size_t)numel(extra_grad->shape) * sizeof(T));
         const long long size = numel(data.shape);
@@ -817,7 +836,7 @@ struct Callbacks {
       if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
       // an op that differentiates its rois (PrRoIPool) writes their gradient over the
       // zeros
-      rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
+      if (rois_grad.data_ptr) rois_backward<T, A>(0, p, c, grad, data, rois, rois_grad);
     }
   }
 
@@ -831,8 +850,11 @@ struct Callbacks {
 
 }  // namespace mx_roi_op
 
-// Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``.
+// Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``, and its
+// launcher for mx_roi_ext_invoke under the same name.
 #define MX_ROI_EXT_REGISTER(Name, Op)                                        \
+  static const ::mx_roi_ext::RegisterInvoke Name##_invoke(                   \
+      #Name, mx_roi_op::Callbacks<Op>::invoke);                              \
   REGISTER_OP(Name)                                                          \
       .setForward(mx_roi_op::Callbacks<Op>::forward, "cpu")                  \
       .setBackward(mx_roi_op::Callbacks<Op>::backward, "cpu")                \

@@ -124,6 +124,77 @@ extern "C" int mx_roi_ext_parse_params(const char* op, int n, const char* const*
   return rc;
 }
 
+// ---- the Custom door's native backend: an op's launcher, called from Python ------------
+// (mx_roi.cuda.library_calls).  A handle holds the op's launcher and its parameters as
+// MXNet would hand them to the native operator (kept for the op's lifetime: the launcher's
+// per-thread parse memo then hits on every call); a call passes the arrays' addresses,
+// shapes and dtypes (MXNet's type flags) and gets 0, or 1 with the error's message in
+// ``err`` (the caller then takes its checked path, which raises the Custom door's message).
+namespace mx_roi_ext {
+std::map<std::string, InvokeFn>& invoke_table() {
+  static std::map<std::string, InvokeFn> table;
+  return table;
+}
+}  // namespace mx_roi_ext
+
+namespace {
+struct InvokeHandle {
+  mx_roi_ext::InvokeFn fn;
+  std::unordered_map<std::string, std::string> attrs;
+};
+}  // namespace
+
+// One array of a call: its memory, dtype (MXNet's flag: 0 float32, 1 float64, 2 float16)
+// and shape (``ndim`` <= 6 dimensions)
+struct mx_roi_ext_tensor {
+  void* data;
+  long long shape[6];
+  int ndim;
+  int dtype;
+};
+
+// The handle of native operator ``op`` with parameters keys[i]=values[i], or null when the
+// library has no such operator.
+extern "C" void* mx_roi_ext_invoke_handle(const char* op, int n, const char* const* keys,
+                                          const char* const* values) {
+  auto& table = mx_roi_ext::invoke_table();
+  auto it = table.find(op);
+  if (it == table.end()) return nullptr;
+  InvokeHandle* h = new InvokeHandle{it->second, {}};
+  for (int i = 0; i < n; ++i) h->attrs[keys[i]] = values[i];
+  return h;
+}
+
+extern "C" void mx_roi_ext_invoke_release(void* handle) {
+  delete static_cast<InvokeHandle*>(handle);
+}
+
+// Runs the forward (direction 0: inputs data, rois[, extra]; output the output) or the
+// backward (1: inputs out-grad, data, rois[, extra]; outputs their gradients) on the
+// caller's thread: 0, or 1 and the message in ``err``.
+extern "C" int mx_roi_ext_invoke(void* handle, int direction, int n_in, int n_out,
+                                 const mx_roi_ext_tensor* arrays, char* err, int err_len) {
+  const InvokeHandle* h = static_cast<const InvokeHandle*>(handle);
+  std::vector<MXTensor> in, out;
+  in.reserve(n_in);
+  out.reserve(n_out);
+  for (int i = 0; i < n_in + n_out; ++i) {
+    const mx_roi_ext_tensor& a = arrays[i];
+    (i < n_in ? in : out).emplace_back(a.data, std::vector<int64_t>(a.shape, a.shape + a.ndim),
+                                       (MXDType)a.dtype, 0, MXContext("cpu", 0));
+  }
+  try {
+    h->fn(direction, h->attrs, &in, &out);
+  } catch (const std::exception& e) {
+    std::snprintf(err, (size_t)err_len, "%s", e.what());
+    return 1;
+  } catch (...) {
+    std::snprintf(err, (size_t)err_len, "mx_roi: unknown error");
+    return 1;
+  }
+  return 0;
+}
+
 // ---- the native GPU path (opt-in; mx_roi.ext.cuda, docs/gpu.md) --------------------------
 // The ops' "gpu" callbacks call the launcher library's C entries (mx_roi_ext_cuda_*) found
 // here; until mx_roi_ext_set_gpu_launcher has opened that library (mx_roi.ext.cuda.enable()
