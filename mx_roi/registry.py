@@ -226,15 +226,11 @@ class RoIOp:
         out-grad and the data (only when :attr:`differentiates_rois`)."""
         raise NotImplementedError
 
-    def kernels_read_rois(self) -> bool:
-        """Whether, for these parameters, the CUDA kernels derive the geometry from the rois
-        themselves (:meth:`geometry` gives a :class:`~mx_roi.geometry.LazyTables` whose
-        kernels read only ``rois``) and :meth:`check_inputs` is this class's rule (finite
-        values, batch index).  The native backend then runs a call as one compiled call
-        that checks the rois with the ``roi_check`` kernel first
-        (:mod:`mx_roi.cuda.native_program`).  An op with a :meth:`geometry_spec` needs
-        none of this (its tables come from the device geometry kernel)."""
-        return False
+    @property
+    def native_name(self) -> str:
+        """The op's native operator in the extension library, ``NATIVE_PREFIX + name``
+        (``mx_roi_ROIAlign``)."""
+        return NATIVE_PREFIX + self.name
 
     def rois_backward_cuda(self, launch, geo, grad, data, rois):
         """CUDA gradient of the rois (only when :attr:`differentiates_rois`)."""

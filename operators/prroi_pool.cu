@@ -531,8 +531,8 @@ __global__ void prroi_pool_geometry(const T* __restrict__ rois, float spatial_sc
 // ==== mx_roi_PrRoIPool: this op in mx_roi's MXNet extension library (mx_roi.ext) ==========
 // Compiled only into that library (see roi_align.cu's section): PrRoIPoolParam's
 // parameters (pooled_size, spatial_scale, deterministic: the native build is deterministic
-// anyway).  The kernels derive the bins' integrals from the rois (RoIOp.kernels_read_rois),
-// so the call runs as the native backend runs it: the roi_check kernel's status word (the
+// anyway).  The kernels derive the bins' integrals from the rois (no tables), so the call
+// runs the roi_check kernel's status word first (the
 // Custom path's message), then this file's kernels; the backward also writes the rois'
 // gradient (prroi_pool_rois_backward, one roi per item, in A; float16 rounded once).
 #include "ext_launch.h"

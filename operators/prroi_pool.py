@@ -69,9 +69,6 @@ class PrRoIPool(RoIOp):
     def geometry(self, rois, height, width, xp):
         return geometry.LazyTables(rois, self.bins, (height, width))
 
-    def kernels_read_rois(self):
-        return True
-
     def bins(self, rois, height, width) -> geometry.PreciseBins:
         p = self.param
         return geometry.precise_bins(rois, p.pooled_size, p.spatial_scale, height, width)

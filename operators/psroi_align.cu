@@ -186,8 +186,8 @@ __global__ void psroi_align_backward(
 // PSROIAlignParam's (mx.nd.contrib.ROIAlign's pooled_size, spatial_scale, sample_ratio,
 // aligned; PSROIPooling's output_dim, group_size; ours: deterministic, legacy='rfcn',
 // sample_num), parsed as mx_roi/params.py parses them, with its messages; the host launcher
-// runs the native backend's recorded call (PositionSensitive.forward_cuda / backward_cuda):
-// the device geometry and its roi check, then this file's kernels with the channel map.
+// runs what PositionSensitive.forward_cuda / backward_cuda launch: the device geometry and
+// its roi check, then this file's kernels with the channel map.
 #include "ext_launch.h"
 
 namespace mx_roi_op {

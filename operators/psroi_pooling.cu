@@ -158,7 +158,7 @@ __global__ void psroi_pooling_backward(
 // parameters (spatial_scale, output_dim, pooled_size, group_size) plus PSROIPoolingParam's
 // (deterministic: the native build is deterministic anyway), the device geometry's
 // position-sensitive integer bins and roi check, the channel map, then this file's kernels
-// over the output channels, as the native backend's recorded call runs them.
+// over the output channels, as PositionSensitive.forward_cuda / backward_cuda launch them.
 #include "ext_launch.h"
 
 namespace mx_roi_op {

@@ -634,8 +634,8 @@ __global__ void roi_align_backward_max_rescan(
 // Compiled only into that library (g++ with -DMX_ROI_EXT_LAUNCHER, the host shim in native
 // mode): the GPU, emulated and native builds never see this section.  Parameters as
 // mx.nd.contrib.ROIAlign's and ROIAlignParam's (parsed as mx_roi/params.py parses them, with
-// its messages); the host launcher runs the native backend's recorded call: the device
-// geometry and its roi check, then this file's kernels (forward: avg or max; backward: avg,
+// its messages); the host launcher runs what forward_cuda / backward_cuda launch: the
+// device geometry and its roi check, then this file's kernels (forward: avg or max; backward: avg,
 // or max found again in the data, the *_rescan kernel).
 #include "ext_launch.h"
 

@@ -1750,8 +1750,8 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
 
 // The roi check alone, for an op whose kernels read the rois themselves (no tables): one
 // thread per roi, check_rois' rule over each roi's ``columns`` values, into ``status``
-// (status[0] as above; a recorded native call stops before the op's kernels when it is
-// set: mx_roi.cuda.native_program).  n = R.
+// (status[0] as above; the extension library's launcher stops before the op's kernels
+// when it is set: ext_launch.h's check_rois_status).  n = R.
 template <typename T, typename A>
 __global__ void roi_check(const T* __restrict__ rois, int columns, long long N, double bound,
                           int use_bound, unsigned long long* __restrict__ status, long long n) {

@@ -443,8 +443,8 @@ __global__ void rroi_align_geometry(const T* __restrict__ rois, float spatial_sc
 // Compiled only into that library (see roi_align.cu's section): contrib.RROIAlign's
 // parameters (pooled_size, spatial_scale, sampling_ratio) plus RROIAlignParam's (aligned,
 // clockwise, deterministic: the native build is deterministic anyway), rois (R, 6).  The
-// kernels derive each bin's samples from the rois (RoIOp.kernels_read_rois), so the call
-// runs as the native backend runs it: the roi_check kernel's status word (the Custom
+// kernels derive each bin's samples from the rois (no tables), so the call runs the
+// roi_check kernel's status word first (the Custom
 // path's message), for an adaptive grid (sampling_ratio <= 0) RROIAlign.check_inputs' box
 // size check, then this file's kernels (their per-thread sample cache included).
 #include "ext_launch.h"

@@ -100,10 +100,6 @@ class RROIAlign(RoIOp):
                          rng.uniform(0.5, height * 0.7, count) / s,
                          rng.uniform(-180, 180, count)], axis=1)
 
-    def kernels_read_rois(self):
-        # an adaptive grid adds a check of the box sizes (check_inputs below)
-        return self.param.sampling_ratio > 0
-
     def check_inputs(self, data_shape, data_dtype, rois, xp, compiled=None):
         super().check_inputs(data_shape, data_dtype, rois, xp, compiled)
         p = self.param

@@ -1,34 +1,28 @@
 """Fixtures shared by the test modules."""
 import pytest
 
-from mx_roi.cuda import native_program
 from mx_roi.cuda.backend import Launch
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Records the kernel expression of every launch (any host/GPU seam), and of every
-    kernel a recorded native program runs (mx_roi.cuda.native_program: its geometry
-    kernel first; :func:`op_kernels` leaves the geometry kernels out).  The seams are the
+    """Records the kernel expression of every launch from Python (any host/GPU seam;
+    :func:`op_kernels` leaves the device geometry's kernels out).  The seams are the
     Custom door's backends, so the test runs on the Custom door (``MX_ROI_NATIVE_OPS=0``:
-    ``mx_roi.nd`` / ``sym`` / Gluon build Custom nodes)."""
+    ``mx_roi.nd`` / ``sym`` / Gluon build Custom nodes), and the native backend on its
+    checked path (``MX_ROI_LIBRARY_CALLS=0``: the extension library's launcher, which
+    the native backend calls otherwise, launches nothing Python sees --
+    tests/test_library_calls.py compares the two)."""
     monkeypatch.setenv("MX_ROI_NATIVE_OPS", "0")
+    monkeypatch.setenv("MX_ROI_LIBRARY_CALLS", "0")
     seen = []
     real = Launch._launch
-    real_run = native_program._Program.__call__
 
     def spy(self, expr, n, args):
         seen.append(expr)
         return real(self, expr, n, args)
 
-    def run(program, values):
-        ok = real_run(program, values)
-        # the geometry kernel runs always, the others only when the status is clean
-        seen.extend(program.exprs if ok else program.exprs[:1])
-        return ok
-
     monkeypatch.setattr(Launch, "_launch", spy)
-    monkeypatch.setattr(native_program._Program, "__call__", run)
     return seen
 
 

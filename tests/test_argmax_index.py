@@ -28,9 +28,9 @@ from mx_roi.registry import get_op
 from tests import reference as ref
 
 NATIVE = CudaBackend(Kind.NATIVE)
-# the checked path's argmax (host tables: the exact dtype); a recorded program's argmax is
-# sized from the shapes and is compared with the checked path in test_native_program.py
-NATIVE.native_program = False
+# the checked path's argmax (host tables: the exact dtype); the extension library's
+# launcher keeps none (tests/test_library_calls.py compares it with the checked path)
+NATIVE.library_calls = False
 EMU = CudaBackend(Kind.EMULATED)
 NUMPY = NumpyBackend()
 

@@ -111,9 +111,9 @@ def test_profile_finds_each_side_op(step_run):
         assert _positive(ours["op_ms"]) and ours["op_ms"] <= ours["operators_ms"] + 1e-6
         assert _positive(ours["guard_ms"]) and "clip" in ours["guard_entries"]
         cb = ours["callback_ms"]
-        # the checked path's pieces, or the native backend's recorded calls (checks,
-        # geometry and kernels in one compiled call per direction)
-        pieces = ("program_fwd", "program_bwd") if "program_fwd" in cb else \
+        # the checked path's pieces, or the native backend's calls into the extension
+        # library (checks, geometry and kernels in one compiled call per direction)
+        pieces = ("library_fwd", "library_bwd") if "library_fwd" in cb else \
             ("kernel_fwd", "kernel_bwd", "geometry")
         for key in pieces + ("callback_fwd", "callback_bwd"):
             assert _positive(cb.get(key)), (key, cb)

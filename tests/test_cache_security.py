@@ -91,9 +91,11 @@ def child_env(tmp_path, **extra):
     tmp = tmp_path / "tmpdir"
     tmp.mkdir(exist_ok=True)
     # MX_ROI_NATIVE_OPS=0: the Custom door, whose native backend loads the host library
-    # under test (the extension library has its own cache test in test_ext_library)
+    # under test; MX_ROI_LIBRARY_CALLS=0: its checked path runs the kernels from that
+    # library (else the extension library's launcher would, built into the same cache:
+    # it has its own cache test in test_ext_library)
     env.update(TMPDIR=str(tmp), MX_ROI_BACKEND="native", MX_ROI_NATIVE_OPS="0",
-               PYTHONPATH=ROOT)
+               MX_ROI_LIBRARY_CALLS="0", PYTHONPATH=ROOT)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -1,6 +1,6 @@
 """The native door advises MXNet's fresh output and gradient memory onto transparent huge
-pages before its kernels first touch it, as the Custom door on the native backend does
-(native_program.py: scratch.advise_huge_pages_at).  Without it a detector-sized forward
+pages before its kernels first touch it, as the Custom door's checked path on the native
+backend does (scratch.advise_huge_pages_at).  Without it a detector-sized forward
 (ROIAlign 14x14, 256 boxes, a 51 MB output) took ~12,500 page faults more per call than
 the Custom door and ran up to 1.4x slower (docs/native_ops.md, issue 42's detector rows).
 

@@ -31,16 +31,19 @@ pytestmark = pytest.mark.skipif(bool(ext.unavailable_reason()),
 
 @pytest.fixture(scope="module", autouse=True)
 def native_backend():
-    """The Custom path on the native backend (the kernels the library runs), library
-    loaded."""
-    old = os.environ.get("MX_ROI_BACKEND")
+    """The Custom path on the native backend's checked path (the kernels the library
+    runs, launched from Python: ``MX_ROI_LIBRARY_CALLS=0``, else the Custom door would
+    call the library's launcher too), library loaded."""
+    old = {k: os.environ.get(k) for k in ("MX_ROI_BACKEND", "MX_ROI_LIBRARY_CALLS")}
     os.environ["MX_ROI_BACKEND"] = "native"
+    os.environ["MX_ROI_LIBRARY_CALLS"] = "0"
     ext.load()
     yield
-    if old is None:
-        os.environ.pop("MX_ROI_BACKEND", None)
-    else:
-        os.environ["MX_ROI_BACKEND"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _rois(R, N, rng, dtype=np.float32, size=600.0):

@@ -230,9 +230,10 @@ def _op(mode, p):
 @pytest.mark.parametrize("config", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
 def test_ops_on_the_edges_match_the_references(config, kind):
     """ROIAlign (fixed / adaptive, aligned), Caffe ROIAlign and R-FCN PSROIAlign forward
-    on those rois, through the host builds (native: the recorded compiled call, its
-    tables from the device geometry kernel, recorded then replayed; emulation: the device
-    geometry kernel's tables) into garbage-filled outputs, against the scalar references."""
+    on those rois, through the host builds (native: the extension library's launcher, its
+    tables from the device geometry kernel, then the checked path, its tables from the
+    compiled geometry; emulation: the device geometry kernel's tables, twice) into
+    garbage-filled outputs, against the scalar references."""
     mode, p, L, targets = config
     dtype = np.float32
     rois, _ = edge_rois(mode, p, L, targets, dtype)
@@ -241,7 +242,8 @@ def test_ops_on_the_edges_match_the_references(config, kind):
     data = (rng.standard_normal((N, 1, H, W)) + 2).astype(dtype)
     want = _reference(mode, p, data, rois)
     backend = CudaBackend(kind)
-    for call in range(2):  # native: recorded, then replayed
+    for call in range(2):  # native: the library, then the checked path
+        backend.library_calls = call == 0
         out = nd(np.full(op.out_shape(data.shape, rois.shape), -7.25, dtype))
         backend.forward(op, "write", nd(data), nd(rois), out)
         close(out.asnumpy(), want, dtype, what=f"{config[:2]} {kind} call {call}")

@@ -227,7 +227,7 @@ def test_roi_check_finds_what_check_inputs_finds(dtype):
     ("RROIAlign", dict(pooled_size=(2, 2), spatial_scale=1.0, sampling_ratio=2)),
     ("PrRoIPool", dict(pooled_size=(2, 2), spatial_scale=1.0))])
 def test_roi_check_kernel_finds_what_check_inputs_finds(name, params, dtype, kind):
-    """The ``roi_check`` kernel (a native recorded call's check of an op whose kernels
+    """The ``roi_check`` kernel (the extension library's check of an op whose kernels
     read the rois themselves) records in its status word the roi ``check_inputs`` names:
     the same first bad roi over each roi's ``rois_columns`` values (5, and RROIAlign's 6),
     for NaN, +-inf, |x| around the guard bound, batch index >= N (and N = 0), padding."""

@@ -56,9 +56,9 @@ def test_geometry_built_once_per_training_step(backend_name, name, kwargs, monke
     op = _op(name, kwargs)
     data, rois, grad = _inputs(op)
     backend = backends.get(backend_name)
-    # the checked path (a recorded native program builds its tables in compiled code
-    # inside its one call, forward and backward: tests/test_native_program.py)
-    monkeypatch.setattr(backend, "native_program", False, raising=False)
+    # the checked path (the extension library builds its tables in compiled code
+    # inside its one call, forward and backward: tests/test_library_calls.py)
+    monkeypatch.setattr(backend, "library_calls", False, raising=False)
     calls = []
     real = type(op).geometry
     monkeypatch.setattr(op, "geometry",

@@ -7,8 +7,8 @@ revision ``REV`` (its ``.cu`` / ``.cuh`` files, read with ``git show``) and from
 working tree -- and loaded side by side (a compiled module is keyed by its source text).
 Each detector workload (:func:`mx_roi.bench.workloads.build_workloads`, without the
 variants; ops with extra inputs left out) then runs through the backend ``N`` times per
-side, alternating (run k starts with the base when k is even), on the checked path (no
-recorded program: both sides pay the same Python); a backward computes every gradient the
+side, alternating (run k starts with the base when k is even), on the checked path (not the
+extension library's launcher, which is one build: both sides pay the same Python); a backward computes every gradient the
 op has (PrRoIPool's rois' gradient too).  Per workload: both medians, the ratio tree /
 base, and the runs where the tree's call was the faster of its pair.
 
@@ -105,7 +105,7 @@ def compare(rev: str, direction: str = "fwd", repeat: int = 30, only=None,
     workloads = [w for w in select_workloads(build_workloads(quick, variants=False), only)
                  if w.extra is None]
     backend = CudaBackend(Kind.NATIVE)
-    backend.native_program = False  # the checked path: the modules are looked up per call
+    backend.library_calls = False  # the checked path: the modules are looked up per call
     inputs = Inputs(mx.cpu(), max(w.boxes for w in workloads) if workloads else 1)
     saved_dir, saved_modules = source._operators_dir, loader._MODULES
     rows = []

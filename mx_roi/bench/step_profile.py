@@ -19,7 +19,7 @@ __all__ = ["Timers", "TIMERS", "instrument", "parse_aggregate", "profile_side"]
 
 class Timers:
     """Wall time of mx_roi's callback pieces (kernel, geometry, checks; a native
-    recorded call whole: program_fwd / program_bwd), by name."""
+    call into the extension library whole: library_fwd / library_bwd), by name."""
 
     def __init__(self):
         self.ms: Dict[str, float] = {}
@@ -59,11 +59,11 @@ def instrument(op_name: str) -> Timers:
     from ..cuda.compiled_geometry import CompiledGeometry  # the host builds' geometry
     timers.wrap(CompiledGeometry, "build", "geometry")
     timers.wrap(cls, "check_inputs", "check_inputs")
-    # the native backend's recorded calls: checks, geometry and kernels in one compiled
-    # call per direction (mx_roi.cuda.native_program), timed whole
-    from ..cuda.native_program import NativeCalls
-    timers.wrap(NativeCalls, "forward", "program_fwd")
-    timers.wrap(NativeCalls, "backward", "program_bwd")
+    # the native backend's calls into the extension library: checks, geometry and kernels
+    # in one compiled call per direction (mx_roi.cuda.library_calls), timed whole
+    from ..cuda.library_calls import LibraryCalls
+    timers.wrap(LibraryCalls, "forward", "library_fwd")
+    timers.wrap(LibraryCalls, "backward", "library_bwd")
     for name in ("numpy", "native"):
         try:
             backend = type(backends.get(name))

@@ -2,9 +2,9 @@
 compiled for the host as fast multi-threaded CPU code, or emulated serially on the host.
 
 Flow of one call (``forward`` or ``backward``), identical for all three (on ``native``,
-an op with a compiled geometry or whose kernels read the rois themselves runs a call as
-one recorded compiled call instead, :mod:`mx_roi.cuda.native_program`, and comes here
-only when that does not apply or the call's status sends it back):
+a call runs as one call into the extension library's launcher instead -- the native
+operators' own code, :mod:`mx_roi.cuda.library_calls` -- and comes here, the *checked
+path*, only when that does not apply or the launcher refused an input):
 
 1. inputs -> arrays: on a GPU the MXNet NDArrays are handed to CuPy *without copies*
    through DLPack (``NDArray.to_dlpack_for_read`` -> ``cupy.from_dlpack``; outputs through
@@ -106,7 +106,7 @@ from ..geometry import compute_dtype
 from ..ndio import Kind
 from ..saved import Saved, keep_for_backward, unpack_saved
 from . import device_geometry, loader
-from .native_program import NativeCalls, ProgramSaved
+from .library_calls import LibraryCalls
 from . import source as S
 from .tables import argmax_dtype, host_tables, to_device
 
@@ -433,8 +433,8 @@ class CudaBackend:
         if self.kind is Kind.NUMPY:
             raise ValueError("CudaBackend runs the CUDA kernels: native, emulated-cuda or cuda")
         self.name = self.kind.value
-        # native: one compiled call per op call where it can be recorded
-        self._native = NativeCalls(Launch) if self.kind is Kind.NATIVE else None
+        # native: one call into the extension library's launcher where it applies
+        self._native = LibraryCalls() if self.kind is Kind.NATIVE else None
         if self.kind is Kind.CUDA:
             from .nvrtc import preload_for_cupy
             preload_for_cupy()  # the nvrtc wheel's library, if CuPy cannot find one
@@ -521,16 +521,15 @@ class CudaBackend:
     #: (:mod:`mx_roi.cuda.device_geometry`); False: the rois go to the host (the path of
     #: calls the device path does not take), kept switchable for tests comparing the two
     device_geometry = True
-    #: whether the native forward and backward run as one recorded compiled call
-    #: (:mod:`mx_roi.cuda.native_program`) where they can; False: every call takes the
-    #: checked path below (kept switchable for tests comparing the two)
-    native_program = True
+    #: whether the native forward and backward run as one call into the extension
+    #: library's launcher (:mod:`mx_roi.cuda.library_calls`) where they can; False: every
+    #: call takes the checked path below (kept switchable for tests comparing the two)
+    library_calls = True
 
     def forward(self, op, req, data_nd, rois_nd, out_nd, keep=False, extra=()):
-        if self._native is not None and self.native_program and not extra:
-            done, saved = self._native.forward(self, op, req, data_nd, rois_nd, out_nd, keep)
-            if done:
-                return saved
+        if self._native is not None and self.library_calls and \
+                self._native.forward(op, req, data_nd, rois_nd, out_nd, extra):
+            return None  # (the library's backward finds what it needs again)
         with self._device(data_nd):
             dev = None
             try:
@@ -690,14 +689,10 @@ class CudaBackend:
         a tuple, else zeros)."""
         if req == "null" and rois_req == "null" and all(r == "null" for r, _ in extra_grad):
             return
-        if self._native is not None:
-            if self.native_program and rois_req == "null" and not extra and \
-                    not extra_grad and self._native.backward(self, op, req, grad_nd, data_nd,
-                                                             rois_nd, in_grad_nd, saved):
-                return
-            if isinstance(saved, ProgramSaved):
-                # its argmax indexes the program's tables: here, as if nothing was kept
-                saved = None
+        if self._native is not None and self.library_calls and \
+                self._native.backward(op, req, grad_nd, data_nd, rois_nd, in_grad_nd,
+                                      rois_req, rois_grad_nd, extra, extra_grad):
+            return
         with self._device(data_nd):
             dev = None
             try:

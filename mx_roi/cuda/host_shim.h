@@ -382,37 +382,6 @@ static inline void mx_roi_launch_channels(int C, int nthreads, F fn, long long p
 }
 #endif
 
-#ifdef MX_ROI_HOST_NATIVE
-// ---- a recorded call, run in one go (mx_roi.cuda.native_program) -------------------------
-// One op call (forward or backward) of the native build: its launches, recorded once per
-// shapes by the Python launch glue, then replayed by one call from Python.  A step
-// zeroes `zero_bytes` bytes at roles[zero_role] (when zero_bytes > 0), then, when `fn` is
-// set, launches it (a mx_roi_launch_<k> wrapper) over its argument slots on `nthreads`
-// threads.  The call's changing addresses (the NDArrays' memory, a fresh argmax) are the
-// `roles` cells, which the argument slots point at; everything else (shapes, parameters,
-// geometry tables) is fixed in the recording.  With `status` set, the call stops after
-// the step when the device geometry's status word reports a bad or too large roi
-// (returns 1: the Python side then takes its checked path, which raises or reruns).
-struct mx_roi_step {
-  void (*fn)(int, void**);
-  void** args;
-  long long zero_bytes;
-  int nthreads;
-  int zero_role;
-  const unsigned long long* status;
-};
-
-extern "C" int mx_roi_run_program(int count, const mx_roi_step* steps, void* const* roles) {
-  for (int i = 0; i < count; ++i) {
-    const mx_roi_step& s = steps[i];
-    if (s.zero_bytes > 0) std::memset(roles[s.zero_role], 0, (size_t)s.zero_bytes);
-    if (s.fn) s.fn(s.nthreads, s.args);
-    if (s.status && (s.status[0] | s.status[1])) return 1;
-  }
-  return 0;
-}
-#endif
-
 // Runs fn() once for every (block, thread) of a 1-D launch, serially.
 template <typename F>
 static inline void mx_roi_launch_serial(unsigned int grid, unsigned int block, F fn) {

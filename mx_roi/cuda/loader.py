@@ -212,27 +212,6 @@ class KernelModule:
             k = self._kernels[expr] = _Kernel(self.filename, expr, launch, self.array_type)
         return k
 
-    def native_entry(self, expr):
-        """``(address, parameters)`` of the native build's launch wrapper of ``expr``
-        (``mx_roi_launch_<k>(int nthreads, void** args)``), for a recorded program
-        (:mod:`mx_roi.cuda.native_program`)."""
-        if self.kind is not Kind.NATIVE:
-            raise ValueError("recorded programs run in the native build")
-        fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")
-        return ctypes.cast(fn, ctypes.c_void_p).value, S.instantiate(self.filename, expr).params
-
-    @property
-    def run_program(self):
-        """``mx_roi_run_program(count, steps, roles) -> int`` of the native build
-        (``host_shim.h``), made once."""
-        fn = getattr(self, "_run_program", None)
-        if fn is None:
-            fn = self._lib.mx_roi_run_program
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-            self._run_program = fn
-        return fn
-
     def _native_launcher(self, expr):
         from .. import parallel
         fn = getattr(self._lib, f"mx_roi_launch_{self._index[expr]}")

@@ -28,6 +28,7 @@ import tempfile
 import threading
 from typing import List, Tuple
 
+from ..cuda import library_calls as _library_calls
 from ..cuda import loader
 from ..cuda import source as S
 
@@ -180,10 +181,9 @@ def _compile(lib_path, files, include, lib_api, flags, ops):
 
 def _localize_op_object(obj):
     """Make the C entry points that every op's unit defines (roi_common.cuh's
-    ``mx_roi_geometry_counts`` ..., host_shim.h's ``mx_roi_run_program``,
-    ``mx_roi_float_vector_width``) local to ``obj``: the library needs none of them
-    from outside the unit, and two ops' units would clash on them (C names ignore the
-    unit's namespace, :func:`_unit_source`)."""
+    ``mx_roi_geometry_counts`` ..., ``mx_roi_float_vector_width``) local to ``obj``: the
+    library needs none of them from outside the unit, and two ops' units would clash on
+    them (C names ignore the unit's namespace, :func:`_unit_source`)."""
     nm, objcopy = shutil.which("nm"), shutil.which("objcopy")
     if not nm or not objcopy:
         raise ExtLibraryError("building mx_roi's extension library needs nm and objcopy "
@@ -222,6 +222,14 @@ def library_path() -> str:
             raise
         _STATE["path"] = path
         return path
+
+
+def _locate_for_the_native_backend() -> str:
+    return library_path()  # (looked up per call: tests replace library_path)
+
+
+# the native backend's calls into the library (mx_roi.cuda.library_calls, a layer below)
+_library_calls.set_locator(_locate_for_the_native_backend)
 
 
 def load_or_build(lib_path: str, build, what: str):

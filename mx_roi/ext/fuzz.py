@@ -1,5 +1,6 @@
 """A fuzz of the native door (``mx.nd.mx_roi_<Op>``, ``mx.sym.mx_roi_<Op>`` + bind) against
-the Custom door (``mx.nd.Custom`` / ``mx.sym.Custom`` on ``MX_ROI_BACKEND=native``).
+the Custom door (``mx.nd.Custom`` / ``mx.sym.Custom`` on ``MX_ROI_BACKEND=native``, its
+checked path: ``MX_ROI_LIBRARY_CALLS=0``).
 
 ``python -m mx_roi.ext.fuzz --cases N --seed S`` runs N seeded cases, each one bad (or rare)
 input -- roi values, batch indices, shapes, dtypes, parameter spellings -- through both doors
@@ -308,6 +309,9 @@ def good_case(name, op_cls, door="nd-train"):
 def child(seed, start, stop, ops_filter):
     """Runs cases [start, stop): a 'BEGIN i' line before each, a JSON line after it."""
     os.environ["MX_ROI_BACKEND"] = "native"
+    # the oracle: the Custom door's checked path, which shares no host code with the
+    # library (mx_roi.cuda.library_calls)
+    os.environ["MX_ROI_LIBRARY_CALLS"] = "0"
     from .. import ext
     ext.load()
     ops = {n: o for n, o in ext_ops().items() if not ops_filter or n in ops_filter}
