@@ -54,7 +54,7 @@ def test_native_ops_row_fails_on_a_mismatch(monkeypatch):
     real = mx.nd.mx_roi_ROIAlign
     monkeypatch.setattr(mx.nd, "mx_roi_ROIAlign", lambda *a, **k: real(*a, **k) * 2)
     with pytest.raises(AssertionError, match=r"^mx_roi_ROIAlign .*: not bit-equal to the "
-                                             r"Custom path \(native\)$"):
+                                             r"checked path \(native\)$"):
         selftest.check_extension(quick=True)
 
 
