@@ -34,7 +34,6 @@ returns no saved state.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import struct
 import threading
@@ -46,7 +45,7 @@ from ..ndio import Kind, array_info
 from . import loader
 from .pointers import address
 
-__all__ = ["LibraryCalls", "ERROR_BYTES", "ENV", "enabled", "set_locator"]
+__all__ = ["LibraryCalls", "ENV", "enabled", "set_locator"]
 
 #: the switch: ``MX_ROI_LIBRARY_CALLS=0`` runs the native backend's calls on the checked path
 ENV = "MX_ROI_LIBRARY_CALLS"
@@ -59,10 +58,6 @@ _MAX_NDIM = 6
 _TENSOR = "P6qii"
 _PACKERS = {}
 _PAD = [(0,) * (_MAX_NDIM - n) for n in range(_MAX_NDIM + 1)]
-#: per OS thread (MXNet's worker threads are not Python threads): the message buffer
-_ERRORS = {}
-#: room for the library's message of a failed call (only the checked path's is raised)
-ERROR_BYTES = 1024
 
 
 #: ``() -> path`` of the extension library (built if needed), raising
@@ -165,11 +160,9 @@ class LibraryCalls:
         values = []
         for ptr, shape, dtype in arrays:
             values += (ptr, *shape, *_PAD[len(shape)], len(shape), _FLAGS[dtype])
-        err = _ERRORS.get(threading.get_ident())
-        if err is None:
-            err = _ERRORS[threading.get_ident()] = ctypes.create_string_buffer(ERROR_BYTES)
+        # (a refused call's message is not read: the checked path raises its own)
         if lib.mx_roi_ext_invoke(handle, direction, len(inputs), len(outputs),
-                                 _packer(len(arrays)).pack(*values), err, ERROR_BYTES):
+                                 _packer(len(arrays)).pack(*values), None, 0):
             return False
         self.calls += 1
         return True
@@ -205,27 +198,21 @@ class LibraryCalls:
         if inputs is None or not _shapes_ok(op, inputs[1][1], inputs[2][1]) or \
                 tuple(op.out_shape(inputs[1][1], inputs[2][1])) != inputs[0][1]:
             return False
-        dtype = inputs[1][2]
-        keep = []  # the scratch arrays, alive through the call
-        outputs = _infos([in_grad_nd])
-        extra_reqs = [r for r, _ in extra_grad] or ["null"] * len(extra)
-        extra_nds = [g for _, g in extra_grad] or [None] * len(extra)
-        for r, nd, like in [(rois_req, rois_grad_nd, inputs[2])] + \
-                list(zip(extra_reqs, extra_nds, inputs[3:])):
-            if outputs is None:
-                return False
-            if like is inputs[2] and (r == "null" or nd is None):
-                outputs.append((0, like[1], dtype))
-            elif r == "null" or nd is None:
-                scratch = np.empty(like[1], dtype)
-                keep.append(scratch)
-                outputs.append((address(scratch), like[1], dtype))
+        data, rois, dtype = inputs[1], inputs[2], inputs[1][2]
+        outputs = [_info_like(in_grad_nd, data)]
+        # the rois' gradient: none computed for req null (a null pointer)
+        outputs.append((0, rois[1], dtype) if rois_req == "null" or rois_grad_nd is None
+                       else _info_like(rois_grad_nd, rois))
+        # an extra input's gradient: into scratch memory for req null
+        keep = []  # (the scratch arrays, alive through the call)
+        for i, like in enumerate(inputs[3:]):
+            r, nd = extra_grad[i] if i < len(extra_grad) else ("null", None)
+            if r == "null" or nd is None:
+                keep.append(np.empty(like[1], dtype))
+                outputs.append((address(keep[-1]), like[1], dtype))
             else:
-                got = _infos([nd])
-                if got is None or got[0][1] != like[1]:
-                    return False
-                outputs += got
-        if outputs is None or outputs[0][1] != inputs[1][1]:
+                outputs.append(_info_like(nd, like))
+        if None in outputs:
             return False
         return self._invoke(op, 1, inputs, outputs)
 
@@ -235,6 +222,13 @@ def _packer(n) -> struct.Struct:
     if packer is None:
         packer = _PACKERS[n] = struct.Struct("@" + _TENSOR * n)
     return packer
+
+
+def _info_like(nd, like):
+    """``nd``'s ``(address, shape, dtype)`` when it has ``like``'s shape and dtype, else
+    None."""
+    info = array_info(nd)
+    return info if info is not None and info[1:] == like[1:] else None
 
 
 def _infos(nds):
@@ -252,4 +246,4 @@ def _infos(nds):
 def _shapes_ok(op, shape, rshape) -> bool:
     """A 4-D map with nothing empty and (R, K) rois of the op's layout, R >= 1."""
     return len(shape) == 4 and 0 not in shape and len(rshape) == 2 and \
-        rshape[0] > 0 and rshape[1] == op.rois_columns and math.prod(shape) > 0
+        rshape[0] > 0 and rshape[1] == op.rois_columns

@@ -171,7 +171,8 @@ extern "C" void mx_roi_ext_invoke_release(void* handle) {
 
 // Runs the forward (direction 0: inputs data, rois[, extra]; output the output) or the
 // backward (1: inputs out-grad, data, rois[, extra]; outputs their gradients) on the
-// caller's thread: 0, or 1 and the message in ``err``.
+// caller's thread: 0, or 1 and the message in ``err`` (``err_len`` bytes; may be null with
+// ``err_len`` 0).
 extern "C" int mx_roi_ext_invoke(void* handle, int direction, int n_in, int n_out,
                                  const mx_roi_ext_tensor* arrays, char* err, int err_len) {
   const InvokeHandle* h = static_cast<const InvokeHandle*>(handle);
@@ -186,10 +187,10 @@ extern "C" int mx_roi_ext_invoke(void* handle, int direction, int n_in, int n_ou
   try {
     h->fn(direction, h->attrs, &in, &out);
   } catch (const std::exception& e) {
-    std::snprintf(err, (size_t)err_len, "%s", e.what());
+    if (err_len > 0) std::snprintf(err, (size_t)err_len, "%s", e.what());
     return 1;
   } catch (...) {
-    std::snprintf(err, (size_t)err_len, "mx_roi: unknown error");
+    if (err_len > 0) std::snprintf(err, (size_t)err_len, "mx_roi: unknown error");
     return 1;
   }
   return 0;
