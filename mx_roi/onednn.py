@@ -15,7 +15,6 @@ recorded slice view whose backward writes a fresh plain gradient
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import ctypes
@@ -26,6 +25,7 @@ import mxnet as mx
 from mxnet.base import _LIB, SymbolHandle, c_str, check_call
 
 from . import symbol_json
+from .switches import switched_off
 
 #: The oneDNN guard is ``clip(x, -GUARD_BOUND, GUARD_BOUND)``.  Not +-inf, and not FLT_MAX
 #: itself: MXNet's float parameter parser rejects both ("Out of range value for a_max,
@@ -67,11 +67,7 @@ def onednn_build() -> bool:
     return _BUILD
 
 
-def _env_off(value: str) -> bool:
-    return value.strip().lower() in ("0", "false", "off", "no")
-
-
-_OFF_AT_IMPORT = _env_off(os.environ.get("MXNET_MKLDNN_ENABLED", "1"))
+_OFF_AT_IMPORT = switched_off("MXNET_MKLDNN_ENABLED")
 
 
 def onednn_enabled() -> bool:
@@ -81,7 +77,7 @@ def onednn_enabled() -> bool:
     module was imported and still is now (errs on the side of guarding)."""
     if not onednn_build():
         return False
-    return not (_OFF_AT_IMPORT and _env_off(os.environ.get("MXNET_MKLDNN_ENABLED", "1")))
+    return not (_OFF_AT_IMPORT and switched_off("MXNET_MKLDNN_ENABLED"))
 
 
 def barrier(F, x, name=None):

@@ -21,7 +21,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 import mx_roi
-from mx_roi import onednn
+from mx_roi import onednn, switches
 
 pytestmark = pytest.mark.filterwarnings("ignore:Parameter .* is not used:UserWarning")
 
@@ -684,13 +684,16 @@ def test_hybridized_block_makes_its_variable_inputs_plain():
         data.to_dlpack_for_read()
 
 
-def test_mkldnn_off_values_and_multi_output_guard_names():
+def test_mkldnn_off_values_and_multi_output_guard_names(monkeypatch):
     """MXNET_MKLDNN_ENABLED counts as off for 0/false/off/no in any case and spacing, on
-    otherwise; a multi-output node's output guards are named per output."""
+    otherwise (the rule of every on/off switch: mx_roi.switches); a multi-output node's
+    output guards are named per output."""
     for value in ("0", "false", "FALSE", " Off ", "no", "No"):
-        assert onednn._env_off(value), value
+        monkeypatch.setenv("MXNET_MKLDNN_ENABLED", value)
+        assert switches.switched_off("MXNET_MKLDNN_ENABLED"), value
     for value in ("1", "", "on", "true", "yes", "2"):
-        assert not onednn._env_off(value), value
+        monkeypatch.setenv("MXNET_MKLDNN_ENABLED", value)
+        assert not switches.switched_off("MXNET_MKLDNN_ENABLED"), value
     x = mx.sym.var("x")
     out = onednn.guard_output(mx.sym, mx.sym.split(x, num_outputs=2, name="s"), name="s")
     assert out.list_outputs() == ["s_guard_out0_output", "s_guard_out1_output"]

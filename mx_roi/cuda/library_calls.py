@@ -34,7 +34,6 @@ returns no saved state.
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 
@@ -42,6 +41,7 @@ import numpy as np
 
 from .. import parallel
 from ..ndio import Kind, array_info
+from ..switches import switched_off
 from . import loader
 from .pointers import address
 
@@ -49,7 +49,6 @@ __all__ = ["LibraryCalls", "ENV", "enabled", "set_locator"]
 
 #: the switch: ``MX_ROI_LIBRARY_CALLS=0`` runs the native backend's calls on the checked path
 ENV = "MX_ROI_LIBRARY_CALLS"
-_OFF = ("0", "false", "off", "no")
 
 #: MXNet's type flags of the dtypes the ops take
 _FLAGS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2}
@@ -75,7 +74,7 @@ def set_locator(locate) -> None:
 def enabled() -> bool:
     """Whether ``MX_ROI_LIBRARY_CALLS`` lets the native backend call the library (unset:
     yes)."""
-    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+    return not switched_off(ENV)
 
 
 class LibraryCalls:

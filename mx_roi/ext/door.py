@@ -39,6 +39,7 @@ import threading
 import mxnet as mx
 
 from .. import backends, mxpatch
+from ..switches import switched_off
 from . import add_safe, load, load_if_cached, loaded_ops
 
 __all__ = ["ENV", "native_enabled", "choose", "call", "native_op", "add_safe_inputs",
@@ -46,14 +47,13 @@ __all__ = ["ENV", "native_enabled", "choose", "call", "native_op", "add_safe_inp
 
 #: the switch: ``MX_ROI_NATIVE_OPS=0`` keeps every entry point on the Custom door
 ENV = "MX_ROI_NATIVE_OPS"
-_OFF = ("0", "false", "off", "no")
 _LOCK = threading.Lock()
 _STATE = {"failed": None, "cuda_build": None}
 
 
 def native_enabled() -> bool:
     """Whether ``MX_ROI_NATIVE_OPS`` allows the native door (unset: yes)."""
-    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+    return not switched_off(ENV)
 
 
 def native_op(name: str) -> str:
