@@ -761,9 +761,9 @@ struct ROIAlignOp {
 
 const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
 
-// ---- the native GPU path (opt-in; docs/gpu.md): the forward through mx_roi.ext.cuda's
-// launcher (ext_cuda.h: driver API, NVRTC's PTX of this file) on MXNet's stream, its
-// tables in MXNet's temporary workspace; no host wait.  No GPU backward yet.
+// ---- the native GPU path (opt-in; docs/gpu.md): the forward and the backward through
+// mx_roi.ext.cuda's launcher (ext_cuda.h: driver API, NVRTC's PTX of this file) on MXNet's
+// stream, their tables in MXNet's temporary workspace; no host wait.
 extern "C" void* mx_roi_ext_gpu_symbol(const char* name);  // ext_main.cc
 
 struct ROIAlignGpu {
@@ -773,6 +773,36 @@ struct ROIAlignGpu {
                          long long, long long, int, int, float, int, int, int, int, void*,
                          unsigned long long, void*, char*, size_t);
 
+  typedef int (*Backward)(int, const void*, const void*, const void*, void*, void*, long long,
+                          long long, long long, long long, long long, int, int, float, int,
+                          int, int, int, void*, unsigned long long, void*, char*, size_t);
+
+  // the launcher's entry ``name`` (a clear error until mx_roi.ext.cuda.enable() ran)
+  template <typename F>
+  static F entry(const char* name) {
+    const F fn = (F)mx_roi_ext_gpu_symbol(name);
+    if (!fn)
+      throw OpError(std::string(ROIAlignOp::OP) +
+                    ": the native GPU path is opt-in and not enabled in this process: call "
+                    "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts");
+    return fn;
+  }
+
+  // the call's device tables in MXNet's temporary workspace (null: none needed)
+  static void* tables(const ROIAlignOp::Params& p, const MXTensor& data, long long R,
+                      const OpResource& res, unsigned long long* bytes) {
+    const Workspace workspace = entry<Workspace>("mx_roi_ext_cuda_roi_align_workspace");
+    char err[4096] = "";
+    if (workspace(data.dtype, R, (int)p.P, (int)p.Q, (int)data.shape[2], (int)data.shape[3],
+                  p.caffe() ? 0 : (int)p.sample_ratio, p.caffe() ? 1 : 0, bytes, err,
+                  sizeof err))
+      throw OpError(err);
+    if (*bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
+      throw OpError(std::string(ROIAlignOp::OP) + ": the call's device tables need " +
+                    std::to_string(*bytes) + " bytes, more than MXNet's workspace hands out");
+    return *bytes ? res.alloc_gpu((int)*bytes) : nullptr;
+  }
+
   static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
                                const OpResource& res) {
@@ -780,29 +810,43 @@ struct ROIAlignGpu {
       const ROIAlignOp::Params p = Callbacks<ROIAlignOp>::params(attrs);
       const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
       Callbacks<ROIAlignOp>::check(data, rois);
-      const Workspace workspace =
-          (Workspace)mx_roi_ext_gpu_symbol("mx_roi_ext_cuda_roi_align_workspace");
-      const Forward launch = (Forward)mx_roi_ext_gpu_symbol("mx_roi_ext_cuda_roi_align_forward");
-      if (!workspace || !launch)
-        throw OpError(std::string(ROIAlignOp::OP) +
-                      ": the native GPU path is opt-in and not enabled in this process: call "
-                      "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts");
+      const Forward launch = entry<Forward>("mx_roi_ext_cuda_roi_align_forward");
       const long long R = rois.shape[0];
-      const int H = (int)data.shape[2], W = (int)data.shape[3];
-      const int caffe = p.caffe() ? 1 : 0, sample = p.caffe() ? 0 : (int)p.sample_ratio;
-      char err[4096] = "";
       unsigned long long bytes = 0;
-      if (workspace(data.dtype, R, (int)p.P, (int)p.Q, H, W, sample, caffe, &bytes, err,
-                    sizeof err))
-        throw OpError(err);
-      if (bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
-        throw OpError(std::string(ROIAlignOp::OP) + ": the call's device tables need " +
-                      std::to_string(bytes) + " bytes, more than MXNet's workspace hands out");
-      void* ws = bytes ? res.alloc_gpu((int)bytes) : nullptr;
+      void* ws = tables(p, data, R, res, &bytes);
+      char err[4096] = "";
       if (launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
-                 data.shape[0], data.shape[1], H, W, R, (int)p.P, (int)p.Q,
-                 (float)p.spatial_scale, sample, p.aligned ? 1 : 0, p.pool_mode == "max",
-                 caffe, ws, bytes, res.get_cuda_stream(), err, sizeof err))
+                 data.shape[0], data.shape[1], data.shape[2], data.shape[3], R, (int)p.P,
+                 (int)p.Q, (float)p.spatial_scale, p.caffe() ? 0 : (int)p.sample_ratio,
+                 p.aligned ? 1 : 0, p.pool_mode == "max", p.caffe() ? 1 : 0, ws, bytes,
+                 res.get_cuda_stream(), err, sizeof err))
+        throw OpError(err);
+    })
+  }
+
+  // inputs: out-grad, data, rois; outputs: their gradients (data, rois), as the CPU
+  // backward's.  A bad roi is not an error here (ext_cuda_ops.cc roi_align_backward).
+  static MXReturnValue backward(const std::unordered_map<std::string, std::string>& attrs,
+                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                                const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const ROIAlignOp::Params p = Callbacks<ROIAlignOp>::params(attrs);
+      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      Callbacks<ROIAlignOp>::check(data, rois);
+      if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
+        throw OpError(std::string(ROIAlignOp::OP) +
+                      ": deterministic=True: the native GPU path has no deterministic "
+                      "backward yet; use the Custom door on GPU contexts for it");
+      const Backward launch = entry<Backward>("mx_roi_ext_cuda_roi_align_backward");
+      const long long R = rois.shape[0];
+      unsigned long long bytes = 0;
+      void* ws = tables(p, data, R, res, &bytes);
+      char err[4096] = "";
+      if (launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
+                 (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0], data.shape[1],
+                 data.shape[2], data.shape[3], R, (int)p.P, (int)p.Q, (float)p.spatial_scale,
+                 p.caffe() ? 0 : (int)p.sample_ratio, p.aligned ? 1 : 0, p.pool_mode == "max",
+                 p.caffe() ? 1 : 0, ws, bytes, res.get_cuda_stream(), err, sizeof err))
         throw OpError(err);
     })
   }
@@ -811,5 +855,6 @@ struct ROIAlignGpu {
 }  // namespace mx_roi_op
 
 MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp)
-    .setForward(mx_roi_op::ROIAlignGpu::forward, "gpu");
+    .setForward(mx_roi_op::ROIAlignGpu::forward, "gpu")
+    .setBackward(mx_roi_op::ROIAlignGpu::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER

@@ -17,7 +17,8 @@ fake.fake_image.restype = ctypes.c_char_p
 STREAM, OTHER_STREAM = 0x5100, 0x5200
 N, C, H, W, R, P = 2, 3, 19, 25, 4, 7
 buffers = {name: np.full(n, 0xCD, np.uint8) for name, n in
-           (("data", 1 << 16), ("rois", 1 << 10), ("out", 1 << 16), ("ws", 1 << 20))}
+           (("data", 1 << 16), ("rois", 1 << 10), ("out", 1 << 16), ("ws", 1 << 20),
+            ("grad", 1 << 16), ("in_grad", 1 << 16), ("rois_grad", 1 << 10))}
 ptr = {k: v.ctypes.data for k, v in buffers.items()}
 steps = {}
 
@@ -41,6 +42,17 @@ def forward(dtype="float32", stream=STREAM, R=R, ws=None, channels=C, **kw):
     return lambda: cuda.roi_align_forward(dtype, ptr["data"], ptr["rois"], ptr["out"],
                                           (N, channels, H, W), R, P, workspace=ptr["ws"],
                                           workspace_bytes=bytes_, stream=stream, **args)
+
+
+def backward(dtype="float32", stream=STREAM, R=R, rois_grad=True, **kw):
+    args = dict(spatial_scale=0.5, sample_ratio=-1, aligned=False, pool_mode="avg")
+    args.update(kw)
+    bytes_ = cuda.roi_align_workspace("float32" if dtype == "float16" else dtype, R, P, H, W,
+                                      args["sample_ratio"], args.get("caffe", False))
+    return lambda: cuda.roi_align_backward(
+        dtype, ptr["grad"], ptr["data"], ptr["rois"], ptr["in_grad"], (N, C, H, W), R, P,
+        workspace=ptr["ws"], workspace_bytes=bytes_, stream=stream,
+        rois_grad=ptr["rois_grad"] if rois_grad else 0, **args)
 
 
 def status_ptr(stream_steps):
@@ -83,6 +95,17 @@ step("no_rois", forward(R=0))
 step("small_workspace", forward(ws=cuda.roi_align_workspace("float32", R, P, H, W) - 1))
 step("many_items", forward(R=2000))
 step("grid_cap", forward(R=2000, channels=200))
+# ---- the backward ----
+step("bwd_avg", backward())
+step("bwd_max", backward(pool_mode="max", sample_ratio=2, aligned=True))
+step("bwd_caffe", backward(caffe=True, sample_ratio=3, aligned=True, rois_grad=False))
+step("bwd_float64", backward("float64"))
+step("bwd_float16", backward("float16"))
+step("bwd_no_rois", backward(R=0))
+plant(status, ~2 & (2 ** 64 - 1))               # the backward's geometry finds rois[2] bad
+step("bwd_bad", backward())                     # ... and raises nothing
+step("bwd_bad_busy", backward(), ready=False)   # nor does the next backward (none asks)
+step("bwd_bad_reported", forward())             # the next forward reports it
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -123,28 +146,37 @@ def gpu_malloc(state, size):
     return gpu_allocs[-1].ctypes.data
 
 
-def fcompute(fp, attrs, stream, R_=R):
-    """_opCallFCompute(fp) on (data, rois) -> out, all "gpu" tensors; (rc, last message)."""
+def fcompute(fp, attrs, stream, direction="forward", R_=R):
+    """_opCallFCompute(fp), all "gpu" float32 tensors: the forward on (data, rois) -> out,
+    the backward on (out-grad, data, rois) -> (data's gradient, rois' gradient), as MXNet
+    hands them to a stateless op; (rc, last message)."""
     keys = (ctypes.c_char_p * len(attrs))(*[k.encode() for k in attrs])
     vals = (ctypes.c_char_p * len(attrs))(*[str(v).encode() for v in attrs.values()])
     P_, Q_ = attrs["pooled_size"]
-    shapes = [(ctypes.c_int64 * 4)(N, C, H, W), (ctypes.c_int64 * 2)(R_, 5),
-              (ctypes.c_int64 * 4)(R_, C, P_, Q_)]
-    inshapes = (ctypes.POINTER(ctypes.c_int64) * 2)(
-        ctypes.cast(shapes[0], ctypes.POINTER(ctypes.c_int64)),
-        ctypes.cast(shapes[1], ctypes.POINTER(ctypes.c_int64)))
-    outshapes = (ctypes.POINTER(ctypes.c_int64) * 1)(
-        ctypes.cast(shapes[2], ctypes.POINTER(ctypes.c_int64)))
-    two, one = (lambda t, *v: (t * 2)(*v)), (lambda t, *v: (t * 1)(*v))
+    data, rois, out = ((N, C, H, W), ptr["data"]), ((R_, 5), ptr["rois"]), \
+        ((R_, C, P_, Q_), ptr["out"])
+    if direction == "forward":
+        ins, outs = [data, rois], [out]
+    else:
+        ins = [((R_, C, P_, Q_), ptr["grad"]), data, rois]
+        outs = [((N, C, H, W), ptr["in_grad"]), ((R_, 5), ptr["rois_grad"])]
+
+    def arrays(tensors):
+        shapes = [(ctypes.c_int64 * len(s))(*s) for s, _ in tensors]
+        n = len(tensors)
+        return (shapes, (ctypes.POINTER(ctypes.c_int64) * n)(
+                    *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
+                (ctypes.c_int * n)(*[len(s) for s, _ in tensors]),
+                (V * n)(*[p for _, p in tensors]), (ctypes.c_int * n)(),
+                (ctypes.c_size_t * n)(), (ctypes.c_char_p * n)(*[b"gpu"] * n),
+                (ctypes.c_int * n)())
+    i, o = arrays(ins), arrays(outs)
+    ni, no = len(ins), len(outs)
     rc = extlib._opCallFCompute(
-        V(fp), keys, vals, len(attrs), inshapes, two(ctypes.c_int, 4, 2),
-        two(V, ptr["data"], ptr["rois"]), two(ctypes.c_int, 0, 0), two(ctypes.c_size_t, 0, 0),
-        two(ctypes.c_char_p, b"gpu", b"gpu"), two(ctypes.c_int, 0, 0), 2, outshapes,
-        one(ctypes.c_int, 4), one(V, ptr["out"]), one(ctypes.c_int, 0), one(ctypes.c_size_t, 0),
-        one(ctypes.c_char_p, b"gpu"), one(ctypes.c_int, 0), 1, V(), V(), gpu_malloc, V(),
-        V(stream), V(), V(), two(ctypes.c_int, 0, 0), one(ctypes.c_int, 0), two(V), one(V),
-        two(V), one(V), two(ctypes.c_int64), one(ctypes.c_int64), two(ctypes.c_int64),
-        one(ctypes.c_int64), V(), V())
+        V(fp), keys, vals, len(attrs), *i[1:], ni, *o[1:], no, V(), V(), gpu_malloc, V(),
+        V(stream), V(), V(), (ctypes.c_int * ni)(), (ctypes.c_int * no)(), (V * ni)(),
+        (V * no)(), (V * ni)(), (V * no)(), (ctypes.c_int64 * ni)(), (ctypes.c_int64 * no)(),
+        (ctypes.c_int64 * ni)(), (ctypes.c_int64 * no)(), V(), V())
     msg = ctypes.c_char_p()
     n = extlib._msgSize()
     if n:
@@ -158,23 +190,30 @@ ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligne
          "pool_mode": "max"}
 
 
-def mx_step(name, attrs, stream=MX_STREAM):
+def mx_step(name, attrs, stream=MX_STREAM, direction="forward"):
     fake.fake_clear()
     fake.fake_set_ready(1)
-    rc, msg = fcompute(fns[("forward", "gpu")], attrs, stream)
+    rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction)
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "rc": rc,
                    "error": msg if rc != 1 else None}  # lib_api: MX_SUCCESS 1, MX_FAIL 0
 
 
 mx_step("mx_not_enabled", ATTRS)
+mx_step("mx_backward_not_enabled", ATTRS, direction="backward")
 err = ctypes.create_string_buffer(1024)
 assert extlib.mx_roi_ext_set_gpu_launcher(cuda.library_path().encode(), err, len(err)) == 0
 mx_step("mx_forward", ATTRS)
 mx_ws = gpu_allocs[-1].ctypes.data if gpu_allocs else 0
 mx_ws_sizes = [a.size for a in gpu_allocs]
 mx_step("mx_bad_param", dict(ATTRS, pool_mode="median"))
+mx_step("mx_backward", ATTRS, direction="backward")
+mx_bwd_ws = gpu_allocs[-1].ctypes.data
+mx_ws_sizes.append(gpu_allocs[-1].size)
+mx_step("mx_backward_bad_param", dict(ATTRS, sample_ratio="two"), direction="backward")
+mx_step("mx_backward_deterministic", dict(ATTRS, deterministic=True), direction="backward")
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
                   "mx_contexts": sorted("/".join(k) for k in fns), "mx_ws": mx_ws,
+                  "mx_bwd_ws": mx_bwd_ws,
                   "mx_ws_sizes": mx_ws_sizes}))
 sys.stdout.flush()

@@ -146,9 +146,21 @@ class Recorder:
     def argmax(self, shape, max_candidates):
         return np.empty((1,), np.uint8), False  # (no argmax kept, as the launcher)
 
+    def backward(self, kernel, n, tables=None, **args):
+        # Launch.bind adds the grad_buffer's scale (1.0 unless fixed point) when not given
+        self.calls.append((kernel, int(n), dict(tables or {}, scale=np.float64(1.0), **args)))
 
-def python_binding(dtype, R_, C_, params):
-    """[(kernel, n, {name: value or ('ws', offset) / role})] of the CuPy path's call."""
+    def grad_buffer(self, shape, grad):  # req write into MXNet's gradient (backend.Launch)
+        self.bottom = np.zeros(shape, self.acc)
+        return self.bottom
+
+    def grad_value(self, buf):
+        return buf
+
+
+def python_binding(dtype, R_, C_, params, direction="forward"):
+    """[(kernel, n, {name: value or ('ws', offset) / role})] of the CuPy path's call (the
+    backward: _backward_device's, req write)."""
     cls = get_op("ROIAlign")
     op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
     rois = np.zeros((R_, 5), dtype)
@@ -161,10 +173,18 @@ def python_binding(dtype, R_, C_, params):
 
     rec = Recorder(dtype)
     dev = device_geometry.build(rec, op.geometry_spec(), rois, N, H, W, empty=empty)
-    out, _ = op.forward_cuda(rec, dev.geo, data)
     status, table = bufs[0], bufs[1]
     base, end = table.ctypes.data, table.ctypes.data + table.nbytes
-    roles = {id(rois): "rois", id(data): "data", id(out): "out", id(status): "status"}
+    roles = {id(rois): "rois", id(data): "data", id(status): "status"}
+    if direction == "forward":
+        out, _ = op.forward_cuda(rec, dev.geo, data)
+        roles[id(out)] = "out"
+    else:
+        rec.data = data
+        grad = np.zeros((R_, C_) + tuple(dev.geo.divisor.shape[1:]), dtype)
+        roles[id(grad)] = "grad"
+        op.backward_cuda(rec, dev.geo, grad, data.shape, None)
+        roles[id(rec.bottom)] = "in_grad"
     result = []
     for kernel, n, args in rec.calls:
         named = {}
@@ -184,10 +204,11 @@ def python_binding(dtype, R_, C_, params):
 
 def c_binding(values, run, ws_bytes, ws, status):
     ptr = run["ptr"]
-    roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status"}
+    roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status",
+             ptr["grad"]: "grad", ptr["in_grad"]: "in_grad"}
     named = {}
     for k, v in values.items():
-        if k in ("rois", "data", "out", "status", "argmax") or k in TABLES:
+        if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
             elif ws <= v < ws + ws_bytes:
@@ -215,25 +236,39 @@ CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
 }
 
 
-@pytest.mark.parametrize("step", sorted(CASES))
-def test_launch_arguments_are_the_cupy_paths(run, step):
+BACKWARD_CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
+    "bwd_avg": ("float32", R, C, BASE),
+    "bwd_max": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
+    "bwd_caffe": ("float32", R, C, dict(BASE, sample_ratio=3, aligned=True, legacy="caffe")),
+    "bwd_float64": ("float64", R, C, BASE),
+    "bwd_bad": ("float32", R, C, BASE),
+    # the extension op's "gpu" backward, called as MXNet calls it
+    "mx_backward": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
+}
+
+
+def _check_launches(run, step, direction, dtype, R_, C_, params):
     """Each launch binds, parameter by parameter, what the CuPy path's device geometry and
-    ROIAlign.forward_cuda bind (table pointers at the same workspace offsets, the status
-    word, scalars of the same value and width); grid and block as launch_config; every
-    launch on the caller's stream."""
-    dtype, R_, C_, params = CASES[step]
-    expected, ws_bytes = python_binding(dtype, R_, C_, params)
+    ROIAlign.forward_cuda / backward_cuda bind (table pointers at the same workspace
+    offsets, the status word, scalars of the same value and width); grid and block as
+    launch_config; every launch on the caller's stream."""
+    expected, ws_bytes = python_binding(dtype, R_, C_, params, direction)
     ptx = ptx_params(run["image"])
     log = run["steps"][step]["log"]
     got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
-    own = [x for x in log if x.startswith("cuMemAlloc_v2")]  # a new channel's status word
+    # a channel's status word: allocated by its first call (MXNet's stream: mx_forward's)
+    own = [x for x in log + (run["steps"]["mx_forward"]["log"] if step.startswith("mx_")
+                             else []) if x.startswith("cuMemAlloc_v2")]
     status = int(own[0].split()[2], 16) if own else run["status"]
-    ws = run["mx_ws"] if step.startswith("mx_") else run["ptr"]["ws"]
+    ws = (run["mx_bwd_ws"] if step == "mx_backward" else run["mx_ws"]) \
+        if step.startswith("mx_") else run["ptr"]["ws"]
     want_stream = MX_STREAM if step.startswith("mx_") else STREAM
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
         assert expr.startswith(f"{kernel}<{t[dtype]}")
+        if direction == "backward" and kernel != "roi_grid_geometry":  # O: the accumulator
+            assert expr == f"{kernel}<{t[dtype]}, {t[dtype].split(', ')[1]}>"
         assert stream == want_stream and shared == 0 and block == (256, 1, 1)
         assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
         named = c_binding(values, run, ws_bytes, ws, status)
@@ -250,6 +285,63 @@ def test_launch_arguments_are_the_cupy_paths(run, step):
                                           else float(w), rel=0, abs=0), k
             else:
                 assert v == (int(w) if isinstance(w, (bool, np.integer)) else w), (step, k)
+    return got
+
+
+@pytest.mark.parametrize("step", sorted(CASES))
+def test_launch_arguments_are_the_cupy_paths(run, step):
+    _check_launches(run, step, "forward", *CASES[step])
+
+
+@pytest.mark.parametrize("step", sorted(BACKWARD_CASES))
+def test_backward_launch_arguments_are_the_cupy_paths(run, step):
+    """The backward's launches bind what the CuPy path's _backward_device binds (req
+    write: the accumulator O is the gradient's own dtype, ``bottom`` MXNet's gradient,
+    ``scale`` 1.0; the max modes rescan ``data``: no argmax is kept)."""
+    got = _check_launches(run, step, "backward", *BACKWARD_CASES[step])
+    assert len(got) == 2
+
+
+def test_backward_zeroes_the_gradients_first(run):
+    """Before any launch, on the caller's stream: the data gradient's bytes zeroed (req
+    write; the kernels add into it), then the rois' (ROIAlign does not differentiate its
+    rois; none when no pointer is given); no wait of any kind."""
+    s, p = run["steps"], run["ptr"]
+    grad_bytes = {"float32": N * C * H * W * 4, "float64": N * C * H * W * 8}
+    for step, dtype, rois_grad in (("bwd_avg", "float32", True), ("bwd_max", "float32", True),
+                                   ("bwd_caffe", "float32", False),
+                                   ("bwd_float64", "float64", True)):
+        log = s[step]["log"]
+        first_launch = next(i for i, x in enumerate(log) if x.startswith("cuLaunchKernel"))
+        sets = [x for x in log[:first_launch] if x.startswith("cuMemsetD8Async")]
+        want = [f"cuMemsetD8Async {p['in_grad']:x} 0 {grad_bytes[dtype]} stream {STREAM:x}"]
+        if rois_grad:
+            item = grad_bytes[dtype] // (N * C * H * W)
+            want.append(f"cuMemsetD8Async {p['rois_grad']:x} 0 {R * 5 * item} "
+                        f"stream {STREAM:x}")
+        assert sets == want, step
+        assert calls(s[step])[-2:] == ["cuMemcpyDtoHAsync_v2", "cuEventRecord"], step
+    # no roi: the gradients zeroed, nothing launched
+    assert calls(s["bwd_no_rois"]) == ["cuCtxGetCurrent", "cuMemsetD8Async", "cuMemsetD8Async"]
+
+
+def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
+    """A backward must succeed (MXNet runs it even after its forward failed): a bad roi
+    found by its geometry kernel (treated as padding) is not raised by it, nor by a later
+    backward; the next forward on the stream reports it, launches nothing and queues the
+    word's reset.  A float16 backward is refused before anything is queued."""
+    s, status = run["steps"], run["status"]
+    assert s["bwd_bad"]["error"] is None and len(launches(s["bwd_bad"])) == 2
+    assert s["bwd_bad_busy"]["error"] is None and "cuEventQuery" not in calls(s["bwd_bad_busy"])
+    assert s["bwd_bad_reported"]["error"] == ("ROIAlign: rois[2] has a NaN or infinite value; "
+                                              "coordinates must be finite" + WHERE)
+    assert s["bwd_bad_reported"]["log"] == [
+        "cuCtxGetCurrent", "cuEventQuery e7 ready",
+        f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}"]
+    assert s["bwd_float16"]["error"] == (
+        "ROIAlign: the native GPU path has no float16 backward yet (its float32 accumulator "
+        "needs a cast kernel); use the Custom door for float16 training")
+    assert calls(s["bwd_float16"]) == []
 
 
 def test_grid_is_capped(run):
@@ -287,7 +379,7 @@ def test_one_module_load_and_the_ptx_image(run):
     assert len(loads) == 1  # one module per context, one function lookup per kernel
     lookups = [line.split()[1] for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
-    assert len(lookups) == len(set(lookups)) == 7
+    assert len(lookups) == len(set(lookups)) == 10
     image = run["image"]
     assert f".target sm_{run['arch']}" in image and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
@@ -378,17 +470,33 @@ def test_extension_ops_gpu_forward_as_mxnet_calls_it(run):
     """mx_roi_ROIAlign's "gpu" forward through lib_api.cc's _opCallFCompute (the call
     MXNet's CUDA build makes): opt-in (a clear error until the launcher is handed over),
     then the launcher on MXNet's stream with one workspace from MXNet's allocator; a bad
-    parameter fails before any driver call.  Only the forward has a GPU callback."""
+    parameter fails before any driver call.  The same for the "gpu" backward."""
     s = run["steps"]
-    assert run["mx_contexts"] == ["backward/cpu", "forward/cpu", "forward/gpu"]
-    assert s["mx_not_enabled"]["rc"] == 0 and s["mx_not_enabled"]["log"] == []
-    assert s["mx_not_enabled"]["error"] == (
-        "ROIAlign: the native GPU path is opt-in and not enabled in this process: call "
-        "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts")
+    assert run["mx_contexts"] == ["backward/cpu", "backward/gpu", "forward/cpu", "forward/gpu"]
+    for step in ("mx_not_enabled", "mx_backward_not_enabled"):
+        assert s[step]["rc"] == 0 and s[step]["log"] == []
+        assert s[step]["error"] == (
+            "ROIAlign: the native GPU path is opt-in and not enabled in this process: call "
+            "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts")
+    assert s["mx_backward"]["rc"] == 1 and s["mx_backward"]["error"] is None
+    assert len(launches(s["mx_backward"])) == 2  # (arguments: the backward arguments test)
+    p = run["ptr"]
+    assert [x for x in s["mx_backward"]["log"] if x.startswith("cuMemsetD8Async")] == [
+        f"cuMemsetD8Async {p['in_grad']:x} 0 {N * C * H * W * 4} stream {MX_STREAM:x}",
+        f"cuMemsetD8Async {p['rois_grad']:x} 0 {R * 5 * 4} stream {MX_STREAM:x}"]
+    assert s["mx_backward_bad_param"]["rc"] == 0 and s["mx_backward_bad_param"]["log"] == []
+    assert s["mx_backward_bad_param"]["error"].startswith(
+        "ROIAlign: parameter 'sample_ratio': ")
+    # the fixed-point backward is the CuPy path's alone: refused, nothing queued
+    assert s["mx_backward_deterministic"]["rc"] == 0
+    assert s["mx_backward_deterministic"]["log"] == []
+    assert s["mx_backward_deterministic"]["error"] == (
+        "ROIAlign: deterministic=True: the native GPU path has no deterministic backward "
+        "yet; use the Custom door on GPU contexts for it")
     assert s["mx_forward"]["rc"] == 1 and s["mx_forward"]["error"] is None
     assert len(launches(s["mx_forward"])) == 2  # (arguments: the launch-arguments test)
     from mx_roi.ext import cuda
-    assert run["mx_ws_sizes"] == [cuda.roi_align_workspace("float32", R, P, H, W, 2)]
+    assert run["mx_ws_sizes"] == [cuda.roi_align_workspace("float32", R, P, H, W, 2)] * 2
     assert s["mx_bad_param"]["rc"] == 0 and s["mx_bad_param"]["log"] == []
     assert s["mx_bad_param"]["error"] == ("ROIAlign: parameter 'pool_mode': expected one of "
                                           "'avg', 'max', got 'median'")

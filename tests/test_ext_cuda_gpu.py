@@ -8,7 +8,13 @@ ROIAlign's forward, bit for bit against ``emulated-cuda`` (both compiled with
 float32 values never reach), every dtype and mode, the output pre-filled with NaN,
 padding rois, R = 0; the status-word rule on the device: a bad roi's call raises nothing,
 its row is zeros, the next call after the stream has finished raises the bad roi's error,
-and the call after that works."""
+and the call after that works.
+
+ROIAlign's backward (float32, float64), every mode, against ``emulated-cuda``'s gradient
+(the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
+the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
+gradient zeros; a bad roi raises nothing in the backward and is reported by the next
+forward."""
 import numpy as np
 import pytest
 
@@ -127,3 +133,61 @@ def test_bad_batch_index_reported_by_check_wait():
                                                    r"beyond the images of data"):
         cuda.check("ROIAlign", stream.ptr, wait=True)
     cuda.check("ROIAlign", stream.ptr, wait=True)  # nothing left to report
+
+
+def native_gpu_backward(data, rois, out_grad, params, stream):
+    """ROIAlign's backward through the launcher on ``stream``; (data gradient, rois
+    gradient, the CuPy arrays to keep alive)."""
+    import cupy
+    from mx_roi.ext import cuda
+    R = rois.shape[0]
+    caffe = params.get("legacy") == "caffe"
+    sample = params.get("sample_ratio", -1)
+    with stream:
+        x, r, g = cupy.asarray(data), cupy.asarray(rois), cupy.asarray(out_grad)
+        dx = cupy.full(data.shape, np.nan, data.dtype)
+        dr = cupy.full(rois.shape, np.nan, rois.dtype)
+        nbytes = cuda.roi_align_workspace(data.dtype, R, P, H, W, sample, caffe)
+        ws = cupy.empty(max(nbytes, 16), cupy.uint8)
+        stream.synchronize()
+        cuda.roi_align_backward(data.dtype, g.data.ptr, x.data.ptr, r.data.ptr, dx.data.ptr,
+                                data.shape, R, P, params["spatial_scale"], sample,
+                                params.get("aligned", False), params.get("pool_mode", "avg"),
+                                caffe, ws.data.ptr, ws.nbytes, stream.ptr, dr.data.ptr)
+    return dx, dr, (x, r, g, ws)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", sorted(PARAMS))
+def test_backward_matches_emulation(dtype, mode):
+    import cupy
+    params = PARAMS[mode]
+    data, rois = problem(dtype)
+    op = op_of(params)
+    out_grad = np.random.default_rng(1).standard_normal(
+        op.out_shape(data.shape, rois.shape)).astype(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    dx, dr, keep = native_gpu_backward(data, rois, out_grad, params, stream)
+    stream.synchronize()
+    _, (want,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
+                          rescan=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(cupy.asnumpy(dx), want, **tol)
+    assert not np.any(cupy.asnumpy(dr))
+
+
+def test_backward_bad_roi_raises_nothing_then_the_forward_reports_it():
+    import cupy
+    from mx_roi.ext import cuda
+    stream = cupy.cuda.Stream(non_blocking=True)
+    data, rois = problem(np.float32)
+    bad = rois.copy()
+    bad[3, 2] = np.inf
+    op = op_of(PARAMS["avg"])
+    out_grad = np.ones(op.out_shape(data.shape, rois.shape), np.float32)
+    dx, dr, keep = native_gpu_backward(data, bad, out_grad, PARAMS["avg"], stream)
+    stream.synchronize()
+    assert np.all(np.isfinite(cupy.asnumpy(dx)))  # the bad roi gave no gradient
+    with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: rois\[3\] has a NaN or "
+                                                   r"infinite value; coordinates must be finite"):
+        native_gpu(data, rois, PARAMS["avg"], stream)

@@ -15,9 +15,10 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's forward (:func:`roi_align_forward`), also registered as the extension
-op ``mx_roi_ROIAlign``'s ``"gpu"`` forward, which calls it once :func:`enable` has run.
-Not yet: the backward, the other ops.
+Today: ROIAlign's forward and backward (:func:`roi_align_forward`,
+:func:`roi_align_backward`; the backward float32 and float64), also registered as the
+extension op ``mx_roi_ROIAlign``'s ``"gpu"`` forward and backward, which call them once
+:func:`enable` has run.  Not yet: a float16 backward, the other ops.
 """
 from __future__ import annotations
 
@@ -35,13 +36,17 @@ from ..cuda import source as S
 from . import ExtLibraryError, _read, _run, load_or_build
 
 __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_align_workspace",
-           "roi_align_forward", "check", "DTYPE_CODES", "CudaLaunchError"]
+           "roi_align_forward", "roi_align_backward", "check", "DTYPE_CODES",
+           "CudaLaunchError"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OWN_FILES = ("ext_cuda.h", "ext_cuda_ops.cc")
-#: the kernels each image holds, by source: (kernel, extra template arguments after T, A)
+#: the kernels each image holds, by source: (kernel, extra template arguments after T, A;
+#: "A" stands for the pair's A: a backward's accumulator O, as Launch.grad_buffer picks it)
 KERNELS = {"roi_align.cu": (("roi_grid_geometry", ()), ("roi_align_forward_avg", ()),
-                            ("roi_align_forward_max", ("unsigned char",)))}
+                            ("roi_align_forward_max", ("unsigned char",)),
+                            ("roi_align_backward_avg", ("A",)),
+                            ("roi_align_backward_max_rescan", ("A",)))}
 #: the C++ name of each source's image in ext_cuda_kernels.h
 _IMAGE_NAMES = {"roi_align.cu": "ROI_ALIGN_IMAGE"}
 #: MXNet's dtype codes (lib_api.h MXDType), the entries' ``dtype`` argument
@@ -56,7 +61,7 @@ class CudaLaunchError(RuntimeError):
 
 def kernel_expressions(filename: str) -> Tuple[str, ...]:
     """The name expressions the library's image of ``filename`` holds (every dtype)."""
-    return tuple(S.expression(k, (t, a) + extra)
+    return tuple(S.expression(k, (t, a) + tuple(a if x == "A" else x for x in extra))
                  for k, extra in KERNELS[filename] for t, a in S.TYPE_PAIRS)
 
 
@@ -148,8 +153,9 @@ def library_path() -> str:
 def enable() -> str:
     """Opt in to the native GPU path in this process: load the extension library into
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
-    ``"gpu"`` forward of ``mx_roi_ROIAlign`` runs (on an MXNet CUDA build; GPU contexts of
-    ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).  Returns the launcher's path."""
+    ``"gpu"`` forward and backward of ``mx_roi_ROIAlign`` run (on an MXNet CUDA build; GPU
+    contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).  Returns the
+    launcher's path."""
     from . import load
     path = library_path()
     ext = ctypes.CDLL(load())  # the library MXNet opened (the loader hands out the same)
@@ -175,6 +181,11 @@ def _lib():
             c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int, c.c_float, c.c_int,
             c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_ulonglong, c.c_void_p, c.c_char_p,
             c.c_size_t]
+        lib.mx_roi_ext_cuda_roi_align_backward.argtypes = [
+            c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong,
+            c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
+            c.c_float, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_ulonglong,
+            c.c_void_p, c.c_char_p, c.c_size_t]
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -193,7 +204,8 @@ def _pooled(pooled_size) -> Tuple[int, int]:
 
 def roi_align_workspace(dtype, R: int, pooled_size, H: int, W: int, sample_ratio: int = -1,
                         caffe: bool = False) -> int:
-    """Bytes of device memory a ROIAlign forward's tables need (0 for R = 0)."""
+    """Bytes of device memory a ROIAlign forward's or backward's tables need (0 for
+    R = 0)."""
     P, Q = _pooled(pooled_size)
     out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
     _raise(_lib().mx_roi_ext_cuda_roi_align_workspace(
@@ -220,6 +232,27 @@ def roi_align_forward(dtype, data: int, rois: int, out: int, data_shape, R: int,
         float(np.float32(spatial_scale)), int(sample_ratio), int(bool(aligned)),
         int(pool_mode == "max"), int(bool(caffe)), workspace, int(workspace_bytes), stream,
         err, len(err)), err)
+
+
+def roi_align_backward(dtype, grad: int, data: int, rois: int, in_grad: int, data_shape,
+                       R: int, pooled_size, spatial_scale: float, sample_ratio: int = -1,
+                       aligned: bool = False, pool_mode: str = "avg", caffe: bool = False,
+                       workspace: int = 0, workspace_bytes: int = 0, stream: int = 0,
+                       rois_grad: int = 0) -> None:
+    """Queue ROIAlign's backward on ``stream``: ``in_grad`` (N, C, H, W) written (req
+    write) from the out-grad ``grad`` (R, C, P, Q), ``rois_grad`` (R, 5) zeroed where given
+    (0: none); ``data`` (N, C, H, W) is read by the max modes (the forward kept no argmax);
+    device pointers of ``dtype`` (float32 or float64), ``workspace`` as the forward's.
+    Returns without waiting.  A bad roi raises nothing here (its rows give no gradient):
+    the next forward on the stream, or :func:`check`, reports it (docs/gpu.md)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_roi_align_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, data, rois, in_grad, rois_grad, N, C, H, W,
+        int(R), P, Q, float(np.float32(spatial_scale)), int(sample_ratio),
+        int(bool(aligned)), int(pool_mode == "max"), int(bool(caffe)), workspace,
+        int(workspace_bytes), stream, err, len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:

@@ -1,7 +1,8 @@
 // The native GPU path's op entry points (C functions, callable through ctypes with raw
 // device pointers and a stream handle; ext_cuda.h launches them).  Built by mx_roi.ext.cuda
 // into a library of its own (mx_roi_ext_cuda-<key>.so), with ext_cuda_kernels.h, the PTX
-// that NVRTC made of each op's .cu text at build time.  Today: ROIAlign's forward.
+// that NVRTC made of each op's .cu text at build time.  Today: ROIAlign's forward and
+// backward.
 //
 // Return value of every entry: 0 done (queued), 1 an error (its message in ``err``:
 // "<Op>: <problem>..."), nothing queued by the call except, after a reported status, the
@@ -142,6 +143,77 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
   record(op, ch, stream);
 }
 
+// ROIAlign's backward (roi_align.py backward_cuda on device-built tables, as the CuPy path's
+// _backward_device runs it with req write): the data gradient zeroed (the rois' too, where
+// given: ROIAlign does not differentiate its rois), the geometry kernel, then
+// roi_align_backward_avg or, for pool_mode 'max' / legacy 'caffe', roi_align_backward_max_rescan
+// (the forward kept no argmax: the winners are found again in ``data``), on ``stream``.
+// float32 and float64 only (float16 accumulates in float32 and needs a cast kernel the
+// launcher does not have yet: refused, the Custom door runs it).
+// A bad roi raises nothing here: the geometry kernel treats it as padding and marks the
+// status word, and the next forward on this stream (or check()) reports it -- a backward
+// must succeed (MXNet runs it even after its forward failed).  Earlier calls' status is
+// left for that report too.
+inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CUdeviceptr rois,
+                               CUdeviceptr in_grad, CUdeviceptr rois_grad, long long N,
+                               long long C, long long H, long long W, long long R, int P, int Q,
+                               float spatial_scale, int sample_ratio, int aligned, int pool_max,
+                               int caffe, CUdeviceptr workspace,
+                               unsigned long long workspace_bytes, CUstream stream) {
+  const std::string op = "ROIAlign";
+  const Types t = types_of(op, dtype);
+  if (dtype == DTYPE_FLOAT16)
+    throw Error(op + ": the native GPU path has no float16 backward yet (its float32 "
+                "accumulator needs a cast kernel); use the Custom door for float16 training");
+  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : 4;
+  CUcontext ctx = current_context(op);
+  Channel& ch = channel(op, ctx, stream);
+  std::lock_guard<std::mutex> guard(ch.lock);
+  GridLayout g;
+  if (R > 0) {
+    g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
+    if (workspace_bytes < g.bytes)
+      throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
+                  " bytes but the call's tables need " + std::to_string(g.bytes));
+  }
+  const bool is_max = pool_max || caffe;
+  if (R > 0 && is_max && (long long)g.Gy * g.Gx >= (1LL << 31))
+    throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
+                " sample points per bin are too many for pool_mode='max' on the CUDA backend");
+  const Driver& d = driver();
+  check(op, d.cuMemsetD8Async(in_grad, 0, (size_t)(N * C * H * W) * item, stream),
+        "cuMemsetD8Async");
+  if (rois_grad)
+    check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * 5 * item, stream),
+          "cuMemsetD8Async");
+  if (R <= 0) return;  // no roi: the gradient is zeros
+  CUdeviceptr tb[12];
+  for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
+  const std::string ta = std::string("<") + t.T + ", " + t.A;
+
+  Args geo;
+  geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
+      caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
+      (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
+  for (int k = 0; k < 12; ++k) geo(tb[k]);
+  geo(ch.status)((long long)R);
+  launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream, geo);
+
+  const long long n = R * C * P * Q;
+  Args k;
+  if (is_max) k(data);
+  k(grad);
+  for (int i = 0; i < 11; ++i) k(tb[i]);  // batch .. x_wh
+  if (!is_max) k(tb[11]);                 // divisor
+  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(in_grad)(1.0)(n);  // bottom, scale, n
+  launch(op,
+         function(op, ctx, ROI_ALIGN_IMAGE,
+                  (is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") + ta +
+                      ", " + t.A + ">"),
+         n, stream, k);
+  record(op, ch, stream);
+}
+
 }  // namespace mx_roi_cuda
 
 extern "C" {
@@ -175,6 +247,32 @@ int mx_roi_ext_cuda_roi_align_forward(int dtype, const void* data, const void* r
     mx_roi_cuda::roi_align_forward(
         dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
         (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale, sample_ratio,
+        aligned, pool_max, caffe, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
+        (mx_roi_cuda::CUstream)stream);
+    return 0;
+  } catch (const std::exception& e) {
+    mx_roi_cuda::put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
+// ROIAlign's backward on ``stream``: grad (R, C, P, Q) the out-grad, data (N, C, H, W),
+// rois (R, 5), in_grad (N, C, H, W) the data gradient (written: req write), rois_grad (R, 5)
+// the rois' gradient (zeroed; null: none), all device pointers of ``dtype``; ``workspace``
+// as the forward's (the same tables).  No host synchronisation; a bad roi is reported by a
+// later forward (roi_align_backward above).
+int mx_roi_ext_cuda_roi_align_backward(int dtype, const void* grad, const void* data,
+                                       const void* rois, void* in_grad, void* rois_grad,
+                                       long long N, long long C, long long H, long long W,
+                                       long long R, int P, int Q, float spatial_scale,
+                                       int sample_ratio, int aligned, int pool_max, int caffe,
+                                       void* workspace, unsigned long long workspace_bytes,
+                                       void* stream, char* err, size_t err_len) {
+  try {
+    mx_roi_cuda::roi_align_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)data,
+        (mx_roi_cuda::CUdeviceptr)rois, (mx_roi_cuda::CUdeviceptr)in_grad,
+        (mx_roi_cuda::CUdeviceptr)rois_grad, N, C, H, W, R, P, Q, spatial_scale, sample_ratio,
         aligned, pool_max, caffe, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
         (mx_roi_cuda::CUstream)stream);
     return 0;
