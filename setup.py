@@ -31,7 +31,7 @@ setup(
     # example_rcnn is not installed: it runs from a checkout (`python -m example_rcnn.demo`).
     packages=find_packages(include=["mx_roi", "mx_roi.*"]),
     package_data={"mx_roi.operators": ["*.cu", "*.cuh"], "mx_roi.cuda": ["*.h"],
-                  "mx_roi.ext": ["*.cc", "*.h"]},  # the extension library's sources
+                  "mx_roi.ext": ["*.cc", "*.h", "*.cu"]},  # the extension libraries' sources
     install_requires=[NUMPY],
     extras_require={
         "cpu": ["mxnet==1.9.1", NUMPY],

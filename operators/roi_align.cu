@@ -788,15 +788,24 @@ struct ROIAlignGpu {
     return fn;
   }
 
-  // the call's device tables in MXNet's temporary workspace (null: none needed)
+  typedef int (*BackwardWorkspace)(int, long long, long long, long long, long long, long long,
+                                   int, int, int, int, unsigned long long*, char*, size_t);
+
+  // the call's device memory (tables; a float16 backward's accumulator) in MXNet's
+  // temporary workspace (null: none needed)
   static void* tables(const ROIAlignOp::Params& p, const MXTensor& data, long long R,
-                      const OpResource& res, unsigned long long* bytes) {
-    const Workspace workspace = entry<Workspace>("mx_roi_ext_cuda_roi_align_workspace");
+                      bool backward, const OpResource& res, unsigned long long* bytes) {
     char err[4096] = "";
-    if (workspace(data.dtype, R, (int)p.P, (int)p.Q, (int)data.shape[2], (int)data.shape[3],
-                  p.caffe() ? 0 : (int)p.sample_ratio, p.caffe() ? 1 : 0, bytes, err,
-                  sizeof err))
-      throw OpError(err);
+    const int sample = p.caffe() ? 0 : (int)p.sample_ratio, caffe = p.caffe() ? 1 : 0;
+    const int failed =
+        backward ? entry<BackwardWorkspace>("mx_roi_ext_cuda_roi_align_backward_workspace")(
+                       data.dtype, data.shape[0], data.shape[1], data.shape[2],
+                       data.shape[3], R, (int)p.P, (int)p.Q, sample, caffe, bytes, err,
+                       sizeof err)
+                 : entry<Workspace>("mx_roi_ext_cuda_roi_align_workspace")(
+                       data.dtype, R, (int)p.P, (int)p.Q, (int)data.shape[2],
+                       (int)data.shape[3], sample, caffe, bytes, err, sizeof err);
+    if (failed) throw OpError(err);
     if (*bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
       throw OpError(std::string(ROIAlignOp::OP) + ": the call's device tables need " +
                     std::to_string(*bytes) + " bytes, more than MXNet's workspace hands out");
@@ -813,7 +822,7 @@ struct ROIAlignGpu {
       const Forward launch = entry<Forward>("mx_roi_ext_cuda_roi_align_forward");
       const long long R = rois.shape[0];
       unsigned long long bytes = 0;
-      void* ws = tables(p, data, R, res, &bytes);
+      void* ws = tables(p, data, R, false, res, &bytes);
       char err[4096] = "";
       if (launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
                  data.shape[0], data.shape[1], data.shape[2], data.shape[3], R, (int)p.P,
@@ -840,7 +849,7 @@ struct ROIAlignGpu {
       const Backward launch = entry<Backward>("mx_roi_ext_cuda_roi_align_backward");
       const long long R = rois.shape[0];
       unsigned long long bytes = 0;
-      void* ws = tables(p, data, R, res, &bytes);
+      void* ws = tables(p, data, R, true, res, &bytes);
       char err[4096] = "";
       if (launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
                  (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0], data.shape[1],

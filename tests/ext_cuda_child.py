@@ -44,11 +44,11 @@ def forward(dtype="float32", stream=STREAM, R=R, ws=None, channels=C, **kw):
                                           workspace_bytes=bytes_, stream=stream, **args)
 
 
-def backward(dtype="float32", stream=STREAM, R=R, rois_grad=True, **kw):
+def backward(dtype="float32", stream=STREAM, R=R, rois_grad=True, ws=None, **kw):
     args = dict(spatial_scale=0.5, sample_ratio=-1, aligned=False, pool_mode="avg")
     args.update(kw)
-    bytes_ = cuda.roi_align_workspace("float32" if dtype == "float16" else dtype, R, P, H, W,
-                                      args["sample_ratio"], args.get("caffe", False))
+    bytes_ = cuda.roi_align_backward_workspace(dtype, (N, C, H, W), R, P, args["sample_ratio"],
+                                               args.get("caffe", False)) if ws is None else ws
     return lambda: cuda.roi_align_backward(
         dtype, ptr["grad"], ptr["data"], ptr["rois"], ptr["in_grad"], (N, C, H, W), R, P,
         workspace=ptr["ws"], workspace_bytes=bytes_, stream=stream,
@@ -102,6 +102,9 @@ step("bwd_caffe", backward(caffe=True, sample_ratio=3, aligned=True, rois_grad=F
 step("bwd_float64", backward("float64"))
 step("bwd_float16", backward("float16"))
 step("bwd_no_rois", backward(R=0))
+step("bwd_no_rois_float16", backward("float16", R=0))
+step("bwd_small_workspace", backward("float16", ws=cuda.roi_align_backward_workspace(
+    "float16", (N, C, H, W), R, P) - 1))
 plant(status, ~2 & (2 ** 64 - 1))               # the backward's geometry finds rois[2] bad
 step("bwd_bad", backward())                     # ... and raises nothing
 step("bwd_bad_busy", backward(), ready=False)   # nor does the next backward (none asks)
@@ -146,8 +149,8 @@ def gpu_malloc(state, size):
     return gpu_allocs[-1].ctypes.data
 
 
-def fcompute(fp, attrs, stream, direction="forward", R_=R):
-    """_opCallFCompute(fp), all "gpu" float32 tensors: the forward on (data, rois) -> out,
+def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0):
+    """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on (data, rois) -> out,
     the backward on (out-grad, data, rois) -> (data's gradient, rois' gradient), as MXNet
     hands them to a stateless op; (rc, last message)."""
     keys = (ctypes.c_char_p * len(attrs))(*[k.encode() for k in attrs])
@@ -167,7 +170,7 @@ def fcompute(fp, attrs, stream, direction="forward", R_=R):
         return (shapes, (ctypes.POINTER(ctypes.c_int64) * n)(
                     *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
                 (ctypes.c_int * n)(*[len(s) for s, _ in tensors]),
-                (V * n)(*[p for _, p in tensors]), (ctypes.c_int * n)(),
+                (V * n)(*[p for _, p in tensors]), (ctypes.c_int * n)(*[dtype] * n),
                 (ctypes.c_size_t * n)(), (ctypes.c_char_p * n)(*[b"gpu"] * n),
                 (ctypes.c_int * n)())
     i, o = arrays(ins), arrays(outs)
@@ -190,12 +193,15 @@ ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligne
          "pool_mode": "max"}
 
 
-def mx_step(name, attrs, stream=MX_STREAM, direction="forward"):
+def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0):
     fake.fake_clear()
     fake.fake_set_ready(1)
-    rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction)
+    allocs = len(gpu_allocs)
+    rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction, dtype=dtype)
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "rc": rc,
-                   "error": msg if rc != 1 else None}  # lib_api: MX_SUCCESS 1, MX_FAIL 0
+                   "error": msg if rc != 1 else None,  # lib_api: MX_SUCCESS 1, MX_FAIL 0
+                   # MXNet's workspace of the call (its address and size), if it asked
+                   "ws": [(a.ctypes.data, a.size) for a in gpu_allocs[allocs:]]}
 
 
 mx_step("mx_not_enabled", ATTRS)
@@ -203,17 +209,12 @@ mx_step("mx_backward_not_enabled", ATTRS, direction="backward")
 err = ctypes.create_string_buffer(1024)
 assert extlib.mx_roi_ext_set_gpu_launcher(cuda.library_path().encode(), err, len(err)) == 0
 mx_step("mx_forward", ATTRS)
-mx_ws = gpu_allocs[-1].ctypes.data if gpu_allocs else 0
-mx_ws_sizes = [a.size for a in gpu_allocs]
 mx_step("mx_bad_param", dict(ATTRS, pool_mode="median"))
 mx_step("mx_backward", ATTRS, direction="backward")
-mx_bwd_ws = gpu_allocs[-1].ctypes.data
-mx_ws_sizes.append(gpu_allocs[-1].size)
 mx_step("mx_backward_bad_param", dict(ATTRS, sample_ratio="two"), direction="backward")
 mx_step("mx_backward_deterministic", dict(ATTRS, deterministic=True), direction="backward")
+mx_step("mx_backward_float16", ATTRS, direction="backward", dtype=2)  # (MXDType kFloat16)
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
-                  "mx_contexts": sorted("/".join(k) for k in fns), "mx_ws": mx_ws,
-                  "mx_bwd_ws": mx_bwd_ws,
-                  "mx_ws_sizes": mx_ws_sizes}))
+                  "mx_contexts": sorted("/".join(k) for k in fns)}))
 sys.stdout.flush()

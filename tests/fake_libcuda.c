@@ -3,7 +3,8 @@
  * call (the synchronising ones), each recording one line in a log.  "Device memory" is host
  * memory, handed out filled with garbage (0xAB) as real device memory is uninitialised;
  * copies and memsets act at once; nothing runs a kernel.  cuEventQuery answers what
- * fake_set_ready() last set (CUDA_SUCCESS or CUDA_ERROR_NOT_READY).
+ * fake_set_ready() last set (CUDA_SUCCESS or CUDA_ERROR_NOT_READY); fake_image() returns
+ * every image loaded so far, concatenated.
  *
  * Log lines (one per call, fields space-separated; pointers and handles in hex):
  *   cuLaunchKernel <function name> grid X Y Z block X Y Z shared S stream H args A0 A1 ...
@@ -60,7 +61,14 @@ CUresult cuCtxGetCurrent(void** ctx) {
   return 0;
 }
 CUresult cuModuleLoadData(void** mod, const void* image) {
-  g_image = (const char*)image;
+  /* every image loaded, one after the other (fake_image: their concatenation) */
+  size_t old = g_image ? strlen(g_image) : 0, add = strlen((const char*)image);
+  char* all = (char*)realloc((void*)g_image, old + add + 2);
+  if (!all) return 2;
+  if (!old) all[0] = 0;
+  strcat(all, (const char*)image);
+  strcat(all, "\n");
+  g_image = all;
   *mod = (void*)0x30D;
   logf_("cuModuleLoadData %zu", strlen((const char*)image));
   return 0;

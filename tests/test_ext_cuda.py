@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -118,7 +119,12 @@ def parse_launch(line, ptx):
     slots = f[17:]
     types_ = ptx[lowered]
     expr = expression_of(lowered)
-    sig = S.instantiate("roi_align.cu", expr)
+    if expr.startswith("store_float_as<"):  # ext_cuda_cast.cu (not an op source)
+        sig = types.SimpleNamespace(params=[
+            types.SimpleNamespace(name=n, pointer=n != "n", ctype=c)
+            for n, c in (("src", "float"), ("dst", "__half"), ("n", "long long"))])
+    else:
+        sig = S.instantiate("roi_align.cu", expr)
     # the launcher's argument count = the PTX entry's = the kernel's declaration's
     assert len(slots) == len(types_) == len(sig.params), (expr, len(slots), len(types_))
     values = {p.name: decode(s, t, p) for p, s, t in zip(sig.params, slots, types_)}
@@ -184,7 +190,8 @@ def python_binding(dtype, R_, C_, params, direction="forward"):
         grad = np.zeros((R_, C_) + tuple(dev.geo.divisor.shape[1:]), dtype)
         roles[id(grad)] = "grad"
         op.backward_cuda(rec, dev.geo, grad, data.shape, None)
-        roles[id(rec.bottom)] = "in_grad"
+        # float16: a float32 temporary, which the launcher keeps after the tables
+        roles[id(rec.bottom)] = ("ws", table.nbytes) if dtype == "float16" else "in_grad"
     result = []
     for kernel, n, args in rec.calls:
         named = {}
@@ -241,9 +248,12 @@ BACKWARD_CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
     "bwd_max": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
     "bwd_caffe": ("float32", R, C, dict(BASE, sample_ratio=3, aligned=True, legacy="caffe")),
     "bwd_float64": ("float64", R, C, BASE),
+    "bwd_float16": ("float16", R, C, BASE),
     "bwd_bad": ("float32", R, C, BASE),
     # the extension op's "gpu" backward, called as MXNet calls it
     "mx_backward": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
+    "mx_backward_float16": ("float16", R, C,
+                            dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
 }
 
 
@@ -260,9 +270,11 @@ def _check_launches(run, step, direction, dtype, R_, C_, params):
     own = [x for x in log + (run["steps"]["mx_forward"]["log"] if step.startswith("mx_")
                              else []) if x.startswith("cuMemAlloc_v2")]
     status = int(own[0].split()[2], 16) if own else run["status"]
-    ws = (run["mx_bwd_ws"] if step == "mx_backward" else run["mx_ws"]) \
-        if step.startswith("mx_") else run["ptr"]["ws"]
+    ws = run["steps"][step]["ws"][0][0] if step.startswith("mx_") else run["ptr"]["ws"]
     want_stream = MX_STREAM if step.startswith("mx_") else STREAM
+    if direction == "backward" and dtype == "float16":  # the accumulator after the tables
+        _check_store_to_half(run, got.pop(), ws + ws_bytes, N * C_ * H * W, want_stream)
+        ws_bytes += -(-N * C_ * H * W * 4 // 16) * 16
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
@@ -288,6 +300,16 @@ def _check_launches(run, step, direction, dtype, R_, C_, params):
     return got
 
 
+def _check_store_to_half(run, launch, acc, size, stream):
+    """The float16 backward's last launch: store_float_as<__half> (ext_cuda_cast.cu) of
+    the float32 accumulator at ``acc`` into MXNet's gradient, ``size`` elements."""
+    expr, grid, block, shared, got_stream, values = launch
+    assert expr == "store_float_as<__half>"
+    assert values == {"src": acc, "dst": run["ptr"]["in_grad"], "n": size}
+    assert got_stream == stream and shared == 0 and block == (256, 1, 1)
+    assert grid == (max(1, min(-(-size // 256), 65535)), 1, 1)
+
+
 @pytest.mark.parametrize("step", sorted(CASES))
 def test_launch_arguments_are_the_cupy_paths(run, step):
     _check_launches(run, step, "forward", *CASES[step])
@@ -303,33 +325,45 @@ def test_backward_launch_arguments_are_the_cupy_paths(run, step):
 
 
 def test_backward_zeroes_the_gradients_first(run):
-    """Before any launch, on the caller's stream: the data gradient's bytes zeroed (req
-    write; the kernels add into it), then the rois' (ROIAlign does not differentiate its
-    rois; none when no pointer is given); no wait of any kind."""
+    """Before any launch, on the caller's stream: the accumulator's bytes zeroed (req
+    write; the kernels add into it) -- MXNet's data gradient, or for float16 the float32
+    accumulator after the tables in the workspace --, then the rois' gradient (ROIAlign
+    does not differentiate its rois; none when no pointer is given); no wait of any
+    kind.  With no roi: the gradients zeroed, nothing launched."""
+    from mx_roi.ext import cuda
     s, p = run["steps"], run["ptr"]
-    grad_bytes = {"float32": N * C * H * W * 4, "float64": N * C * H * W * 8}
+    size = N * C * H * W
+    item = {"float32": 4, "float64": 8, "float16": 2}
     for step, dtype, rois_grad in (("bwd_avg", "float32", True), ("bwd_max", "float32", True),
                                    ("bwd_caffe", "float32", False),
-                                   ("bwd_float64", "float64", True)):
+                                   ("bwd_float64", "float64", True),
+                                   ("bwd_float16", "float16", True)):
         log = s[step]["log"]
         first_launch = next(i for i, x in enumerate(log) if x.startswith("cuLaunchKernel"))
         sets = [x for x in log[:first_launch] if x.startswith("cuMemsetD8Async")]
-        want = [f"cuMemsetD8Async {p['in_grad']:x} 0 {grad_bytes[dtype]} stream {STREAM:x}"]
+        if dtype == "float16":
+            acc = p["ws"] + cuda.roi_align_workspace("float16", R, P, H, W)
+            want = [f"cuMemsetD8Async {acc:x} 0 {size * 4} stream {STREAM:x}"]
+        else:
+            want = [f"cuMemsetD8Async {p['in_grad']:x} 0 {size * item[dtype]} "
+                    f"stream {STREAM:x}"]
         if rois_grad:
-            item = grad_bytes[dtype] // (N * C * H * W)
-            want.append(f"cuMemsetD8Async {p['rois_grad']:x} 0 {R * 5 * item} "
+            want.append(f"cuMemsetD8Async {p['rois_grad']:x} 0 {R * 5 * item[dtype]} "
                         f"stream {STREAM:x}")
         assert sets == want, step
         assert calls(s[step])[-2:] == ["cuMemcpyDtoHAsync_v2", "cuEventRecord"], step
-    # no roi: the gradients zeroed, nothing launched
-    assert calls(s["bwd_no_rois"]) == ["cuCtxGetCurrent", "cuMemsetD8Async", "cuMemsetD8Async"]
+    for step, dtype in (("bwd_no_rois", "float32"), ("bwd_no_rois_float16", "float16")):
+        assert s[step]["log"] == ["cuCtxGetCurrent",
+                                  f"cuMemsetD8Async {p['in_grad']:x} 0 {size * item[dtype]} "
+                                  f"stream {STREAM:x}"]
 
 
 def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
     """A backward must succeed (MXNet runs it even after its forward failed): a bad roi
     found by its geometry kernel (treated as padding) is not raised by it, nor by a later
     backward; the next forward on the stream reports it, launches nothing and queues the
-    word's reset.  A float16 backward is refused before anything is queued."""
+    word's reset.  A workspace too small for the tables and float16's accumulator is
+    refused before anything is queued."""
     s, status = run["steps"], run["status"]
     assert s["bwd_bad"]["error"] is None and len(launches(s["bwd_bad"])) == 2
     assert s["bwd_bad_busy"]["error"] is None and "cuEventQuery" not in calls(s["bwd_bad_busy"])
@@ -338,10 +372,13 @@ def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
     assert s["bwd_bad_reported"]["log"] == [
         "cuCtxGetCurrent", "cuEventQuery e7 ready",
         f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}"]
-    assert s["bwd_float16"]["error"] == (
-        "ROIAlign: the native GPU path has no float16 backward yet (its float32 accumulator "
-        "needs a cast kernel); use the Custom door for float16 training")
-    assert calls(s["bwd_float16"]) == []
+    from mx_roi.ext import cuda
+    need = cuda.roi_align_backward_workspace("float16", (N, C, H, W), R, P)
+    assert s["bwd_small_workspace"]["error"] == (
+        f"ROIAlign: the workspace holds {need - 1} bytes but the call's tables and "
+        f"accumulator need {need}")
+    assert not launches(s["bwd_small_workspace"])
+    assert not [x for x in s["bwd_small_workspace"]["log"] if x.startswith("cuMemset")]
 
 
 def test_grid_is_capped(run):
@@ -376,16 +413,18 @@ def test_valid_calls_make_exactly_these_driver_calls(run):
 def test_one_module_load_and_the_ptx_image(run):
     loads = [line for s in run["steps"].values() for line in s["log"]
              if line.startswith("cuModuleLoadData")]
-    assert len(loads) == 1  # one module per context, one function lookup per kernel
+    # one module per image and context (roi_align.cu's; the cast kernel's at the first
+    # float16 backward), one function lookup per kernel
+    assert len(loads) == 2
     lookups = [line.split()[1] for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
-    assert len(lookups) == len(set(lookups)) == 10
-    image = run["image"]
-    assert f".target sm_{run['arch']}" in image and run["arch"] == min(
+    assert len(lookups) == len(set(lookups)) == 13
+    image = run["image"]  # (both images)
+    assert image.count(f".target sm_{run['arch']}") == 2 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
     assert sorted(expression_of(n) for n in ptx_params(image)) == sorted(
-        cuda.kernel_expressions("roi_align.cu"))
+        cuda.kernel_expressions("roi_align.cu") + cuda.OWN_KERNELS["ext_cuda_cast.cu"])
 
 
 def test_status_word_rule(run):
@@ -496,7 +535,11 @@ def test_extension_ops_gpu_forward_as_mxnet_calls_it(run):
     assert s["mx_forward"]["rc"] == 1 and s["mx_forward"]["error"] is None
     assert len(launches(s["mx_forward"])) == 2  # (arguments: the launch-arguments test)
     from mx_roi.ext import cuda
-    assert run["mx_ws_sizes"] == [cuda.roi_align_workspace("float32", R, P, H, W, 2)] * 2
+    assert [s[k]["ws"][0][1] for k in ("mx_forward", "mx_backward", "mx_backward_float16")] \
+        == [cuda.roi_align_workspace("float32", R, P, H, W, 2),
+            cuda.roi_align_backward_workspace("float32", (N, C, H, W), R, P, 2),
+            cuda.roi_align_backward_workspace("float16", (N, C, H, W), R, P, 2)]
+    assert s["mx_backward_float16"]["rc"] == 1 and len(launches(s["mx_backward_float16"])) == 3
     assert s["mx_bad_param"]["rc"] == 0 and s["mx_bad_param"]["log"] == []
     assert s["mx_bad_param"]["error"] == ("ROIAlign: parameter 'pool_mode': expected one of "
                                           "'avg', 'max', got 'median'")

@@ -10,7 +10,7 @@ padding rois, R = 0; the status-word rule on the device: a bad roi's call raises
 its row is zeros, the next call after the stream has finished raises the bad roi's error,
 and the call after that works.
 
-ROIAlign's backward (float32, float64), every mode, against ``emulated-cuda``'s gradient
+ROIAlign's backward (every dtype), every mode, against ``emulated-cuda``'s gradient
 (the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
 the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
 gradient zeros; a bad roi raises nothing in the backward and is reported by the next
@@ -147,7 +147,7 @@ def native_gpu_backward(data, rois, out_grad, params, stream):
         x, r, g = cupy.asarray(data), cupy.asarray(rois), cupy.asarray(out_grad)
         dx = cupy.full(data.shape, np.nan, data.dtype)
         dr = cupy.full(rois.shape, np.nan, rois.dtype)
-        nbytes = cuda.roi_align_workspace(data.dtype, R, P, H, W, sample, caffe)
+        nbytes = cuda.roi_align_backward_workspace(data.dtype, data.shape, R, P, sample, caffe)
         ws = cupy.empty(max(nbytes, 16), cupy.uint8)
         stream.synchronize()
         cuda.roi_align_backward(data.dtype, g.data.ptr, x.data.ptr, r.data.ptr, dx.data.ptr,
@@ -157,7 +157,7 @@ def native_gpu_backward(data, rois, out_grad, params, stream):
     return dx, dr, (x, r, g, ws)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 def test_backward_matches_emulation(dtype, mode):
     import cupy
@@ -171,8 +171,9 @@ def test_backward_matches_emulation(dtype, mode):
     stream.synchronize()
     _, (want,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
                           rescan=True)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(cupy.asnumpy(dx), want, **tol)
+    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64), want.astype(np.float64),
+                               rtol=tol, atol=tol)
     assert not np.any(cupy.asnumpy(dr))
 
 

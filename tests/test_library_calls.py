@@ -371,3 +371,44 @@ def test_arrays_of_other_shapes_never_reach_the_library(backends):
     assert L.backward(op, "write", g, x, r, mx.nd.zeros(data.shape), "write",
                       mx.nd.zeros(rois.shape))
     assert L.calls == calls + 2
+
+
+def test_other_array_counts_are_refused_by_the_launcher(backends):
+    """``mx_roi_ext_invoke`` itself (a C entry any caller may reach) takes exactly the
+    arrays MXNet would hand the native operator: other counts, or another direction, are
+    refused with a message naming them -- never indexed past -- and the next call works.
+    DeformablePSROIPooling: three inputs with offsets, two with ``no_trans``."""
+    import ctypes
+    import struct
+    library, _ = backends
+    lib = library._native.library()
+    err = ctypes.create_string_buffer(512)
+
+    def packed(arrs):
+        return b"".join(struct.pack("P6qii", a.ctypes.data, *a.shape, *([0] * (6 - a.ndim)),
+                                    a.ndim, 0) for a in arrs)
+
+    for name, params in [c for c in opcheck.CASES
+                         if c[0] in ("DeformablePSROIPooling", "ROIAlign")]:
+        op = make_op(name, params)
+        handle = library._native._handle(lib, op)
+        assert handle
+        data, rois, _, extra = opcheck.problem(op, np.float32)
+        arrays = [data, rois] + list(extra)
+        n = len(arrays)
+        out = np.full(op.out_shape(data.shape, rois.shape), np.nan, np.float32)
+        for direction, n_in, n_out in ((0, n - 1, 1), (0, n, 0), (0, n, 2), (1, n, n),
+                                       (1, n + 1, n - 1), (2, n, 1)):
+            arrs = (arrays + [data])[:n_in] + [out] * n_out
+            assert lib.mx_roi_ext_invoke(handle, direction, n_in, n_out, packed(arrs),
+                                         err, len(err)) == 1
+            want = (f"{name}: mx_roi_ext_invoke: direction 2 (0: forward, 1: backward)"
+                    if direction == 2 else
+                    f"{name}: mx_roi_ext_invoke: the {('forward', 'backward')[direction]} "
+                    f"takes {n + direction} inputs and {n if direction else 1} outputs, "
+                    f"got {n_in} and {n_out}")
+            assert err.value.decode() == want, (name, direction, n_in, n_out)
+        assert np.isnan(out).all()  # nothing written
+        assert lib.mx_roi_ext_invoke(handle, 0, n, 1, packed(arrays + [out]), err,
+                                     len(err)) == 0
+        assert not np.isnan(out).any()

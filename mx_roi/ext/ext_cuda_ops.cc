@@ -143,13 +143,28 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
   record(op, ch, stream);
 }
 
+// A ROIAlign backward's workspace: the tables (as the forward's), then for float16 the
+// float32 accumulator of the data gradient (Launch.grad_buffer's temporary); 0 for R = 0.
+// ``*acc_offset``: where the accumulator starts.
+inline unsigned long long roi_align_backward_bytes(int dtype, long long N, long long C,
+                                                   long long H, long long W, long long R, int P,
+                                                   int Q, int sample_ratio, int caffe,
+                                                   unsigned long long* acc_offset = nullptr) {
+  if (R <= 0) return 0;
+  const GridLayout g = roi_align_layout("ROIAlign", dtype, R, P, Q, (int)H, (int)W,
+                                        sample_ratio, caffe);
+  if (acc_offset) *acc_offset = g.bytes;  // (a multiple of 16)
+  return g.bytes + (dtype == DTYPE_FLOAT16 ? (N * C * H * W * 4 + 15) / 16 * 16 : 0);
+}
+
 // ROIAlign's backward (roi_align.py backward_cuda on device-built tables, as the CuPy path's
-// _backward_device runs it with req write): the data gradient zeroed (the rois' too, where
-// given: ROIAlign does not differentiate its rois), the geometry kernel, then
-// roi_align_backward_avg or, for pool_mode 'max' / legacy 'caffe', roi_align_backward_max_rescan
-// (the forward kept no argmax: the winners are found again in ``data``), on ``stream``.
-// float32 and float64 only (float16 accumulates in float32 and needs a cast kernel the
-// launcher does not have yet: refused, the Custom door runs it).
+// _backward_device runs it with req write): the accumulator zeroed -- the data gradient
+// itself, or for float16 a float32 one in the workspace (the rois' gradient too, where
+// given: ROIAlign does not differentiate its rois) --, the geometry kernel, then
+// roi_align_backward_avg or, for pool_mode 'max' / legacy 'caffe',
+// roi_align_backward_max_rescan (the forward kept no argmax: the winners are found again
+// in ``data``), and for float16 store_float_as (ext_cuda_cast.cu) into the gradient; all
+// on ``stream``.
 // A bad roi raises nothing here: the geometry kernel treats it as padding and marks the
 // status word, and the next forward on this stream (or check()) reports it -- a backward
 // must succeed (MXNet runs it even after its forward failed).  Earlier calls' status is
@@ -162,28 +177,30 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
                                unsigned long long workspace_bytes, CUstream stream) {
   const std::string op = "ROIAlign";
   const Types t = types_of(op, dtype);
-  if (dtype == DTYPE_FLOAT16)
-    throw Error(op + ": the native GPU path has no float16 backward yet (its float32 "
-                "accumulator needs a cast kernel); use the Custom door for float16 training");
-  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : 4;
+  const bool half = dtype == DTYPE_FLOAT16;
+  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : half ? 2 : 4;
   CUcontext ctx = current_context(op);
   Channel& ch = channel(op, ctx, stream);
   std::lock_guard<std::mutex> guard(ch.lock);
+  unsigned long long acc_at = 0;
+  const unsigned long long need = roi_align_backward_bytes(dtype, N, C, H, W, R, P, Q,
+                                                           sample_ratio, caffe, &acc_at);
+  if (workspace_bytes < need)
+    throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
+                " bytes but the call's tables and accumulator need " + std::to_string(need));
   GridLayout g;
-  if (R > 0) {
-    g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
-    if (workspace_bytes < g.bytes)
-      throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
-                  " bytes but the call's tables need " + std::to_string(g.bytes));
-  }
+  if (R > 0) g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
   const bool is_max = pool_max || caffe;
   if (R > 0 && is_max && (long long)g.Gy * g.Gx >= (1LL << 31))
     throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
                 " sample points per bin are too many for pool_mode='max' on the CUDA backend");
   const Driver& d = driver();
-  check(op, d.cuMemsetD8Async(in_grad, 0, (size_t)(N * C * H * W) * item, stream),
+  const long long size = N * C * H * W;
+  // the kernels add into ``bottom``: MXNet's gradient, or the float32 accumulator
+  const CUdeviceptr bottom = half && R > 0 ? workspace + acc_at : in_grad;
+  check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (bottom == in_grad ? item : 4), stream),
         "cuMemsetD8Async");
-  if (rois_grad)
+  if (rois_grad && R > 0)
     check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * 5 * item, stream),
           "cuMemsetD8Async");
   if (R <= 0) return;  // no roi: the gradient is zeros
@@ -205,12 +222,17 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   k(grad);
   for (int i = 0; i < 11; ++i) k(tb[i]);  // batch .. x_wh
   if (!is_max) k(tb[11]);                 // divisor
-  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(in_grad)(1.0)(n);  // bottom, scale, n
+  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(bottom)(1.0)(n);  // bottom, scale, n
   launch(op,
          function(op, ctx, ROI_ALIGN_IMAGE,
                   (is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") + ta +
                       ", " + t.A + ">"),
          n, stream, k);
+  if (half) {
+    Args c;
+    c(bottom)(in_grad)(size);
+    launch(op, function(op, ctx, CAST_IMAGE, "store_float_as<__half>"), size, stream, c);
+  }
   record(op, ch, stream);
 }
 
@@ -256,11 +278,29 @@ int mx_roi_ext_cuda_roi_align_forward(int dtype, const void* data, const void* r
   }
 }
 
+// The workspace bytes of a ROIAlign backward (the tables, and for float16 the float32
+// accumulator of the data gradient): 0, or 1 with the message.
+int mx_roi_ext_cuda_roi_align_backward_workspace(int dtype, long long N, long long C,
+                                                 long long H, long long W, long long R, int P,
+                                                 int Q, int sample_ratio, int caffe,
+                                                 unsigned long long* bytes, char* err,
+                                                 size_t err_len) {
+  try {
+    mx_roi_cuda::types_of("ROIAlign", dtype);
+    *bytes = mx_roi_cuda::roi_align_backward_bytes(dtype, N, C, H, W, R, P, Q, sample_ratio,
+                                                   caffe);
+    return 0;
+  } catch (const std::exception& e) {
+    mx_roi_cuda::put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
 // ROIAlign's backward on ``stream``: grad (R, C, P, Q) the out-grad, data (N, C, H, W),
 // rois (R, 5), in_grad (N, C, H, W) the data gradient (written: req write), rois_grad (R, 5)
-// the rois' gradient (zeroed; null: none), all device pointers of ``dtype``; ``workspace``
-// as the forward's (the same tables).  No host synchronisation; a bad roi is reported by a
-// later forward (roi_align_backward above).
+// the rois' gradient (zeroed; null: none), all device pointers of ``dtype``; ``workspace``:
+// at least the backward workspace function's bytes.  No host synchronisation; a bad roi is
+// reported by a later forward (roi_align_backward above).
 int mx_roi_ext_cuda_roi_align_backward(int dtype, const void* grad, const void* data,
                                        const void* rois, void* in_grad, void* rois_grad,
                                        long long N, long long C, long long H, long long W,

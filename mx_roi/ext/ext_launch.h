@@ -690,8 +690,22 @@ struct Callbacks {
   // A call of the Custom door's native backend (mx_roi_ext_invoke; mx_roi.cuda.library_calls):
   // the forward (direction 0) or the backward (1), a bad input thrown -- the backward's too,
   // which the Custom door raises (its caller then takes the checked path for the message)
+  // The arrays are those MXNet would hand the native operator (a C caller's other counts
+  // are refused, never indexed past): the forward data, rois[, extra] -> the output; the
+  // backward the out-grad and those inputs -> a gradient of each.
   static void invoke(int direction, const Attrs& attrs, std::vector<MXTensor>* inputs,
                      std::vector<MXTensor>* outputs) {
+    const size_t n = (size_t)ExtraInput<Op>::count(params(attrs));
+    if (direction != 0 && direction != 1)
+      throw OpError(std::string(Op::OP) + ": mx_roi_ext_invoke: direction " +
+                    std::to_string(direction) + " (0: forward, 1: backward)");
+    const size_t want_in = direction == 0 ? n : n + 1, want_out = direction == 0 ? 1 : n;
+    if (inputs->size() != want_in || outputs->size() != want_out)
+      throw OpError(std::string(Op::OP) + ": mx_roi_ext_invoke: the " +
+                    (direction == 0 ? "forward" : "backward") + " takes " +
+                    std::to_string(want_in) + " inputs and " + std::to_string(want_out) +
+                    " outputs, got " + std::to_string(inputs->size()) + " and " +
+                    std::to_string(outputs->size()));
     if (direction == 0)
       forward_checked(attrs, inputs, outputs);
     else
