@@ -92,6 +92,42 @@ inline GridLayout roi_align_layout(const std::string& op, int dtype, long long R
   return g;
 }
 
+// A ROIAlign call's sample grid (both directions): the tables' layout over the
+// workspace, checked against the kernels' limits; geometry() queues roi_grid_geometry,
+// which fills the tables and marks a bad roi (as padding, in the channel's status word).
+struct RoiAlignGrid {
+  GridLayout g;
+  CUdeviceptr tb[12];  // batch, y_count .. y_wh, x_count .. x_wh, divisor
+  std::string ta;      // "<T, A" of the kernels' names
+  bool is_max;
+
+  RoiAlignGrid(const std::string& op, const Types& t, int dtype, long long R, int P, int Q,
+               long long H, long long W, int sample_ratio, int pool_max, int caffe,
+               CUdeviceptr workspace)
+      : g(roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe)),
+        ta(std::string("<") + t.T + ", " + t.A), is_max(pool_max || caffe) {
+    if (is_max && (long long)g.Gy * g.Gx >= (1LL << 31))  // the running argmax is an int
+      throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
+                  " sample points per bin are too many for pool_mode='max' on the CUDA "
+                  "backend");
+    for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
+  }
+
+  void geometry(const std::string& op, CUcontext ctx, const Channel& ch, const Types& t,
+                CUdeviceptr rois, long long N, long long H, long long W, long long R, int P,
+                int Q, float spatial_scale, int sample_ratio, int aligned, int caffe,
+                CUstream stream) const {
+    Args geo;
+    geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
+        caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
+        (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
+    for (int k = 0; k < 12; ++k) geo(tb[k]);
+    geo(ch.status)((long long)R);
+    launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream,
+           geo);
+  }
+};
+
 // ROIAlign's forward (roi_align.py forward_cuda, on tables from device_geometry.build):
 // the geometry kernel, then roi_align_forward_avg or roi_align_forward_max (pool_mode
 // 'max' or legacy 'caffe'; no argmax kept: store_argmax 0), on ``stream``.
@@ -107,38 +143,25 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
   std::lock_guard<std::mutex> guard(ch.lock);
   report(op, ch, stream, false);
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  const GridLayout g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
-  if (workspace_bytes < g.bytes)
+  const RoiAlignGrid grid(op, t, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
+                          workspace);
+  if (workspace_bytes < grid.g.bytes)
     throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
-                " bytes but the call's tables need " + std::to_string(g.bytes));
-  const bool is_max = pool_max || caffe;
-  if (is_max && (long long)g.Gy * g.Gx >= (1LL << 31))  // the kernels' running argmax is an int
-    throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
-                " sample points per bin are too many for pool_mode='max' on the CUDA backend");
-  CUdeviceptr tb[12];
-  for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
-  const std::string ta = std::string("<") + t.T + ", " + t.A;
-
-  Args geo;
-  geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
-      caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
-      (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
-  for (int k = 0; k < 12; ++k) geo(tb[k]);
-  geo(ch.status)((long long)R);
-  launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream, geo);
-
+                " bytes but the call's tables need " + std::to_string(grid.g.bytes));
+  grid.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned,
+                caffe, stream);
   const long long n = R * C * P * Q;
   Args k;
   k(data);
-  for (int i = 0; i < 11; ++i) k(tb[i]);  // batch .. x_wh
-  if (!is_max) k(tb[11]);                 // divisor
-  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(out);
-  if (is_max) k(workspace)(0);            // argmax (never written: store_argmax 0)
+  for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
+  if (!grid.is_max) k(grid.tb[11]);            // divisor
+  k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(out);
+  if (grid.is_max) k(workspace)(0);            // argmax (never written: store_argmax 0)
   k(n);
   launch(op,
          function(op, ctx, ROI_ALIGN_IMAGE,
-                  is_max ? "roi_align_forward_max" + ta + ", unsigned char>"
-                         : "roi_align_forward_avg" + ta + ">"),
+                  grid.is_max ? "roi_align_forward_max" + grid.ta + ", unsigned char>"
+                              : "roi_align_forward_avg" + grid.ta + ">"),
          n, stream, k);
   record(op, ch, stream);
 }
@@ -188,45 +211,34 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   if (workspace_bytes < need)
     throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables and accumulator need " + std::to_string(need));
-  GridLayout g;
-  if (R > 0) g = roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe);
-  const bool is_max = pool_max || caffe;
-  if (R > 0 && is_max && (long long)g.Gy * g.Gx >= (1LL << 31))
-    throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
-                " sample points per bin are too many for pool_mode='max' on the CUDA backend");
   const Driver& d = driver();
   const long long size = N * C * H * W;
+  if (R <= 0) {  // no roi: the gradient is zeros
+    check(op, d.cuMemsetD8Async(in_grad, 0, (size_t)size * item, stream), "cuMemsetD8Async");
+    return;
+  }
+  const RoiAlignGrid grid(op, t, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
+                          workspace);
   // the kernels add into ``bottom``: MXNet's gradient, or the float32 accumulator
-  const CUdeviceptr bottom = half && R > 0 ? workspace + acc_at : in_grad;
-  check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (bottom == in_grad ? item : 4), stream),
+  const CUdeviceptr bottom = half ? workspace + acc_at : in_grad;
+  check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (half ? 4 : item), stream),
         "cuMemsetD8Async");
-  if (rois_grad && R > 0)
+  if (rois_grad)
     check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * 5 * item, stream),
           "cuMemsetD8Async");
-  if (R <= 0) return;  // no roi: the gradient is zeros
-  CUdeviceptr tb[12];
-  for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
-  const std::string ta = std::string("<") + t.T + ", " + t.A;
-
-  Args geo;
-  geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
-      caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
-      (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
-  for (int k = 0; k < 12; ++k) geo(tb[k]);
-  geo(ch.status)((long long)R);
-  launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream, geo);
-
+  grid.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned,
+                caffe, stream);
   const long long n = R * C * P * Q;
   Args k;
-  if (is_max) k(data);
+  if (grid.is_max) k(data);
   k(grad);
-  for (int i = 0; i < 11; ++i) k(tb[i]);  // batch .. x_wh
-  if (!is_max) k(tb[11]);                 // divisor
-  k((int)C)((int)H)((int)W)(P)(Q)(g.Gy)(g.Gx)(bottom)(1.0)(n);  // bottom, scale, n
+  for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
+  if (!grid.is_max) k(grid.tb[11]);            // divisor
+  k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(bottom)(1.0)(n);  // bottom, scale, n
   launch(op,
          function(op, ctx, ROI_ALIGN_IMAGE,
-                  (is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") + ta +
-                      ", " + t.A + ">"),
+                  (grid.is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") +
+                      grid.ta + ", " + t.A + ">"),
          n, stream, k);
   if (half) {
     Args c;
