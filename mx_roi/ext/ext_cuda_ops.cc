@@ -248,6 +248,18 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   record(op, ch, stream);
 }
 
+// A C entry's body: 0 when ``body()`` returned, else 1 with its message in ``err``.
+template <typename F>
+int c_entry(char* err, size_t err_len, F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    put_message(e.what(), err, err_len);
+    return 1;
+  }
+}
+
 }  // namespace mx_roi_cuda
 
 extern "C" {
@@ -256,15 +268,11 @@ extern "C" {
 int mx_roi_ext_cuda_roi_align_workspace(int dtype, long long R, int P, int Q, int H, int W,
                                         int sample_ratio, int caffe, unsigned long long* bytes,
                                         char* err, size_t err_len) {
-  try {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
     *bytes = R <= 0 ? 0
                     : mx_roi_cuda::roi_align_layout("ROIAlign", dtype, R, P, Q, H, W,
                                                     sample_ratio, caffe).bytes;
-    return 0;
-  } catch (const std::exception& e) {
-    mx_roi_cuda::put_message(e.what(), err, err_len);
-    return 1;
-  }
+  });
 }
 
 // ROIAlign's forward on ``stream`` (a CUstream / cudaStream_t; 0: the legacy default
@@ -277,17 +285,13 @@ int mx_roi_ext_cuda_roi_align_forward(int dtype, const void* data, const void* r
                                       int sample_ratio, int aligned, int pool_max, int caffe,
                                       void* workspace, unsigned long long workspace_bytes,
                                       void* stream, char* err, size_t err_len) {
-  try {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
     mx_roi_cuda::roi_align_forward(
         dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
         (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale, sample_ratio,
         aligned, pool_max, caffe, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
         (mx_roi_cuda::CUstream)stream);
-    return 0;
-  } catch (const std::exception& e) {
-    mx_roi_cuda::put_message(e.what(), err, err_len);
-    return 1;
-  }
+  });
 }
 
 // The workspace bytes of a ROIAlign backward (the tables, and for float16 the float32
@@ -297,15 +301,11 @@ int mx_roi_ext_cuda_roi_align_backward_workspace(int dtype, long long N, long lo
                                                  int Q, int sample_ratio, int caffe,
                                                  unsigned long long* bytes, char* err,
                                                  size_t err_len) {
-  try {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
     mx_roi_cuda::types_of("ROIAlign", dtype);
     *bytes = mx_roi_cuda::roi_align_backward_bytes(dtype, N, C, H, W, R, P, Q, sample_ratio,
                                                    caffe);
-    return 0;
-  } catch (const std::exception& e) {
-    mx_roi_cuda::put_message(e.what(), err, err_len);
-    return 1;
-  }
+  });
 }
 
 // ROIAlign's backward on ``stream``: grad (R, C, P, Q) the out-grad, data (N, C, H, W),
@@ -320,35 +320,27 @@ int mx_roi_ext_cuda_roi_align_backward(int dtype, const void* grad, const void* 
                                        int sample_ratio, int aligned, int pool_max, int caffe,
                                        void* workspace, unsigned long long workspace_bytes,
                                        void* stream, char* err, size_t err_len) {
-  try {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
     mx_roi_cuda::roi_align_backward(
         dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)data,
         (mx_roi_cuda::CUdeviceptr)rois, (mx_roi_cuda::CUdeviceptr)in_grad,
         (mx_roi_cuda::CUdeviceptr)rois_grad, N, C, H, W, R, P, Q, spatial_scale, sample_ratio,
         aligned, pool_max, caffe, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
         (mx_roi_cuda::CUstream)stream);
-    return 0;
-  } catch (const std::exception& e) {
-    mx_roi_cuda::put_message(e.what(), err, err_len);
-    return 1;
-  }
+  });
 }
 
 // The status report of ``op``'s channel on ``stream`` (ext_cuda.h): 0 nothing to report,
 // 1 the error (in ``err``).  ``wait``: first wait for the channel's latest call (the only
 // host wait of the native GPU path), else report only a call that has finished.
 int mx_roi_ext_cuda_check(const char* op, void* stream, int wait, char* err, size_t err_len) {
-  try {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
     const std::string name = op;
     mx_roi_cuda::CUcontext ctx = mx_roi_cuda::current_context(name);
     mx_roi_cuda::Channel& ch = mx_roi_cuda::channel(name, ctx, (mx_roi_cuda::CUstream)stream);
     std::lock_guard<std::mutex> guard(ch.lock);
     mx_roi_cuda::report(name, ch, (mx_roi_cuda::CUstream)stream, wait != 0);
-    return 0;
-  } catch (const std::exception& e) {
-    mx_roi_cuda::put_message(e.what(), err, err_len);
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"
