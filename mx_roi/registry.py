@@ -58,6 +58,12 @@ class RoIOp:
     selftest_builtin_grad = True
     #: whether the backward reads the input data (max modes) besides rois and out_grad
     backward_needs_data = False
+    #: the kernels of ``cuda_source`` the native GPU path launches (``mx_roi.ext.cuda``:
+    #: NVRTC compiles them into the launcher library for every dtype pair), each
+    #: ``(kernel, template arguments after T, A)`` ("A": the pair's A, a backward's
+    #: accumulator); () for an op without a native GPU path.  An op that has one also
+    #: holds its driver-API entries in the .cu file's ``MX_ROI_EXT_CUDA_LAUNCHER`` section
+    native_gpu_kernels: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
     #: columns of a roi row and what they hold (shape rule and error messages)
     rois_columns = 5
     rois_layout = "(batch_index, x1, y1, x2, y2)"

@@ -543,3 +543,30 @@ def test_extension_ops_gpu_forward_as_mxnet_calls_it(run):
     assert s["mx_bad_param"]["rc"] == 0 and s["mx_bad_param"]["log"] == []
     assert s["mx_bad_param"]["error"] == ("ROIAlign: parameter 'pool_mode': expected one of "
                                           "'avg', 'max', got 'median'")
+
+
+def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
+    """The launcher library gathers each op's native GPU section (its .cu file's
+    ``MX_ROI_EXT_CUDA_LAUNCHER`` block) and the kernels its .py declares; the shared part
+    (ext_cuda_ops.cc) names no op.  An op declaring kernels without a section is refused
+    by name."""
+    from mx_roi.ext import ExtLibraryError, cuda
+    cls = get_op("ROIAlign")
+    assert cuda.gpu_ops() == {"roi_align.cu": cls.native_gpu_kernels}
+    text = cuda.section("roi_align.cu")
+    assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
+    assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
+    for entry in ("mx_roi_ext_cuda_roi_align_workspace", "mx_roi_ext_cuda_roi_align_forward",
+                  "mx_roi_ext_cuda_roi_align_backward_workspace",
+                  "mx_roi_ext_cuda_roi_align_backward"):
+        assert f"int {entry}(" in text
+    with open(os.path.join(ROOT, "mx_roi", "ext", "ext_cuda_ops.cc")) as f:
+        shared = f.read()
+    assert "roi_align" not in shared.lower() and "ROIAlign" not in shared
+    assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
+    monkeypatch.setattr(get_op("ROIPooling"), "native_gpu_kernels",
+                        (("roi_pooling_forward", ("unsigned char",)),))
+    with pytest.raises(ExtLibraryError, match=r"^ROIPooling declares native_gpu_kernels but "
+                                              r"roi_pooling.cu has no "
+                                              r"MX_ROI_EXT_CUDA_LAUNCHER section$"):
+        cuda.gpu_ops()

@@ -1,10 +1,14 @@
 """The native GPU path's launcher library (opt-in; docs/gpu.md, "The native GPU path").
 
-``ext_cuda.h`` + ``ext_cuda_ops.cc`` compiled with g++ into ``mx_roi_ext_cuda-<key>.so``:
-C entry points that launch an op's kernels through the CUDA driver API (``libcuda.so.1``,
-opened at the first call) on the caller's stream, from raw device pointers -- callable
-through ctypes (a CuPy array's ``data.ptr``, a CuPy stream's ``ptr``) and, later, from the
-extension library's ``"gpu"`` callbacks (``OpResource::get_cuda_stream()``).  No nvcc, no
+``ext_cuda.h`` + ``ext_cuda_ops.cc`` (the shared part) and every op's native GPU section
+(its .cu file's ``MX_ROI_EXT_CUDA_LAUNCHER`` block, gathered into ``ext_cuda_sections.h``;
+the kernels it launches are the op's ``native_gpu_kernels``) compiled with g++ into
+``mx_roi_ext_cuda-<key>.so``: C entry points that launch an op's kernels through the CUDA
+driver API (``libcuda.so.1``, opened at the first call) on the caller's stream, from raw
+device pointers -- callable through ctypes (a CuPy array's ``data.ptr``, a CuPy stream's
+``ptr``; this module's wrappers) and from the extension library's ``"gpu"`` callbacks
+(``OpResource::get_cuda_stream()``).  An op gets the path from its own two files (and a
+wrapper here for ctypes callers).  No nvcc, no
 CUDA runtime and no CuPy in the call path: the kernels are the PTX that NVRTC makes of the
 op's ``.cu`` text when the library is built (the ``RawModule``'s options, for the lowest
 architecture that NVRTC supports, so that the driver can compile it for any newer GPU).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -42,16 +47,11 @@ __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_alig
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OWN_FILES = ("ext_cuda.h", "ext_cuda_ops.cc", "ext_cuda_cast.cu")
-#: the kernels each image holds, by source: (kernel, extra template arguments after T, A;
-#: "A" stands for the pair's A: a backward's accumulator O, as Launch.grad_buffer picks it)
-KERNELS = {"roi_align.cu": (("roi_grid_geometry", ()), ("roi_align_forward_avg", ()),
-                            ("roi_align_forward_max", ("unsigned char",)),
-                            ("roi_align_backward_avg", ("A",)),
-                            ("roi_align_backward_max_rescan", ("A",)))}
+#: an op's .cu file holds its native GPU entries in this section (the launcher build takes
+#: the text from ``#ifdef`` to the matching ``#endif  // ...`` line)
+SECTION_MACRO = "MX_ROI_EXT_CUDA_LAUNCHER"
 #: the launcher's own NVRTC source (mx_roi/ext): its kernels' name expressions
 OWN_KERNELS = {"ext_cuda_cast.cu": ("store_float_as<__half>",)}
-#: the C++ name of each source's image in ext_cuda_kernels.h
-_IMAGE_NAMES = {"roi_align.cu": "ROI_ALIGN_IMAGE", "ext_cuda_cast.cu": "CAST_IMAGE"}
 #: MXNet's dtype codes (lib_api.h MXDType), the entries' ``dtype`` argument
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2}
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-pthread")
@@ -62,10 +62,48 @@ class CudaLaunchError(RuntimeError):
     """An error reported by a native GPU entry point (its message: "<Op>: <problem>")."""
 
 
+def gpu_ops() -> Dict[str, tuple]:
+    """``{op source: its native_gpu_kernels}`` of the registered ops whose .cu file has a
+    native GPU section (:data:`SECTION_MACRO`)."""
+    from ..registry import REGISTERED
+    out = {}
+    for cls in REGISTERED.values():
+        if cls.native_gpu_kernels:
+            if f"#ifdef {SECTION_MACRO}" not in S.read_source(cls.cuda_source):
+                raise ExtLibraryError(f"{cls.name} declares native_gpu_kernels but "
+                                      f"{cls.cuda_source} has no {SECTION_MACRO} section")
+            out[cls.cuda_source] = tuple(cls.native_gpu_kernels)
+    return out
+
+
 def kernel_expressions(filename: str) -> Tuple[str, ...]:
-    """The name expressions the library's image of ``filename`` holds (every dtype)."""
+    """The name expressions the library's image of ``filename`` holds (every dtype; an
+    extra template argument "A" is the pair's A)."""
     return tuple(S.expression(k, (t, a) + tuple(a if x == "A" else x for x in extra))
-                 for k, extra in KERNELS[filename] for t, a in S.TYPE_PAIRS)
+                 for k, extra in gpu_ops()[filename] for t, a in S.TYPE_PAIRS)
+
+
+def image_name(filename: str) -> str:
+    """The C++ name of ``filename``'s image in ext_cuda_kernels.h (``roi_align.cu``:
+    ``ROI_ALIGN_IMAGE``)."""
+    return re.sub(r"\W", "_", os.path.splitext(filename)[0]).upper() + "_IMAGE"
+
+
+def section(filename: str) -> str:
+    """The native GPU section of an op's .cu file (``#ifdef`` line to ``#endif`` line)."""
+    text = S.read_source(filename)
+    start = text.index(f"#ifdef {SECTION_MACRO}")
+    end = text.index(f"#endif  // {SECTION_MACRO}", start)
+    return text[start:text.index("\n", end) + 1]
+
+
+def _sections_header() -> str:
+    """ext_cuda_sections.h: every op's native GPU section, in source order."""
+    out = ["// generated by mx_roi.ext.cuda: each op's native GPU section", "#pragma once",
+           f"#define {SECTION_MACRO} 1"]
+    for filename in sorted(gpu_ops()):
+        out += [f"// ---- {filename} ----", section(filename)]
+    return "\n".join(out) + "\n"
 
 
 def ptx_arch() -> int:
@@ -82,7 +120,7 @@ def _generated_header() -> str:
     arch = ptx_arch()
     out = ["// generated by mx_roi.ext.cuda: NVRTC's PTX of each op source", "#pragma once",
            "namespace mx_roi_cuda {"]
-    sources = [(f, S.read_source(f), kernel_expressions(f)) for f in sorted(KERNELS)]
+    sources = [(f, S.read_source(f), kernel_expressions(f)) for f in sorted(gpu_ops())]
     sources += [(f, _read(os.path.join(_HERE, f)), exprs)
                 for f, exprs in sorted(OWN_KERNELS.items())]
     for i, (filename, text, exprs) in enumerate(sources):
@@ -94,7 +132,7 @@ def _generated_header() -> str:
         names = ",\n".join(f'    {{"{e}", "{res.lowered[e]}"}}' for e in exprs)
         out += [f'static const char PTX_{i}[] = R"{_PTX_DELIMITER}({res.ptx}){_PTX_DELIMITER}";',
                 f"static const KernelName NAMES_{i}[] = {{\n{names},\n    {{nullptr, nullptr}}}};",
-                f'static const Image {_IMAGE_NAMES[filename]} = {{"{filename}", PTX_{i}, NAMES_{i}}};']
+                f'static const Image {image_name(filename)} = {{"{filename}", PTX_{i}, NAMES_{i}}};']
     out.append("}  // namespace mx_roi_cuda")
     return "\n".join(out) + "\n"
 
@@ -112,9 +150,10 @@ def _plan():
     except nvrtc.NvrtcError as exc:
         raise ExtLibraryError(f"mx_roi.ext.cuda needs NVRTC to build its PTX: {exc}") from exc
     files = {name: _read(os.path.join(_HERE, name)) for name in _OWN_FILES}
+    files["ext_cuda_sections.h"] = _sections_header()
     key = S.source_hash(*(f"{n}\0{t}" for n, t in sorted(files.items())),
-                        *(S.read_source(f) for f in sorted(KERNELS)),
-                        *(" ".join(kernel_expressions(f)) for f in sorted(KERNELS)),
+                        *(S.read_source(f) for f in sorted(gpu_ops())),
+                        *(" ".join(kernel_expressions(f)) for f in sorted(gpu_ops())),
                         _read(os.path.abspath(__file__)), " ".join(S.NVRTC_OPTIONS),
                         f"nvrtc{nv[0]}.{nv[1]}", f"compute_{arch}", loader._compiler_id(cxx),
                         " ".join(FLAGS))
