@@ -764,32 +764,18 @@ const RegisterParams roi_align_params("ROIAlign", ROIAlignOp::format);
 // ---- the native GPU path (opt-in; docs/gpu.md): the forward and the backward through
 // mx_roi.ext.cuda's launcher (ext_cuda.h: driver API, NVRTC's PTX of this file) on MXNet's
 // stream, their tables in MXNet's temporary workspace; no host wait.
-extern "C" void* mx_roi_ext_gpu_symbol(const char* name);  // ext_main.cc
-
 struct ROIAlignGpu {
   typedef int (*Workspace)(int, long long, int, int, int, int, int, int, unsigned long long*,
                            char*, size_t);
+  typedef int (*BackwardWorkspace)(int, long long, long long, long long, long long, long long,
+                                   int, int, int, int, unsigned long long*, char*, size_t);
   typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
                          long long, long long, int, int, float, int, int, int, int, void*,
                          unsigned long long, void*, char*, size_t);
-
   typedef int (*Backward)(int, const void*, const void*, const void*, void*, void*, long long,
                           long long, long long, long long, long long, int, int, float, int,
                           int, int, int, void*, unsigned long long, void*, char*, size_t);
-
-  // the launcher's entry ``name`` (a clear error until mx_roi.ext.cuda.enable() ran)
-  template <typename F>
-  static F entry(const char* name) {
-    const F fn = (F)mx_roi_ext_gpu_symbol(name);
-    if (!fn)
-      throw OpError(std::string(ROIAlignOp::OP) +
-                    ": the native GPU path is opt-in and not enabled in this process: call "
-                    "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts");
-    return fn;
-  }
-
-  typedef int (*BackwardWorkspace)(int, long long, long long, long long, long long, long long,
-                                   int, int, int, int, unsigned long long*, char*, size_t);
+  static constexpr const char* OP = ROIAlignOp::OP;
 
   // the call's device memory (tables; a float16 backward's accumulator) in MXNet's
   // temporary workspace (null: none needed)
@@ -797,19 +783,16 @@ struct ROIAlignGpu {
                       bool backward, const OpResource& res, unsigned long long* bytes) {
     char err[4096] = "";
     const int sample = p.caffe() ? 0 : (int)p.sample_ratio, caffe = p.caffe() ? 1 : 0;
-    const int failed =
-        backward ? entry<BackwardWorkspace>("mx_roi_ext_cuda_roi_align_backward_workspace")(
-                       data.dtype, data.shape[0], data.shape[1], data.shape[2],
-                       data.shape[3], R, (int)p.P, (int)p.Q, sample, caffe, bytes, err,
-                       sizeof err)
-                 : entry<Workspace>("mx_roi_ext_cuda_roi_align_workspace")(
-                       data.dtype, R, (int)p.P, (int)p.Q, (int)data.shape[2],
-                       (int)data.shape[3], sample, caffe, bytes, err, sizeof err);
-    if (failed) throw OpError(err);
-    if (*bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
-      throw OpError(std::string(ROIAlignOp::OP) + ": the call's device tables need " +
-                    std::to_string(*bytes) + " bytes, more than MXNet's workspace hands out");
-    return *bytes ? res.alloc_gpu((int)*bytes) : nullptr;
+    gpu_call(backward ? gpu_entry<BackwardWorkspace>(
+                            OP, "mx_roi_ext_cuda_roi_align_backward_workspace")(
+                            data.dtype, data.shape[0], data.shape[1], data.shape[2],
+                            data.shape[3], R, (int)p.P, (int)p.Q, sample, caffe, bytes, err,
+                            sizeof err)
+                      : gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_roi_align_workspace")(
+                            data.dtype, R, (int)p.P, (int)p.Q, (int)data.shape[2],
+                            (int)data.shape[3], sample, caffe, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
   }
 
   static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
@@ -819,22 +802,23 @@ struct ROIAlignGpu {
       const ROIAlignOp::Params p = Callbacks<ROIAlignOp>::params(attrs);
       const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
       Callbacks<ROIAlignOp>::check(data, rois);
-      const Forward launch = entry<Forward>("mx_roi_ext_cuda_roi_align_forward");
+      const Forward launch = gpu_entry<Forward>(OP, "mx_roi_ext_cuda_roi_align_forward");
       const long long R = rois.shape[0];
       unsigned long long bytes = 0;
       void* ws = tables(p, data, R, false, res, &bytes);
       char err[4096] = "";
-      if (launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
-                 data.shape[0], data.shape[1], data.shape[2], data.shape[3], R, (int)p.P,
-                 (int)p.Q, (float)p.spatial_scale, p.caffe() ? 0 : (int)p.sample_ratio,
-                 p.aligned ? 1 : 0, p.pool_mode == "max", p.caffe() ? 1 : 0, ws, bytes,
-                 res.get_cuda_stream(), err, sizeof err))
-        throw OpError(err);
+      gpu_call(launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
+                      data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                      (int)p.P, (int)p.Q, (float)p.spatial_scale,
+                      p.caffe() ? 0 : (int)p.sample_ratio, p.aligned ? 1 : 0,
+                      p.pool_mode == "max", p.caffe() ? 1 : 0, ws, bytes,
+                      res.get_cuda_stream(), err, sizeof err),
+               err);
     })
   }
 
   // inputs: out-grad, data, rois; outputs: their gradients (data, rois), as the CPU
-  // backward's.  A bad roi is not an error here (ext_cuda_ops.cc roi_align_backward).
+  // backward's.  A bad roi is not an error here (the section below, roi_align_backward).
   static MXReturnValue backward(const std::unordered_map<std::string, std::string>& attrs,
                                 std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
                                 const OpResource& res) {
@@ -843,20 +827,21 @@ struct ROIAlignGpu {
       const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
       Callbacks<ROIAlignOp>::check(data, rois);
       if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
-        throw OpError(std::string(ROIAlignOp::OP) +
+        throw OpError(std::string(OP) +
                       ": deterministic=True: the native GPU path has no deterministic "
                       "backward yet; use the Custom door on GPU contexts for it");
-      const Backward launch = entry<Backward>("mx_roi_ext_cuda_roi_align_backward");
+      const Backward launch = gpu_entry<Backward>(OP, "mx_roi_ext_cuda_roi_align_backward");
       const long long R = rois.shape[0];
       unsigned long long bytes = 0;
       void* ws = tables(p, data, R, true, res, &bytes);
       char err[4096] = "";
-      if (launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
-                 (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0], data.shape[1],
-                 data.shape[2], data.shape[3], R, (int)p.P, (int)p.Q, (float)p.spatial_scale,
-                 p.caffe() ? 0 : (int)p.sample_ratio, p.aligned ? 1 : 0, p.pool_mode == "max",
-                 p.caffe() ? 1 : 0, ws, bytes, res.get_cuda_stream(), err, sizeof err))
-        throw OpError(err);
+      gpu_call(launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
+                      (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0],
+                      data.shape[1], data.shape[2], data.shape[3], R, (int)p.P, (int)p.Q,
+                      (float)p.spatial_scale, p.caffe() ? 0 : (int)p.sample_ratio,
+                      p.aligned ? 1 : 0, p.pool_mode == "max", p.caffe() ? 1 : 0, ws, bytes,
+                      res.get_cuda_stream(), err, sizeof err),
+               err);
     })
   }
 };
@@ -964,8 +949,7 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
 }
 
 // A ROIAlign backward's workspace: the tables (as the forward's), then for float16 the
-// float32 accumulator of the data gradient (Launch.grad_buffer's temporary); 0 for R = 0.
-// ``*acc_offset``: where the accumulator starts.
+// float32 accumulator (with_accumulator); 0 for R = 0.  ``*acc_offset``: where that starts.
 inline unsigned long long roi_align_backward_bytes(int dtype, long long N, long long C,
                                                    long long H, long long W, long long R, int P,
                                                    int Q, int sample_ratio, int caffe,
@@ -974,17 +958,14 @@ inline unsigned long long roi_align_backward_bytes(int dtype, long long N, long 
   const GridLayout g = roi_align_layout("ROIAlign", dtype, R, P, Q, (int)H, (int)W,
                                         sample_ratio, caffe);
   if (acc_offset) *acc_offset = g.bytes;  // (a multiple of 16)
-  return g.bytes + (dtype == DTYPE_FLOAT16 ? (N * C * H * W * 4 + 15) / 16 * 16 : 0);
+  return with_accumulator(g.bytes, dtype, N * C * H * W);
 }
 
 // ROIAlign's backward (roi_align.py backward_cuda on device-built tables, as the CuPy path's
-// _backward_device runs it with req write): the accumulator zeroed -- the data gradient
-// itself, or for float16 a float32 one in the workspace (the rois' gradient too, where
-// given: ROIAlign does not differentiate its rois) --, the geometry kernel, then
-// roi_align_backward_avg or, for pool_mode 'max' / legacy 'caffe',
+// _backward_device runs it with req write): the gradients zeroed (GradTarget), the geometry
+// kernel, then roi_align_backward_avg or, for pool_mode 'max' / legacy 'caffe',
 // roi_align_backward_max_rescan (the forward kept no argmax: the winners are found again
-// in ``data``), and for float16 store_float_as (ext_cuda_cast.cu) into the gradient; all
-// on ``stream``.
+// in ``data``), then for float16 the accumulator's store; all on ``stream``.
 // A bad roi raises nothing here: the geometry kernel treats it as padding and marks the
 // status word, and the next forward on this stream (or check()) reports it -- a backward
 // must succeed (MXNet runs it even after its forward failed).  Earlier calls' status is
@@ -997,8 +978,6 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
                                unsigned long long workspace_bytes, CUstream stream) {
   const std::string op = "ROIAlign";
   const Types t = types_of(op, dtype);
-  const bool half = dtype == DTYPE_FLOAT16;
-  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : half ? 2 : 4;
   CUcontext ctx = current_context(op);
   Channel& ch = channel(op, ctx, stream);
   std::lock_guard<std::mutex> guard(ch.lock);
@@ -1008,21 +987,11 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   if (workspace_bytes < need)
     throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables and accumulator need " + std::to_string(need));
-  const Driver& d = driver();
-  const long long size = N * C * H * W;
-  if (R <= 0) {  // no roi: the gradient is zeros
-    check(op, d.cuMemsetD8Async(in_grad, 0, (size_t)size * item, stream), "cuMemsetD8Async");
-    return;
-  }
+  if (R <= 0) return zero_gradient(op, dtype, in_grad, N * C * H * W, stream);
   const RoiAlignGrid grid(op, t, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
                           workspace);
-  // the kernels add into ``bottom``: MXNet's gradient, or the float32 accumulator
-  const CUdeviceptr bottom = half ? workspace + acc_at : in_grad;
-  check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (half ? 4 : item), stream),
-        "cuMemsetD8Async");
-  if (rois_grad)
-    check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * 5 * item, stream),
-          "cuMemsetD8Async");
+  const GradTarget target(op, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
+                          workspace + acc_at, stream);
   grid.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned,
                 caffe, stream);
   const long long n = R * C * P * Q;
@@ -1031,18 +1000,13 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   k(grad);
   for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
   if (!grid.is_max) k(grid.tb[11]);            // divisor
-  k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(bottom)(1.0)(n);  // bottom, scale, n
+  k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(target.bottom)(1.0)(n);  // scale, n
   launch(op,
          function(op, ctx, ROI_ALIGN_IMAGE,
                   (grid.is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") +
                       grid.ta + ", " + t.A + ">"),
          n, stream, k);
-  if (half) {
-    Args c;
-    c(bottom)(in_grad)(size);
-    launch(op, function(op, ctx, EXT_CUDA_CAST_IMAGE, "store_float_as<__half>"), size, stream,
-           c);
-  }
+  target.store(op, ctx, stream);
   record(op, ch, stream);
 }
 

@@ -81,6 +81,53 @@ inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long l
   return true;
 }
 
+// A backward's workspace bytes: its ``tables``, then for float16 the float32 accumulator of
+// the ``size``-element data gradient (Launch.grad_buffer's temporary), 16-byte aligned.
+inline unsigned long long with_accumulator(unsigned long long tables, int dtype,
+                                           long long size) {
+  return tables + (dtype == DTYPE_FLOAT16 ? ((unsigned long long)size * 4 + 15) / 16 * 16 : 0);
+}
+
+// A backward's gradients, req write (Launch.grad_buffer): the kernels add into ``bottom``,
+// MXNet's data gradient itself or, for float16, the float32 accumulator at ``acc`` (the
+// workspace after the tables); both zeroed on the stream here, with the rois' gradient
+// (R rows of ``columns``; null: none) for an op that does not differentiate its rois.
+// store() then rounds a float16 accumulator into the gradient (ext_cuda_cast.cu).
+struct GradTarget {
+  CUdeviceptr bottom, in_grad;
+  long long size;
+  bool half;
+
+  GradTarget(const std::string& op, int dtype, CUdeviceptr in_grad_, CUdeviceptr rois_grad,
+             long long size_, long long R, int columns, CUdeviceptr acc, CUstream stream)
+      : bottom(dtype == DTYPE_FLOAT16 ? acc : in_grad_), in_grad(in_grad_), size(size_),
+        half(dtype == DTYPE_FLOAT16) {
+    const size_t item = dtype == DTYPE_FLOAT64 ? 8 : half ? 2 : 4;
+    const Driver& d = driver();
+    check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (half ? 4 : item), stream),
+          "cuMemsetD8Async");
+    if (rois_grad && R > 0)
+      check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * columns * item, stream),
+            "cuMemsetD8Async");
+  }
+
+  void store(const std::string& op, CUcontext ctx, CUstream stream) const {
+    if (!half) return;
+    Args c;
+    c(bottom)(in_grad)(size);
+    launch(op, function(op, ctx, EXT_CUDA_CAST_IMAGE, "store_float_as<__half>"), size, stream,
+           c);
+  }
+};
+
+// A backward with no roi: the data gradient is zeros (nothing else queued)
+inline void zero_gradient(const std::string& op, int dtype, CUdeviceptr in_grad, long long size,
+                          CUstream stream) {
+  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : dtype == DTYPE_FLOAT16 ? 2 : 4;
+  check(op, driver().cuMemsetD8Async(in_grad, 0, (size_t)size * item, stream),
+        "cuMemsetD8Async");
+}
+
 // A C entry's body: 0 when ``body()`` returned, else 1 with its message in ``err``.
 template <typename F>
 int c_entry(char* err, size_t err_len, F&& body) {

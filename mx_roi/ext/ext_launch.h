@@ -862,6 +862,35 @@ struct Callbacks {
   }
 };
 
+// ---- the "gpu" callbacks of an op on the native GPU path (opt-in; docs/gpu.md) ----------
+// They parse and check as the CPU callbacks do, then call the op's entries in mx_roi.ext.cuda's
+// launcher library (its MX_ROI_EXT_CUDA_LAUNCHER section), found through ext_main.cc.
+extern "C" void* mx_roi_ext_gpu_symbol(const char* name);  // ext_main.cc
+
+// The launcher's entry ``name`` (a clear error until mx_roi.ext.cuda.enable() ran)
+template <typename F>
+F gpu_entry(const char* op, const char* name) {
+  const F fn = (F)mx_roi_ext_gpu_symbol(name);
+  if (!fn)
+    throw OpError(std::string(op) +
+                  ": the native GPU path is opt-in and not enabled in this process: call "
+                  "mx_roi.ext.cuda.enable() first, or use the Custom door on GPU contexts");
+  return fn;
+}
+
+// ``bytes`` of MXNet's temporary GPU workspace for the call (null for none)
+inline void* gpu_workspace(const char* op, const OpResource& res, unsigned long long bytes) {
+  if (bytes > 0x7fffffffULL)  // OpResource::alloc_gpu takes an int
+    throw OpError(std::string(op) + ": the call's device tables need " + std::to_string(bytes) +
+                  " bytes, more than MXNet's workspace hands out");
+  return bytes ? res.alloc_gpu((int)bytes) : nullptr;
+}
+
+// A launcher entry's failure (its message) as the callback's error
+inline void gpu_call(int failed, const char* err) {
+  if (failed) throw OpError(err);
+}
+
 }  // namespace mx_roi_op
 
 // Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``, and its
