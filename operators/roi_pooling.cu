@@ -337,7 +337,255 @@ struct ROIPoolingOp : PooledOp<ROIPoolingOp> {
 
 const RegisterParams roi_pooling_params("ROIPooling", ROIPoolingOp::format);
 
+// ---- the native GPU path (opt-in; docs/gpu.md): the forward and the backward through
+// mx_roi.ext.cuda's launcher (this file's MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
+// stream, their tables in MXNet's temporary workspace; no host wait.
+struct ROIPoolingGpu {
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long, int,
+                           int, int, unsigned long long*, char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, int, int, float, void*, unsigned long long,
+                         void*, char*, size_t);
+  typedef int (*Backward)(int, const void*, const void*, const void*, void*, void*, long long,
+                          long long, long long, long long, long long, int, int, float, void*,
+                          unsigned long long, void*, char*, size_t);
+  static constexpr const char* OP = ROIPoolingOp::OP;
+
+  // the call's device memory (tables; a float16 backward's accumulator) in MXNet's
+  // temporary workspace (null: none needed)
+  static void* tables(const PooledParams& p, const MXTensor& data, long long R, bool backward,
+                      const OpResource& res, unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_roi_pooling_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 (int)p.P, (int)p.Q, backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
+                               std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                               const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const PooledParams p = Callbacks<ROIPoolingOp>::params(attrs);
+      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+      Callbacks<ROIPoolingOp>::check(data, rois);
+      const Forward launch = gpu_entry<Forward>(OP, "mx_roi_ext_cuda_roi_pooling_forward");
+      const long long R = rois.shape[0];
+      unsigned long long bytes = 0;
+      void* ws = tables(p, data, R, false, res, &bytes);
+      char err[4096] = "";
+      gpu_call(launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
+                      data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                      (int)p.P, (int)p.Q, (float)p.spatial_scale, ws, bytes,
+                      res.get_cuda_stream(), err, sizeof err),
+               err);
+    })
+  }
+
+  // inputs: out-grad, data, rois; outputs: their gradients (data, rois).  A bad roi is not
+  // an error here (the section below, roi_pooling_backward).
+  static MXReturnValue backward(const std::unordered_map<std::string, std::string>& attrs,
+                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                                const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const PooledParams p = Callbacks<ROIPoolingOp>::params(attrs);
+      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      Callbacks<ROIPoolingOp>::check(data, rois);
+      if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
+        throw OpError(std::string(OP) +
+                      ": deterministic=True: the native GPU path has no deterministic "
+                      "backward yet; use the Custom door on GPU contexts for it");
+      const Backward launch = gpu_entry<Backward>(OP, "mx_roi_ext_cuda_roi_pooling_backward");
+      const long long R = rois.shape[0];
+      unsigned long long bytes = 0;
+      void* ws = tables(p, data, R, true, res, &bytes);
+      char err[4096] = "";
+      gpu_call(launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
+                      (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0],
+                      data.shape[1], data.shape[2], data.shape[3], R, (int)p.P, (int)p.Q,
+                      (float)p.spatial_scale, ws, bytes, res.get_cuda_stream(), err,
+                      sizeof err),
+               err);
+    })
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_ROIPooling, mx_roi_op::ROIPoolingOp);
+MX_ROI_EXT_REGISTER(mx_roi_ROIPooling, mx_roi_op::ROIPoolingOp)
+    .setForward(mx_roi_op::ROIPoolingGpu::forward, "gpu")
+    .setBackward(mx_roi_op::ROIPoolingGpu::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (roi_pooling.py's native_gpu_kernels, NVRTC's
+// PTX in ROI_POOLING_IMAGE) as forward_cuda / backward_cuda run them on the device-built
+// integer bins, and the C entries.
+namespace mx_roi_cuda {
+
+// The integer bins' device tables over one workspace, as device_geometry.build lays them
+// out (_carve: 16-byte aligned): batch (R,), hstart, hend (R, P), wstart, wend (R, Q), int32;
+// and ``cells``, the most cells per bin the tables allow (device_geometry.bin_cells: a roi
+// with a larger bin is flagged in the status word, as a grid roi the tables cannot hold).
+struct RoiPoolingBins {
+  CUdeviceptr tb[5];
+  unsigned long long bytes = 0;
+  long long cells;
+
+  RoiPoolingBins(long long R, int P, int Q, long long H, long long W, CUdeviceptr workspace) {
+    const long long counts[5] = {R, R * P, R * P, R * Q, R * Q};
+    for (int k = 0; k < 5; ++k) {
+      tb[k] = workspace + bytes;
+      bytes += ((unsigned long long)counts[k] * 4 + 15) / 16 * 16;
+    }
+    if (bytes < 16) bytes = 16;
+    const long long by_side = ((H + 1 + P - 1) / P + 1) * ((W + 1 + Q - 1) / Q + 1);
+    cells = H * W < by_side ? H * W : by_side;
+  }
+
+  // roi_bins_geometry on ``stream``: the tables filled, a bad roi marked (padding, status)
+  void geometry(const std::string& op, CUcontext ctx, const Channel& ch, const Types& t,
+                CUdeviceptr rois, long long N, long long H, long long W, long long R, int P,
+                int Q, float spatial_scale, CUstream stream) const {
+    Args geo;
+    geo(rois)(MODE_POOL_BINS)(P)(Q)((int)H)((int)W)(spatial_scale)(N)(GUARD_BOUND)(
+        t.bounded ? 1 : 0)(cells);
+    for (int k = 0; k < 5; ++k) geo(tb[k]);
+    geo(ch.status)(R);
+    launch(op,
+           function(op, ctx, ROI_POOLING_IMAGE,
+                    std::string("roi_bins_geometry<") + t.T + ", " + t.A + ">"),
+           R, stream, geo);
+  }
+};
+
+// ROIPooling's workspace: the tables, and for a float16 backward the float32 accumulator
+// (with_accumulator); 0 for R = 0.
+inline unsigned long long roi_pooling_bytes(int dtype, long long N, long long C, long long H,
+                                            long long W, long long R, int P, int Q,
+                                            bool backward) {
+  if (R <= 0) return 0;
+  const unsigned long long tables = RoiPoolingBins(R, P, Q, H, W, 0).bytes;
+  return backward ? with_accumulator(tables, dtype, N * C * H * W) : tables;
+}
+
+// ROIPooling's forward (roi_pooling.py forward_cuda on device-built bins): the geometry
+// kernel, then roi_pooling_forward (no argmax kept: store_argmax 0, the backward rescans),
+// on ``stream``.
+inline void roi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
+                                long long N, long long C, long long H, long long W,
+                                long long R, int P, int Q, float spatial_scale,
+                                CUdeviceptr workspace, unsigned long long workspace_bytes,
+                                CUstream stream) {
+  const std::string op = "ROIPooling";
+  const Types t = types_of(op, dtype);
+  CUcontext ctx = current_context(op);
+  Channel& ch = channel(op, ctx, stream);
+  std::lock_guard<std::mutex> guard(ch.lock);
+  report(op, ch, stream, false);
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, false));
+  const RoiPoolingBins bins(R, P, Q, H, W, workspace);
+  bins.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, stream);
+  const long long n = R * C * P * Q;
+  Args k;
+  k(data);
+  for (int i = 0; i < 5; ++i) k(bins.tb[i]);
+  k((int)C)((int)H)((int)W)(P)(Q)(out)(workspace)(0)(n);  // argmax: never written
+  launch(op,
+         function(op, ctx, ROI_POOLING_IMAGE,
+                  std::string("roi_pooling_forward<") + t.T + ", " + t.A + ", unsigned char>"),
+         n, stream, k);
+  record(op, ch, stream);
+}
+
+// ROIPooling's backward (roi_pooling.py backward_cuda with no kept argmax, req write): the
+// gradients zeroed (GradTarget), the geometry kernel, roi_pooling_backward_rescan, then for
+// float16 the accumulator's store; all on ``stream``.  A bad roi raises nothing here (as
+// ROIAlign's backward: the next forward reports it).
+inline void roi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr data,
+                                 CUdeviceptr rois, CUdeviceptr in_grad, CUdeviceptr rois_grad,
+                                 long long N, long long C, long long H, long long W,
+                                 long long R, int P, int Q, float spatial_scale,
+                                 CUdeviceptr workspace, unsigned long long workspace_bytes,
+                                 CUstream stream) {
+  const std::string op = "ROIPooling";
+  const Types t = types_of(op, dtype);
+  CUcontext ctx = current_context(op);
+  Channel& ch = channel(op, ctx, stream);
+  std::lock_guard<std::mutex> guard(ch.lock);
+  need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, true));
+  if (R <= 0) return zero_gradient(op, dtype, in_grad, N * C * H * W, stream);
+  const RoiPoolingBins bins(R, P, Q, H, W, workspace);
+  const GradTarget target(op, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
+                          workspace + bins.bytes, stream);
+  bins.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, stream);
+  const long long n = R * C * P * Q;
+  Args k;
+  k(data)(grad);
+  for (int i = 0; i < 5; ++i) k(bins.tb[i]);
+  k((int)C)((int)H)((int)W)(P)(Q)(target.bottom)(1.0)(n);  // bottom, scale, n
+  launch(op,
+         function(op, ctx, ROI_POOLING_IMAGE,
+                  std::string("roi_pooling_backward_rescan<") + t.T + ", " + t.A + ", " + t.A +
+                      ">"),
+         n, stream, k);
+  target.store(op, ctx, stream);
+  record(op, ch, stream);
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a ROIPooling forward (``backward`` 0) or backward (1): 0, or 1
+// with the message.
+int mx_roi_ext_cuda_roi_pooling_workspace(int dtype, long long N, long long C, long long H,
+                                          long long W, long long R, int P, int Q, int backward,
+                                          unsigned long long* bytes, char* err,
+                                          size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("ROIPooling", dtype);
+    *bytes = mx_roi_cuda::roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, backward != 0);
+  });
+}
+
+// ROIPooling's forward on ``stream``: data (N, C, H, W), rois (R, 5), out (R, C, P, Q),
+// device pointers of ``dtype``; ``workspace``: at least the workspace function's bytes.
+// No host synchronisation.
+int mx_roi_ext_cuda_roi_pooling_forward(int dtype, const void* data, const void* rois,
+                                        void* out, long long N, long long C, long long H,
+                                        long long W, long long R, int P, int Q,
+                                        float spatial_scale, void* workspace,
+                                        unsigned long long workspace_bytes, void* stream,
+                                        char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::roi_pooling_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// ROIPooling's backward on ``stream`` (arguments as ROIAlign's backward's): in_grad written
+// (req write), rois_grad zeroed (null: none).  No host synchronisation.
+int mx_roi_ext_cuda_roi_pooling_backward(int dtype, const void* grad, const void* data,
+                                         const void* rois, void* in_grad, void* rois_grad,
+                                         long long N, long long C, long long H, long long W,
+                                         long long R, int P, int Q, float spatial_scale,
+                                         void* workspace, unsigned long long workspace_bytes,
+                                         void* stream, char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::roi_pooling_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)data,
+        (mx_roi_cuda::CUdeviceptr)rois, (mx_roi_cuda::CUdeviceptr)in_grad,
+        (mx_roi_cuda::CUdeviceptr)rois_grad, N, C, H, W, R, P, Q, spatial_scale,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

@@ -40,6 +40,10 @@ class ROIPooling(RoIOp):
     name = "ROIPooling"
     param_cls = ROIPoolingParam
     cuda_source = "roi_pooling.cu"
+    #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section)
+    native_gpu_kernels = (("roi_bins_geometry", ()),
+                          ("roi_pooling_forward", ("unsigned char",)),
+                          ("roi_pooling_backward_rescan", ("A",)))
     gluon_mode = "pool"
     builtin_order = ("pooled_size", "spatial_scale")                      # mx.sym.ROIPooling
     selftest_cases = (dict(pooled_size=(2, 3), spatial_scale=0.5),)

@@ -109,6 +109,34 @@ plant(status, ~2 & (2 ** 64 - 1))               # the backward's geometry finds 
 step("bwd_bad", backward())                     # ... and raises nothing
 step("bwd_bad_busy", backward(), ready=False)   # nor does the next backward (none asks)
 step("bwd_bad_reported", forward())             # the next forward reports it
+# ---- ROIPooling (its own channel on the same stream) ----
+def pool(direction="forward", dtype="float32", R=R, ws=None, hw=(H, W)):
+    shape = (N, C) + hw
+    bytes_ = cuda.roi_pooling_workspace(dtype, shape, R, P,
+                                        direction == "backward") if ws is None else ws
+    common = dict(workspace=ptr["ws"], workspace_bytes=bytes_, stream=STREAM)
+    if direction == "forward":
+        return lambda: cuda.roi_pooling_forward(dtype, ptr["data"], ptr["rois"], ptr["out"],
+                                                shape, R, P, 0.5, **common)
+    return lambda: cuda.roi_pooling_backward(dtype, ptr["grad"], ptr["data"], ptr["rois"],
+                                             ptr["in_grad"], shape, R, P, 0.5,
+                                             rois_grad=ptr["rois_grad"], **common)
+
+
+step("pool_first", pool())
+pool_status = status_ptr(steps["pool_first"])
+step("pool_fwd_f64", pool(dtype="float64"))
+step("pool_fwd_f16", pool(dtype="float16"))
+step("pool_bwd", pool("backward"))
+step("pool_bwd_f64", pool("backward", "float64"))
+step("pool_bwd_f16", pool("backward", "float16"))
+step("pool_tiny_map", pool(hw=(1, 2)))           # bins' cell bound: the map's 2 cells
+plant(pool_status, ~1 & (2 ** 64 - 1))          # the backward's geometry finds rois[1] bad
+step("pool_bad_bwd", pool("backward"))
+step("pool_reported", pool())
+step("pool_no_rois", pool(R=0))
+step("pool_small_workspace", pool(ws=cuda.roi_pooling_workspace("float32", (N, C, H, W), R,
+                                                                P) - 1))
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -189,6 +217,7 @@ def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0):
 
 MX_STREAM = 0x5300
 fns = op_functions(b"mx_roi_ROIAlign")
+mx_contexts = sorted("/".join(k) for k in fns)
 ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligned": True,
          "pool_mode": "max"}
 
@@ -214,7 +243,12 @@ mx_step("mx_backward", ATTRS, direction="backward")
 mx_step("mx_backward_bad_param", dict(ATTRS, sample_ratio="two"), direction="backward")
 mx_step("mx_backward_deterministic", dict(ATTRS, deterministic=True), direction="backward")
 mx_step("mx_backward_float16", ATTRS, direction="backward", dtype=2)  # (MXDType kFloat16)
+fns = op_functions(b"mx_roi_ROIPooling")
+POOL_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5}
+mx_step("mx_pool_forward", POOL_ATTRS)
+mx_step("mx_pool_backward", POOL_ATTRS, direction="backward")
+pool_contexts = sorted("/".join(k) for k in fns)
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
-                  "mx_contexts": sorted("/".join(k) for k in fns)}))
+                  "mx_contexts": mx_contexts, "pool_contexts": pool_contexts}))
 sys.stdout.flush()

@@ -124,7 +124,8 @@ def parse_launch(line, ptx):
             types.SimpleNamespace(name=n, pointer=n != "n", ctype=c)
             for n, c in (("src", "float"), ("dst", "__half"), ("n", "long long"))])
     else:
-        sig = S.instantiate("roi_align.cu", expr)
+        sig = S.instantiate("roi_pooling.cu" if expr.startswith(("roi_pooling", "roi_bins"))
+                        else "roi_align.cu", expr)
     # the launcher's argument count = the PTX entry's = the kernel's declaration's
     assert len(slots) == len(types_) == len(sig.params), (expr, len(slots), len(types_))
     values = {p.name: decode(s, t, p) for p, s, t in zip(sig.params, slots, types_)}
@@ -164,13 +165,13 @@ class Recorder:
         return buf
 
 
-def python_binding(dtype, R_, C_, params, direction="forward"):
+def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign", hw=(H, W)):
     """[(kernel, n, {name: value or ('ws', offset) / role})] of the CuPy path's call (the
-    backward: _backward_device's, req write)."""
-    cls = get_op("ROIAlign")
+    backward: _backward_device's, req write) on an ``hw`` map."""
+    cls = get_op(op_name)
     op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
     rois = np.zeros((R_, 5), dtype)
-    data = np.zeros((N, C_, H, W), dtype)
+    data = np.zeros((N, C_) + hw, dtype)
     bufs = []
 
     def empty(shape, dt):
@@ -178,7 +179,7 @@ def python_binding(dtype, R_, C_, params, direction="forward"):
         return bufs[-1]
 
     rec = Recorder(dtype)
-    dev = device_geometry.build(rec, op.geometry_spec(), rois, N, H, W, empty=empty)
+    dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
     status, table = bufs[0], bufs[1]
     base, end = table.ctypes.data, table.ctypes.data + table.nbytes
     roles = {id(rois): "rois", id(data): "data", id(status): "status"}
@@ -187,7 +188,7 @@ def python_binding(dtype, R_, C_, params, direction="forward"):
         roles[id(out)] = "out"
     else:
         rec.data = data
-        grad = np.zeros((R_, C_) + tuple(dev.geo.divisor.shape[1:]), dtype)
+        grad = np.zeros(op.out_shape(data.shape, rois.shape), dtype)
         roles[id(grad)] = "grad"
         op.backward_cuda(rec, dev.geo, grad, data.shape, None)
         # float16: a float32 temporary, which the launcher keeps after the tables
@@ -228,7 +229,7 @@ def c_binding(values, run, ws_bytes, ws, status):
 
 
 TABLES = ("batch", "y_count", "y_low", "y_high", "y_wl", "y_wh", "x_count", "x_low", "x_high",
-          "x_wl", "x_wh", "divisor")
+          "x_wl", "x_wh", "divisor", "hstart", "hend", "wstart", "wend")
 BASE = dict(pooled_size=(P, P), spatial_scale=0.5, sample_ratio=-1, aligned=False)
 CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
     "first": ("float32", R, C, BASE),
@@ -257,29 +258,33 @@ BACKWARD_CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
 }
 
 
-def _check_launches(run, step, direction, dtype, R_, C_, params):
+def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAlign",
+                    first=None, hw=(H, W)):
     """Each launch binds, parameter by parameter, what the CuPy path's device geometry and
-    ROIAlign.forward_cuda / backward_cuda bind (table pointers at the same workspace
+    the op's forward_cuda / backward_cuda bind (table pointers at the same workspace
     offsets, the status word, scalars of the same value and width); grid and block as
-    launch_config; every launch on the caller's stream."""
-    expected, ws_bytes = python_binding(dtype, R_, C_, params, direction)
+    launch_config; every launch on the caller's stream.  ``first``: the step that made
+    the channel (its status word)."""
+    expected, ws_bytes = python_binding(dtype, R_, C_, params, direction, op_name, hw)
     ptx = ptx_params(run["image"])
     log = run["steps"][step]["log"]
     got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
     # a channel's status word: allocated by its first call (MXNet's stream: mx_forward's)
-    own = [x for x in log + (run["steps"]["mx_forward"]["log"] if step.startswith("mx_")
-                             else []) if x.startswith("cuMemAlloc_v2")]
+    first = first or ("mx_forward" if step.startswith("mx_") else None)
+    own = [x for x in log + (run["steps"][first]["log"] if first else [])
+           if x.startswith("cuMemAlloc_v2")]
     status = int(own[0].split()[2], 16) if own else run["status"]
     ws = run["steps"][step]["ws"][0][0] if step.startswith("mx_") else run["ptr"]["ws"]
     want_stream = MX_STREAM if step.startswith("mx_") else STREAM
     if direction == "backward" and dtype == "float16":  # the accumulator after the tables
-        _check_store_to_half(run, got.pop(), ws + ws_bytes, N * C_ * H * W, want_stream)
-        ws_bytes += -(-N * C_ * H * W * 4 // 16) * 16
+        size = N * C_ * hw[0] * hw[1]
+        _check_store_to_half(run, got.pop(), ws + ws_bytes, size, want_stream)
+        ws_bytes += -(-size * 4 // 16) * 16
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
         assert expr.startswith(f"{kernel}<{t[dtype]}")
-        if direction == "backward" and kernel != "roi_grid_geometry":  # O: the accumulator
+        if direction == "backward" and not kernel.endswith("_geometry"):  # O: accumulator
             assert expr == f"{kernel}<{t[dtype]}, {t[dtype].split(', ')[1]}>"
         assert stream == want_stream and shared == 0 and block == (256, 1, 1)
         assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
@@ -322,6 +327,64 @@ def test_backward_launch_arguments_are_the_cupy_paths(run, step):
     ``scale`` 1.0; the max modes rescan ``data``: no argmax is kept)."""
     got = _check_launches(run, step, "backward", *BACKWARD_CASES[step])
     assert len(got) == 2
+
+
+POOL = dict(pooled_size=(P, P), spatial_scale=0.5)
+POOL_CASES = {  # child step -> (direction, dtype); ROIPooling on the stand-in driver
+    "pool_first": ("forward", "float32"), "pool_fwd_f64": ("forward", "float64"),
+    "pool_fwd_f16": ("forward", "float16"), "pool_bwd": ("backward", "float32"),
+    "pool_bwd_f64": ("backward", "float64"), "pool_bwd_f16": ("backward", "float16"),
+    "mx_pool_forward": ("forward", "float32"), "mx_pool_backward": ("backward", "float32"),
+    "pool_tiny_map": ("forward", "float32"),  # (1 x 2: bin_cells is the map's 2 cells)
+}
+
+
+@pytest.mark.parametrize("step", sorted(POOL_CASES))
+def test_roi_pooling_launch_arguments_are_the_cupy_paths(run, step):
+    """ROIPooling on the native GPU path (its own files: roi_pooling.cu's section): each
+    launch binds what the CuPy path's device-built integer bins and forward_cuda /
+    backward_cuda bind (no argmax kept: the backward rescans the data), the tables at the
+    same workspace offsets, ``cells`` as device_geometry.bin_cells; float16's backward
+    accumulates in float32 after the tables, then the store."""
+    direction, dtype = POOL_CASES[step]
+    got = _check_launches(run, step, direction, dtype, R, C, POOL, "ROIPooling",
+                          "mx_pool_forward" if step.startswith("mx_") else "pool_first",
+                          (1, 2) if step == "pool_tiny_map" else (H, W))
+    assert len(got) == 2
+
+
+def test_roi_pooling_status_zeroing_and_workspace(run):
+    """ROIPooling's channel is its own (a status word of its own on the stream); a bad
+    roi found by a backward is raised by the next forward; the backward zeroes the
+    gradients first; no roi: nothing launched; a short workspace refused before anything
+    is queued."""
+    from mx_roi.ext import cuda
+    s, p = run["steps"], run["ptr"]
+    word = int(next(x for x in s["pool_first"]["log"] if x.startswith("cuMemAlloc_v2"))
+               .split()[2], 16)
+    assert word != run["status"]
+    assert s["pool_bad_bwd"]["error"] is None and len(launches(s["pool_bad_bwd"])) == 2
+    assert s["pool_reported"]["error"] == ("ROIPooling: rois[1] has a NaN or infinite value; "
+                                           "coordinates must be finite" + WHERE)
+    assert s["pool_reported"]["log"] == ["cuCtxGetCurrent", "cuEventQuery e7 ready",
+                                         f"cuMemsetD8Async {word:x} 0 16 stream {STREAM:x}"]
+    log = s["pool_bwd"]["log"]
+    first_launch = next(i for i, x in enumerate(log) if x.startswith("cuLaunchKernel"))
+    assert [x for x in log[:first_launch] if x.startswith("cuMemsetD8Async")] == [
+        f"cuMemsetD8Async {p['in_grad']:x} 0 {N * C * H * W * 4} stream {STREAM:x}",
+        f"cuMemsetD8Async {p['rois_grad']:x} 0 {R * 5 * 4} stream {STREAM:x}"]
+    # (after the report: nothing recorded since, so nothing to ask either)
+    assert calls(s["pool_no_rois"]) == ["cuCtxGetCurrent"]
+    need = cuda.roi_pooling_workspace("float32", (N, C, H, W), R, P)
+    assert s["pool_small_workspace"]["error"] == (
+        f"ROIPooling: the workspace holds {need - 1} bytes but the call needs {need}")
+    assert not launches(s["pool_small_workspace"])
+    assert run["pool_contexts"] == ["backward/cpu", "backward/gpu", "forward/cpu",
+                                    "forward/gpu"]
+    assert s["mx_pool_forward"]["rc"] == 1 and s["mx_pool_backward"]["rc"] == 1
+    assert [x["ws"][0][1] for x in (s["mx_pool_forward"], s["mx_pool_backward"])] == [
+        cuda.roi_pooling_workspace("float32", (N, C, H, W), R, P),
+        cuda.roi_pooling_workspace("float32", (N, C, H, W), R, P, backward=True)]
 
 
 def test_backward_zeroes_the_gradients_first(run):
@@ -414,17 +477,18 @@ def test_one_module_load_and_the_ptx_image(run):
     loads = [line for s in run["steps"].values() for line in s["log"]
              if line.startswith("cuModuleLoadData")]
     # one module per image and context (roi_align.cu's; the cast kernel's at the first
-    # float16 backward), one function lookup per kernel
-    assert len(loads) == 2
+    # float16 backward; roi_pooling.cu's), one function lookup per kernel
+    assert len(loads) == 3
     lookups = [line.split()[1] for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
-    assert len(lookups) == len(set(lookups)) == 13
-    image = run["image"]  # (both images)
-    assert image.count(f".target sm_{run['arch']}") == 2 and run["arch"] == min(
+    assert len(lookups) == len(set(lookups)) == 22
+    image = run["image"]  # (every image)
+    assert image.count(f".target sm_{run['arch']}") == 3 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
     assert sorted(expression_of(n) for n in ptx_params(image)) == sorted(
-        cuda.kernel_expressions("roi_align.cu") + cuda.OWN_KERNELS["ext_cuda_cast.cu"])
+        cuda.kernel_expressions("roi_align.cu") + cuda.kernel_expressions("roi_pooling.cu")
+        + cuda.OWN_KERNELS["ext_cuda_cast.cu"])
 
 
 def test_status_word_rule(run):
@@ -552,7 +616,8 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     by name."""
     from mx_roi.ext import ExtLibraryError, cuda
     cls = get_op("ROIAlign")
-    assert cuda.gpu_ops() == {"roi_align.cu": cls.native_gpu_kernels}
+    assert cuda.gpu_ops() == {"roi_align.cu": cls.native_gpu_kernels,
+                              "roi_pooling.cu": get_op("ROIPooling").native_gpu_kernels}
     text = cuda.section("roi_align.cu")
     assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
     assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
@@ -562,11 +627,12 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
         assert f"int {entry}(" in text
     with open(os.path.join(ROOT, "mx_roi", "ext", "ext_cuda_ops.cc")) as f:
         shared = f.read()
-    assert "roi_align" not in shared.lower() and "ROIAlign" not in shared
+    for name in ("roi_align", "roialign", "roi_pooling", "roipooling"):
+        assert name not in shared.lower()
     assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
-    monkeypatch.setattr(get_op("ROIPooling"), "native_gpu_kernels",
-                        (("roi_pooling_forward", ("unsigned char",)),))
-    with pytest.raises(ExtLibraryError, match=r"^ROIPooling declares native_gpu_kernels but "
-                                              r"roi_pooling.cu has no "
+    monkeypatch.setattr(get_op("PSROIPooling"), "native_gpu_kernels",
+                        (("psroi_pooling_forward", ()),))
+    with pytest.raises(ExtLibraryError, match=r"^PSROIPooling declares native_gpu_kernels "
+                                              r"but psroi_pooling.cu has no "
                                               r"MX_ROI_EXT_CUDA_LAUNCHER section$"):
         cuda.gpu_ops()

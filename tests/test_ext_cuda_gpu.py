@@ -14,7 +14,7 @@ ROIAlign's backward (every dtype), every mode, against ``emulated-cuda``'s gradi
 (the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
 the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
 gradient zeros; a bad roi raises nothing in the backward and is reported by the next
-forward."""
+forward.  ROIPooling's forward bit for bit and its backward to rounding, every dtype."""
 import numpy as np
 import pytest
 
@@ -192,3 +192,59 @@ def test_backward_bad_roi_raises_nothing_then_the_forward_reports_it():
     with pytest.raises(cuda.CudaLaunchError, match=r"^ROIAlign: rois\[3\] has a NaN or "
                                                    r"infinite value; coordinates must be finite"):
         native_gpu(data, rois, PARAMS["avg"], stream)
+
+
+# ---- ROIPooling (its own native GPU section) ----------------------------------------------
+POOL = dict(pooled_size=(P, P), spatial_scale=0.5)
+
+
+def native_gpu_pooling(data, rois, stream, out_grad=None):
+    """ROIPooling's forward (or, with ``out_grad``, its backward) through the launcher on
+    ``stream``: (output or data gradient, the CuPy arrays to keep alive)."""
+    import cupy
+    from mx_roi.ext import cuda
+    R = rois.shape[0]
+    backward = out_grad is not None
+    with stream:
+        x, r = cupy.asarray(data), cupy.asarray(rois)
+        nbytes = cuda.roi_pooling_workspace(data.dtype, data.shape, R, P, backward)
+        ws = cupy.empty(max(nbytes, 16), cupy.uint8)
+        if backward:
+            g = cupy.asarray(out_grad)
+            res = cupy.full(data.shape, np.nan, data.dtype)
+        else:
+            g = None
+            res = cupy.full((R, C, P, P), np.nan, data.dtype)
+        stream.synchronize()
+        if backward:
+            cuda.roi_pooling_backward(data.dtype, g.data.ptr, x.data.ptr, r.data.ptr,
+                                      res.data.ptr, data.shape, R, P, POOL["spatial_scale"],
+                                      ws.data.ptr, ws.nbytes, stream.ptr)
+        else:
+            cuda.roi_pooling_forward(data.dtype, x.data.ptr, r.data.ptr, res.data.ptr,
+                                     data.shape, R, P, POOL["spatial_scale"], ws.data.ptr,
+                                     ws.nbytes, stream.ptr)
+    return res, (x, r, g, ws)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_roi_pooling_forward_bits_and_backward_match_emulation(dtype):
+    """The forward bit for bit (a max: no rounding), the backward equal to rounding (the
+    atomic adds meet in any order), both against ``emulated-cuda`` rescanning."""
+    import cupy
+    cls = get_op("ROIPooling")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in POOL.items()}))
+    data, rois = problem(dtype)
+    out_grad = np.random.default_rng(2).standard_normal(
+        op.out_shape(data.shape, rois.shape)).astype(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out, keep = native_gpu_pooling(data, rois, stream)
+    dx, keep2 = native_gpu_pooling(data, rois, stream, out_grad)
+    stream.synchronize()
+    want_out, (want_dx,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
+                                    rescan=True)
+    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
+                                  np.asarray(want_out).view(np.uint8))
+    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
+                               want_dx.astype(np.float64), rtol=tol, atol=tol)

@@ -19,9 +19,10 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's forward and backward (:func:`roi_align_forward`,
-:func:`roi_align_backward`), also registered as the extension op ``mx_roi_ROIAlign``'s
-``"gpu"`` forward and backward, which call them once :func:`enable` has run.  Not yet: a
+Today: ROIAlign's and ROIPooling's forward and backward (:func:`roi_align_forward`,
+:func:`roi_align_backward`, :func:`roi_pooling_forward`, :func:`roi_pooling_backward`),
+also the extension ops ``mx_roi_ROIAlign``'s and ``mx_roi_ROIPooling``'s ``"gpu"``
+forward and backward, which call them once :func:`enable` has run.  Not yet: a
 deterministic backward, the other ops.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ from . import ExtLibraryError, _read, _run, load_or_build
 
 __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_align_workspace",
            "roi_align_forward", "roi_align_backward_workspace", "roi_align_backward",
+           "roi_pooling_workspace", "roi_pooling_forward", "roi_pooling_backward",
            "check", "DTYPE_CODES",
            "CudaLaunchError"]
 
@@ -197,9 +199,9 @@ def library_path() -> str:
 def enable() -> str:
     """Opt in to the native GPU path in this process: load the extension library into
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
-    ``"gpu"`` forward and backward of ``mx_roi_ROIAlign`` run (on an MXNet CUDA build; GPU
-    contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).  Returns the
-    launcher's path."""
+    ``"gpu"`` forward and backward of ``mx_roi_ROIAlign`` and ``mx_roi_ROIPooling`` run (on
+    an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom
+    door).  Returns the launcher's path."""
     from . import load
     path = library_path()
     ext = ctypes.CDLL(load())  # the library MXNet opened (the loader hands out the same)
@@ -234,6 +236,17 @@ def _lib():
             c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
             c.c_float, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_ulonglong,
             c.c_void_p, c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_roi_pooling_workspace.argtypes = [
+            c.c_int, c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong,
+            c.c_int, c.c_int, c.c_int, c.POINTER(c.c_ulonglong), c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_roi_pooling_forward.argtypes = [
+            c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong,
+            c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int, c.c_float, c.c_void_p,
+            c.c_ulonglong, c.c_void_p, c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_roi_pooling_backward.argtypes = [
+            c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong,
+            c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
+            c.c_float, c.c_void_p, c.c_ulonglong, c.c_void_p, c.c_char_p, c.c_size_t]
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -314,6 +327,48 @@ def roi_align_backward(dtype, grad: int, data: int, rois: int, in_grad: int, dat
         int(R), P, Q, float(np.float32(spatial_scale)), int(sample_ratio),
         int(bool(aligned)), int(pool_mode == "max"), int(bool(caffe)), workspace,
         int(workspace_bytes), stream, err, len(err)), err)
+
+
+def roi_pooling_workspace(dtype, data_shape, R: int, pooled_size,
+                          backward: bool = False) -> int:
+    """Bytes of device memory a ROIPooling forward (or ``backward``) needs: its integer
+    bins' tables and, for a float16 backward, the float32 accumulator (0 for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_roi_pooling_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), P, Q, int(bool(backward)),
+        ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def roi_pooling_forward(dtype, data: int, rois: int, out: int, data_shape, R: int,
+                        pooled_size, spatial_scale: float, workspace: int = 0,
+                        workspace_bytes: int = 0, stream: int = 0) -> None:
+    """Queue ROIPooling's forward on ``stream`` (as :func:`roi_align_forward`; the
+    workspace: :func:`roi_pooling_workspace` bytes)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_roi_pooling_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, out, N, C, H, W, int(R), P, Q,
+        float(np.float32(spatial_scale)), workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
+
+
+def roi_pooling_backward(dtype, grad: int, data: int, rois: int, in_grad: int, data_shape,
+                         R: int, pooled_size, spatial_scale: float, workspace: int = 0,
+                         workspace_bytes: int = 0, stream: int = 0, rois_grad: int = 0) -> None:
+    """Queue ROIPooling's backward on ``stream`` (as :func:`roi_align_backward`: each
+    bin's winner found again in ``data``; the workspace: :func:`roi_pooling_workspace`
+    with ``backward``)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_roi_pooling_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, data, rois, in_grad, rois_grad, N, C, H, W,
+        int(R), P, Q, float(np.float32(spatial_scale)), workspace, int(workspace_bytes),
+        stream, err, len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:

@@ -19,7 +19,7 @@ const int DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2;
 const double GUARD_BOUND = 3.0e38;
 const long long MAX_SAMPLES_PER_AXIS = 1LL << 22;
 // compiled_geometry.MODES
-const int MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3;
+const int MODE_POOL_BINS = 0, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3;
 
 // The kernels' template arguments (T, A) of a dtype (source.TYPE_PAIRS), the compute
 // dtype's size, and whether the roi check bounds coordinates (onednn.bounded_dtype).
@@ -79,6 +79,14 @@ inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long l
   }
   g.bytes = total < 16 ? 16 : total;
   return true;
+}
+
+// Throws unless the caller's workspace holds the call's ``need`` bytes
+inline void need_workspace(const std::string& op, unsigned long long have,
+                           unsigned long long need) {
+  if (have < need)
+    throw Error(op + ": the workspace holds " + std::to_string(have) +
+                " bytes but the call needs " + std::to_string(need));
 }
 
 // A backward's workspace bytes: its ``tables``, then for float16 the float32 accumulator of
