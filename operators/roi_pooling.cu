@@ -341,6 +341,7 @@ const RegisterParams roi_pooling_params("ROIPooling", ROIPoolingOp::format);
 // mx_roi.ext.cuda's launcher (this file's MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
 // stream, their tables in MXNet's temporary workspace; no host wait.
 struct ROIPoolingGpu {
+  typedef ROIPoolingOp Op;
   typedef int (*Workspace)(int, long long, long long, long long, long long, long long, int,
                            int, int, unsigned long long*, char*, size_t);
   typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
@@ -363,59 +364,31 @@ struct ROIPoolingGpu {
     return gpu_workspace(OP, res, *bytes);
   }
 
-  static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
-                               std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
-                               const OpResource& res) {
-    MX_ROI_EXT_CALL({
-      const PooledParams p = Callbacks<ROIPoolingOp>::params(attrs);
-      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
-      Callbacks<ROIPoolingOp>::check(data, rois);
-      const Forward launch = gpu_entry<Forward>(OP, "mx_roi_ext_cuda_roi_pooling_forward");
-      const long long R = rois.shape[0];
-      unsigned long long bytes = 0;
-      void* ws = tables(p, data, R, false, res, &bytes);
-      char err[4096] = "";
-      gpu_call(launch(data.dtype, data.data_ptr, rois.data_ptr, (*outputs)[0].data_ptr,
-                      data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
-                      (int)p.P, (int)p.Q, (float)p.spatial_scale, ws, bytes,
-                      res.get_cuda_stream(), err, sizeof err),
-               err);
-    })
+  static int forward(const PooledParams& p, const MXTensor& data, const MXTensor& rois,
+                     MXTensor& out, void* ws, unsigned long long bytes, void* stream, char* err,
+                     size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_roi_pooling_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, out.data_ptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], (int)p.P, (int)p.Q,
+        (float)p.spatial_scale, ws, bytes, stream, err, len);
   }
 
-  // inputs: out-grad, data, rois; outputs: their gradients (data, rois).  A bad roi is not
-  // an error here (the section below, roi_pooling_backward).
-  static MXReturnValue backward(const std::unordered_map<std::string, std::string>& attrs,
-                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
-                                const OpResource& res) {
-    MX_ROI_EXT_CALL({
-      const PooledParams p = Callbacks<ROIPoolingOp>::params(attrs);
-      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
-      Callbacks<ROIPoolingOp>::check(data, rois);
-      if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
-        throw OpError(std::string(OP) +
-                      ": deterministic=True: the native GPU path has no deterministic "
-                      "backward yet; use the Custom door on GPU contexts for it");
-      const Backward launch = gpu_entry<Backward>(OP, "mx_roi_ext_cuda_roi_pooling_backward");
-      const long long R = rois.shape[0];
-      unsigned long long bytes = 0;
-      void* ws = tables(p, data, R, true, res, &bytes);
-      char err[4096] = "";
-      gpu_call(launch(data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
-                      (*outputs)[0].data_ptr, (*outputs)[1].data_ptr, data.shape[0],
-                      data.shape[1], data.shape[2], data.shape[3], R, (int)p.P, (int)p.Q,
-                      (float)p.spatial_scale, ws, bytes, res.get_cuda_stream(), err,
-                      sizeof err),
-               err);
-    })
+  static int backward(const PooledParams& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, MXTensor& in_grad, MXTensor& rois_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_roi_pooling_backward")(
+        data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr, in_grad.data_ptr,
+        rois_grad.data_ptr, data.shape[0], data.shape[1], data.shape[2], data.shape[3],
+        rois.shape[0], (int)p.P, (int)p.Q, (float)p.spatial_scale, ws, bytes, stream, err,
+        len);
   }
 };
 
 }  // namespace mx_roi_op
 
 MX_ROI_EXT_REGISTER(mx_roi_ROIPooling, mx_roi_op::ROIPoolingOp)
-    .setForward(mx_roi_op::ROIPoolingGpu::forward, "gpu")
-    .setBackward(mx_roi_op::ROIPoolingGpu::backward, "gpu");
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::ROIPoolingGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::ROIPoolingGpu>::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
 
 #ifdef MX_ROI_EXT_CUDA_LAUNCHER
@@ -481,10 +454,10 @@ inline void roi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, C
                                 CUdeviceptr workspace, unsigned long long workspace_bytes,
                                 CUstream stream) {
   const std::string op = "ROIPooling";
-  const Types t = types_of(op, dtype);
-  CUcontext ctx = current_context(op);
-  Channel& ch = channel(op, ctx, stream);
-  std::lock_guard<std::mutex> guard(ch.lock);
+  const CallScope call(op, dtype, stream);
+  const Types& t = call.t;
+  CUcontext ctx = call.ctx;
+  Channel& ch = call.ch;
   report(op, ch, stream, false);
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
   need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, false));
@@ -513,10 +486,10 @@ inline void roi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr data,
                                  CUdeviceptr workspace, unsigned long long workspace_bytes,
                                  CUstream stream) {
   const std::string op = "ROIPooling";
-  const Types t = types_of(op, dtype);
-  CUcontext ctx = current_context(op);
-  Channel& ch = channel(op, ctx, stream);
-  std::lock_guard<std::mutex> guard(ch.lock);
+  const CallScope call(op, dtype, stream);
+  const Types& t = call.t;
+  CUcontext ctx = call.ctx;
+  Channel& ch = call.ch;
   need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, true));
   if (R <= 0) return zero_gradient(op, dtype, in_grad, N * C * H * W, stream);
   const RoiPoolingBins bins(R, P, Q, H, W, workspace);

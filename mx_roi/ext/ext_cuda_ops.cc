@@ -81,6 +81,18 @@ inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long l
   return true;
 }
 
+// One entry call's hold on its op's channel: the dtype's kernel types, the thread's CUDA
+// context and the (context, stream, op) channel, locked for the call.
+struct CallScope {
+  const Types t;
+  CUcontext ctx;
+  Channel& ch;
+  std::lock_guard<std::mutex> hold;
+  CallScope(const std::string& op, int dtype, CUstream stream)
+      : t(types_of(op, dtype)), ctx(current_context(op)), ch(channel(op, ctx, stream)),
+        hold(ch.lock) {}
+};
+
 // Throws unless the caller's workspace holds the call's ``need`` bytes
 inline void need_workspace(const std::string& op, unsigned long long have,
                            unsigned long long need) {

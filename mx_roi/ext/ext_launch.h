@@ -891,6 +891,55 @@ inline void gpu_call(int failed, const char* err) {
   if (failed) throw OpError(err);
 }
 
+// The "gpu" forward and backward of an op from its Gpu struct ``G``: ``G::Op`` (the op of
+// Callbacks: parameters and input checks as on the CPU), ``G::OP``, ``G::tables(p, data,
+// R, backward, res, &bytes)`` (the call's workspace) and ``G::forward(p, data, rois, out,
+// ws, bytes, stream, err, len)`` / ``G::backward(p, grad, data, rois, in_grad, rois_grad,
+// ws, bytes, stream, err, len)``, which call the op's launcher entries (0 or 1 and the
+// message).  The backward's inputs: out-grad, data, rois; outputs: their gradients, as the
+// CPU backward's.  A bad roi is not the backward's error (the launcher reports it at the
+// next forward); deterministic=True (the cuda backend's fixed-point backward) is refused.
+template <typename G>
+struct GpuCallbacks {
+  typedef typename G::Op Op;
+
+  static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
+                               std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                               const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = Callbacks<Op>::params(attrs);
+      const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
+      Callbacks<Op>::check(data, rois);
+      unsigned long long bytes = 0;
+      void* ws = G::tables(p, data, rois.shape[0], false, res, &bytes);
+      char err[4096] = "";
+      gpu_call(G::forward(p, data, rois, (*outputs)[0], ws, bytes, res.get_cuda_stream(), err,
+                          sizeof err),
+               err);
+    })
+  }
+
+  static MXReturnValue backward(const std::unordered_map<std::string, std::string>& attrs,
+                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
+                                const OpResource& res) {
+    MX_ROI_EXT_CALL({
+      const typename Op::Params p = Callbacks<Op>::params(attrs);
+      const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
+      Callbacks<Op>::check(data, rois);
+      if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
+        throw OpError(std::string(G::OP) +
+                      ": deterministic=True: the native GPU path has no deterministic "
+                      "backward yet; use the Custom door on GPU contexts for it");
+      unsigned long long bytes = 0;
+      void* ws = G::tables(p, data, rois.shape[0], true, res, &bytes);
+      char err[4096] = "";
+      gpu_call(G::backward(p, grad, data, rois, (*outputs)[0], (*outputs)[1], ws, bytes,
+                           res.get_cuda_stream(), err, sizeof err),
+               err);
+    })
+  }
+};
+
 }  // namespace mx_roi_op
 
 // Registers ``Op`` (a struct as Callbacks wants) as the MXNet operator ``Name``, and its
