@@ -178,9 +178,9 @@ def gpu_malloc(state, size):
 
 
 def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0):
-    """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on (data, rois) -> out,
-    the backward on (out-grad, data, rois) -> (data's gradient, rois' gradient), as MXNet
-    hands them to a stateless op; (rc, last message)."""
+    """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on
+    (data, rois) -> out, the backward on (out-grad, data, rois) -> (data's gradient, rois'
+    gradient), as MXNet hands them to a stateless op; (rc, last message)."""
     keys = (ctypes.c_char_p * len(attrs))(*[k.encode() for k in attrs])
     vals = (ctypes.c_char_p * len(attrs))(*[str(v).encode() for v in attrs.values()])
     P_, Q_ = attrs["pooled_size"]

@@ -134,7 +134,8 @@ def _generated_header() -> str:
         names = ",\n".join(f'    {{"{e}", "{res.lowered[e]}"}}' for e in exprs)
         out += [f'static const char PTX_{i}[] = R"{_PTX_DELIMITER}({res.ptx}){_PTX_DELIMITER}";',
                 f"static const KernelName NAMES_{i}[] = {{\n{names},\n    {{nullptr, nullptr}}}};",
-                f'static const Image {image_name(filename)} = {{"{filename}", PTX_{i}, NAMES_{i}}};']
+                f'static const Image {image_name(filename)} = '
+                f'{{"{filename}", PTX_{i}, NAMES_{i}}};']
     out.append("}  // namespace mx_roi_cuda")
     return "\n".join(out) + "\n"
 

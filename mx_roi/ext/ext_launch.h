@@ -863,8 +863,9 @@ struct Callbacks {
 };
 
 // ---- the "gpu" callbacks of an op on the native GPU path (opt-in; docs/gpu.md) ----------
-// They parse and check as the CPU callbacks do, then call the op's entries in mx_roi.ext.cuda's
-// launcher library (its MX_ROI_EXT_CUDA_LAUNCHER section), found through ext_main.cc.
+// They parse and check as the CPU callbacks do, then call the op's entries in
+// mx_roi.ext.cuda's launcher library (its MX_ROI_EXT_CUDA_LAUNCHER section), found through
+// ext_main.cc.
 extern "C" void* mx_roi_ext_gpu_symbol(const char* name);  // ext_main.cc
 
 // The launcher's entry ``name`` (a clear error until mx_roi.ext.cuda.enable() ran)
