@@ -852,14 +852,12 @@ inline GridLayout roi_align_layout(const std::string& op, int dtype, long long R
 struct RoiAlignGrid {
   GridLayout g;
   CUdeviceptr tb[12];  // batch, y_count .. y_wh, x_count .. x_wh, divisor
-  std::string ta;      // "<T, A" of the kernels' names
   bool is_max;
 
-  RoiAlignGrid(const std::string& op, const Types& t, int dtype, long long R, int P, int Q,
-               long long H, long long W, int sample_ratio, int pool_max, int caffe,
-               CUdeviceptr workspace)
+  RoiAlignGrid(const std::string& op, int dtype, long long R, int P, int Q, long long H,
+               long long W, int sample_ratio, int pool_max, int caffe, CUdeviceptr workspace)
       : g(roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe)),
-        ta(std::string("<") + t.T + ", " + t.A), is_max(pool_max || caffe) {
+        is_max(pool_max || caffe) {
     if (is_max && (long long)g.Gy * g.Gx >= (1LL << 31))  // the running argmax is an int
       throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
                   " sample points per bin are too many for pool_mode='max' on the CUDA "
@@ -867,18 +865,16 @@ struct RoiAlignGrid {
     for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
   }
 
-  void geometry(const std::string& op, CUcontext ctx, const Channel& ch, const Types& t,
-                CUdeviceptr rois, long long N, long long H, long long W, long long R, int P,
-                int Q, float spatial_scale, int sample_ratio, int aligned, int caffe,
-                CUstream stream) const {
+  void geometry(const CallScope& call, CUdeviceptr rois, long long N, long long H,
+                long long W, long long R, int P, int Q, float spatial_scale, int sample_ratio,
+                int aligned, int caffe) const {
     Args geo;
     geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
         caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
-        (long long)N)(GUARD_BOUND)(t.bounded ? 1 : 0);
+        (long long)N)(GUARD_BOUND)(call.t.bounded ? 1 : 0);
     for (int k = 0; k < 12; ++k) geo(tb[k]);
-    geo(ch.status)((long long)R);
-    launch(op, function(op, ctx, ROI_ALIGN_IMAGE, "roi_grid_geometry" + ta + ">"), R, stream,
-           geo);
+    geo(call.ch.status)((long long)R);
+    call.run(ROI_ALIGN_IMAGE, "roi_grid_geometry" + call.ta() + ">", R, geo);
   }
 };
 
@@ -890,20 +886,15 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
                               int P, int Q, float spatial_scale, int sample_ratio, int aligned,
                               int pool_max, int caffe, CUdeviceptr workspace,
                               unsigned long long workspace_bytes, CUstream stream) {
-  const std::string op = "ROIAlign";
-  const CallScope call(op, dtype, stream);
-  const Types& t = call.t;
-  CUcontext ctx = call.ctx;
-  Channel& ch = call.ch;
-  report(op, ch, stream, false);
+  const CallScope call("ROIAlign", dtype, stream);
+  call.report();
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  const RoiAlignGrid grid(op, t, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
+  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
                           workspace);
   if (workspace_bytes < grid.g.bytes)
-    throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
+    throw Error(call.op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables need " + std::to_string(grid.g.bytes));
-  grid.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned,
-                caffe, stream);
+  grid.geometry(call, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned, caffe);
   const long long n = R * C * P * Q;
   Args k;
   k(data);
@@ -912,12 +903,11 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
   k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(out);
   if (grid.is_max) k(workspace)(0);            // argmax (never written: store_argmax 0)
   k(n);
-  launch(op,
-         function(op, ctx, ROI_ALIGN_IMAGE,
-                  grid.is_max ? "roi_align_forward_max" + grid.ta + ", unsigned char>"
-                              : "roi_align_forward_avg" + grid.ta + ">"),
-         n, stream, k);
-  record(op, ch, stream);
+  call.run(ROI_ALIGN_IMAGE,
+           grid.is_max ? "roi_align_forward_max" + call.ta() + ", unsigned char>"
+                       : "roi_align_forward_avg" + call.ta() + ">",
+           n, k);
+  call.record();
 }
 
 // A ROIAlign backward's workspace: the tables (as the forward's), then for float16 the
@@ -948,24 +938,19 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
                                float spatial_scale, int sample_ratio, int aligned, int pool_max,
                                int caffe, CUdeviceptr workspace,
                                unsigned long long workspace_bytes, CUstream stream) {
-  const std::string op = "ROIAlign";
-  const CallScope call(op, dtype, stream);
-  const Types& t = call.t;
-  CUcontext ctx = call.ctx;
-  Channel& ch = call.ch;
+  const CallScope call("ROIAlign", dtype, stream);
   unsigned long long acc_at = 0;
   const unsigned long long need = roi_align_backward_bytes(dtype, N, C, H, W, R, P, Q,
                                                            sample_ratio, caffe, &acc_at);
   if (workspace_bytes < need)
-    throw Error(op + ": the workspace holds " + std::to_string(workspace_bytes) +
+    throw Error(call.op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables and accumulator need " + std::to_string(need));
-  if (R <= 0) return zero_gradient(op, dtype, in_grad, N * C * H * W, stream);
-  const RoiAlignGrid grid(op, t, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
+  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
                           workspace);
-  const GradTarget target(op, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
-                          workspace + acc_at, stream);
-  grid.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned,
-                caffe, stream);
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
+                          workspace + acc_at);
+  grid.geometry(call, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned, caffe);
   const long long n = R * C * P * Q;
   Args k;
   if (grid.is_max) k(data);
@@ -973,13 +958,12 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
   for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
   if (!grid.is_max) k(grid.tb[11]);            // divisor
   k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(target.bottom)(1.0)(n);  // scale, n
-  launch(op,
-         function(op, ctx, ROI_ALIGN_IMAGE,
-                  (grid.is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") +
-                      grid.ta + ", " + t.A + ">"),
-         n, stream, k);
-  target.store(op, ctx, stream);
-  record(op, ch, stream);
+  call.run(ROI_ALIGN_IMAGE,
+           (grid.is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") +
+               call.ta() + ", " + call.t.A + ">",
+           n, k);
+  target.store(call);
+  call.record();
 }
 
 }  // namespace mx_roi_cuda

@@ -420,18 +420,14 @@ struct RoiPoolingBins {
   }
 
   // roi_bins_geometry on ``stream``: the tables filled, a bad roi marked (padding, status)
-  void geometry(const std::string& op, CUcontext ctx, const Channel& ch, const Types& t,
-                CUdeviceptr rois, long long N, long long H, long long W, long long R, int P,
-                int Q, float spatial_scale, CUstream stream) const {
+  void geometry(const CallScope& call, CUdeviceptr rois, long long N, long long H,
+                long long W, long long R, int P, int Q, float spatial_scale) const {
     Args geo;
     geo(rois)(MODE_POOL_BINS)(P)(Q)((int)H)((int)W)(spatial_scale)(N)(GUARD_BOUND)(
-        t.bounded ? 1 : 0)(cells);
+        call.t.bounded ? 1 : 0)(cells);
     for (int k = 0; k < 5; ++k) geo(tb[k]);
-    geo(ch.status)(R);
-    launch(op,
-           function(op, ctx, ROI_POOLING_IMAGE,
-                    std::string("roi_bins_geometry<") + t.T + ", " + t.A + ">"),
-           R, stream, geo);
+    geo(call.ch.status)(R);
+    call.run(ROI_POOLING_IMAGE, "roi_bins_geometry" + call.ta() + ">", R, geo);
   }
 };
 
@@ -453,26 +449,20 @@ inline void roi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, C
                                 long long R, int P, int Q, float spatial_scale,
                                 CUdeviceptr workspace, unsigned long long workspace_bytes,
                                 CUstream stream) {
-  const std::string op = "ROIPooling";
-  const CallScope call(op, dtype, stream);
-  const Types& t = call.t;
-  CUcontext ctx = call.ctx;
-  Channel& ch = call.ch;
-  report(op, ch, stream, false);
+  const CallScope call("ROIPooling", dtype, stream);
+  call.report();
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, false));
+  need_workspace(call.op, workspace_bytes,
+                 roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, false));
   const RoiPoolingBins bins(R, P, Q, H, W, workspace);
-  bins.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, stream);
+  bins.geometry(call, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   k(data);
   for (int i = 0; i < 5; ++i) k(bins.tb[i]);
   k((int)C)((int)H)((int)W)(P)(Q)(out)(workspace)(0)(n);  // argmax: never written
-  launch(op,
-         function(op, ctx, ROI_POOLING_IMAGE,
-                  std::string("roi_pooling_forward<") + t.T + ", " + t.A + ", unsigned char>"),
-         n, stream, k);
-  record(op, ch, stream);
+  call.run(ROI_POOLING_IMAGE, "roi_pooling_forward" + call.ta() + ", unsigned char>", n, k);
+  call.record();
 }
 
 // ROIPooling's backward (roi_pooling.py backward_cuda with no kept argmax, req write): the
@@ -485,29 +475,22 @@ inline void roi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr data,
                                  long long R, int P, int Q, float spatial_scale,
                                  CUdeviceptr workspace, unsigned long long workspace_bytes,
                                  CUstream stream) {
-  const std::string op = "ROIPooling";
-  const CallScope call(op, dtype, stream);
-  const Types& t = call.t;
-  CUcontext ctx = call.ctx;
-  Channel& ch = call.ch;
-  need_workspace(op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, true));
-  if (R <= 0) return zero_gradient(op, dtype, in_grad, N * C * H * W, stream);
+  const CallScope call("ROIPooling", dtype, stream);
+  need_workspace(call.op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, true));
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
   const RoiPoolingBins bins(R, P, Q, H, W, workspace);
-  const GradTarget target(op, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
-                          workspace + bins.bytes, stream);
-  bins.geometry(op, ctx, ch, t, rois, N, H, W, R, P, Q, spatial_scale, stream);
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
+                          workspace + bins.bytes);
+  bins.geometry(call, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   k(data)(grad);
   for (int i = 0; i < 5; ++i) k(bins.tb[i]);
   k((int)C)((int)H)((int)W)(P)(Q)(target.bottom)(1.0)(n);  // bottom, scale, n
-  launch(op,
-         function(op, ctx, ROI_POOLING_IMAGE,
-                  std::string("roi_pooling_backward_rescan<") + t.T + ", " + t.A + ", " + t.A +
-                      ">"),
-         n, stream, k);
-  target.store(op, ctx, stream);
-  record(op, ch, stream);
+  call.run(ROI_POOLING_IMAGE,
+           "roi_pooling_backward_rescan" + call.ta() + ", " + call.t.A + ">", n, k);
+  target.store(call);
+  call.record();
 }
 
 }  // namespace mx_roi_cuda

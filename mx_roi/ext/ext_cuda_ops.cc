@@ -81,17 +81,40 @@ inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long l
   return true;
 }
 
-// One entry call's hold on its op's channel: the dtype's kernel types, the thread's CUDA
-// context and the (context, stream, op) channel, locked for the call.
+// One entry call of ``op`` on ``stream``: the dtype's kernel types, the thread's CUDA
+// context and the (context, stream, op) channel, locked for the call; what the call queues
+// goes through it (every launch, memset and the status copy on the caller's stream).
 struct CallScope {
+  const std::string op;
+  const CUstream stream;
   const Types t;
-  CUcontext ctx;
+  const CUcontext ctx;
   Channel& ch;
   std::lock_guard<std::mutex> hold;
-  CallScope(const std::string& op, int dtype, CUstream stream)
-      : t(types_of(op, dtype)), ctx(current_context(op)), ch(channel(op, ctx, stream)),
-        hold(ch.lock) {}
+
+  CallScope(const std::string& op_, int dtype, CUstream stream_)
+      : op(op_), stream(stream_), t(types_of(op_, dtype)), ctx(current_context(op_)),
+        ch(channel(op_, ctx, stream_)), hold(ch.lock) {}
+
+  // "<T, A" of the kernels' name expressions
+  std::string ta() const { return std::string("<") + t.T + ", " + t.A; }
+  // ``expression`` of ``image`` over ``n`` work items
+  void run(const Image& image, const std::string& expression, long long n, Args& args) const {
+    launch(op, function(op, ctx, image, expression), n, stream, args);
+  }
+  void zero(CUdeviceptr p, size_t bytes) const {
+    check(op, driver().cuMemsetD8Async(p, 0, bytes, stream), "cuMemsetD8Async");
+  }
+  // the status of the channel's earlier calls (ext_cuda.h report: a forward asks first)
+  void report() const { mx_roi_cuda::report(op, ch, stream, false); }
+  // after the call's kernels: the status copy and the event (ext_cuda.h record)
+  void record() const { mx_roi_cuda::record(op, ch, stream); }
 };
+
+// The bytes of one element of ``dtype``
+inline size_t item_size(int dtype) {
+  return dtype == DTYPE_FLOAT64 ? 8 : dtype == DTYPE_FLOAT16 ? 2 : 4;
+}
 
 // Throws unless the caller's workspace holds the call's ``need`` bytes
 inline void need_workspace(const std::string& op, unsigned long long have,
@@ -118,35 +141,21 @@ struct GradTarget {
   long long size;
   bool half;
 
-  GradTarget(const std::string& op, int dtype, CUdeviceptr in_grad_, CUdeviceptr rois_grad,
-             long long size_, long long R, int columns, CUdeviceptr acc, CUstream stream)
+  GradTarget(const CallScope& call, int dtype, CUdeviceptr in_grad_, CUdeviceptr rois_grad,
+             long long size_, long long R, int columns, CUdeviceptr acc)
       : bottom(dtype == DTYPE_FLOAT16 ? acc : in_grad_), in_grad(in_grad_), size(size_),
         half(dtype == DTYPE_FLOAT16) {
-    const size_t item = dtype == DTYPE_FLOAT64 ? 8 : half ? 2 : 4;
-    const Driver& d = driver();
-    check(op, d.cuMemsetD8Async(bottom, 0, (size_t)size * (half ? 4 : item), stream),
-          "cuMemsetD8Async");
-    if (rois_grad && R > 0)
-      check(op, d.cuMemsetD8Async(rois_grad, 0, (size_t)R * columns * item, stream),
-            "cuMemsetD8Async");
+    call.zero(bottom, (size_t)size * (half ? 4 : item_size(dtype)));
+    if (rois_grad && R > 0) call.zero(rois_grad, (size_t)R * columns * item_size(dtype));
   }
 
-  void store(const std::string& op, CUcontext ctx, CUstream stream) const {
+  void store(const CallScope& call) const {
     if (!half) return;
     Args c;
     c(bottom)(in_grad)(size);
-    launch(op, function(op, ctx, EXT_CUDA_CAST_IMAGE, "store_float_as<__half>"), size, stream,
-           c);
+    call.run(EXT_CUDA_CAST_IMAGE, "store_float_as<__half>", size, c);
   }
 };
-
-// A backward with no roi: the data gradient is zeros (nothing else queued)
-inline void zero_gradient(const std::string& op, int dtype, CUdeviceptr in_grad, long long size,
-                          CUstream stream) {
-  const size_t item = dtype == DTYPE_FLOAT64 ? 8 : dtype == DTYPE_FLOAT16 ? 2 : 4;
-  check(op, driver().cuMemsetD8Async(in_grad, 0, (size_t)size * item, stream),
-        "cuMemsetD8Async");
-}
 
 // A C entry's body: 0 when ``body()`` returned, else 1 with its message in ``err``.
 template <typename F>
