@@ -962,9 +962,16 @@ def _ps_walk_kwargs(name, trial, P, C, group):
     return kw
 
 
+@pytest.fixture(scope="module")
+def variant_cache(tmp_path_factory):
+    """One cache for the builds with changed thresholds (their flags are in the key):
+    the tests' parameter sets that share flags build each library once."""
+    return tmp_path_factory.mktemp("variant-builds")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("name", ["PSROIAlign", "PSROIPooling"])
-def test_ps_forward_lanes_and_plane_walk(tmp_path, monkeypatch, name, dtype):
+def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype):
     """With at least 8 output channels and enough reads per input cell (PSROIAlign:
     MX_ROI_PS_LANES_READS = 0.5 sample taps; PSROIPooling: MX_ROI_PSP_LANES_READS = 0.05
     cells, both per cell a bin's copy costs), the position-sensitive native forwards copy
@@ -992,7 +999,7 @@ def test_ps_forward_lanes_and_plane_walk(tmp_path, monkeypatch, name, dtype):
         kw = _ps_walk_kwargs(name, trial, P, C, group)
         cases += [(kw, x.astype(dtype), rois.astype(dtype)),
                   (kw, x.astype(dtype), many.astype(dtype))]
-    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_CACHE", str(variant_cache))
     flag = PS_WALK_FLAG[name]
     for flags in (f"-D{flag}=0", "", f"-D{flag}=1e30"):
         monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
@@ -1017,7 +1024,8 @@ def test_ps_forward_lanes_and_plane_walk(tmp_path, monkeypatch, name, dtype):
 @pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
                                       ("max-argmax", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
                                       ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0")])
-def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch, mode, vec):
+def test_align_backward_roi_sample_table_and_direct_paths(variant_cache, monkeypatch, mode,
+                                                          vec):
     """The native ROIAlign backwards read a roi's samples once into a table of block
     offsets (CellTaps) when it has at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them -- the
     average backward only with more than one 16-channel pass --, else directly (max: per
@@ -1035,7 +1043,7 @@ def test_align_backward_roi_sample_table_and_direct_paths(tmp_path, monkeypatch,
     # adaptive: 2x2, 1x1, 1x2 and 2x1 samples per bin on one padded 2x2 grid
     small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
                      np.float32)
-    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
+    monkeypatch.setenv("MX_ROI_CACHE", str(variant_cache))
     monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16" + vec)
     monkeypatch.setattr(loader, "_MODULES", {})
     if mode == "max-rescan":
