@@ -305,7 +305,219 @@ struct PSROIAlignOp {
 
 const RegisterParams psroi_align_params("PSROIAlign", PSROIAlignOp::format);
 
+// The "gpu" forward and backward (opt-in; docs/gpu.md): as psroi_pooling.cu's, on the
+// sample grid of ROIAlign (sample_ratio, aligned) or of legacy 'rfcn' (sample_num).
+struct PSROIAlignGpu {
+  typedef PSROIAlignOp Op;
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long,
+                           long long, int, int, int, int, int, int, unsigned long long*, char*,
+                           size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, long long, int, int, int, int, float, int, int,
+                         int, int, void*, unsigned long long, void*, char*, size_t);
+  typedef int (*Backward)(int, const void*, const void*, void*, void*, long long, long long,
+                          long long, long long, long long, long long, int, int, int, int,
+                          float, int, int, int, int, void*, unsigned long long, void*, char*,
+                          size_t);
+  static constexpr const char* OP = PSROIAlignOp::OP;
+
+  static void* tables(const Op::Params& p, const MXTensor& data, long long R, bool backward,
+                      const OpResource& res, unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_psroi_align_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 p.output_dim, (int)p.P, (int)p.Q, (int)p.sample_ratio, p.rfcn() ? 1 : 0,
+                 (int)p.sample_num, backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static int forward(const Op::Params& p, const MXTensor& data, const MXTensor& rois,
+                     MXTensor& out, void* ws, unsigned long long bytes, void* stream, char* err,
+                     size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_psroi_align_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, out.data_ptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], p.output_dim, (int)p.P, (int)p.Q,
+        (int)p.Gh(), (int)p.Gw(), (float)p.spatial_scale, (int)p.sample_ratio,
+        p.aligned ? 1 : 0, p.rfcn() ? 1 : 0, (int)p.sample_num, ws, bytes, stream, err, len);
+  }
+
+  static int backward(const Op::Params& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, MXTensor& in_grad, MXTensor& rois_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_psroi_align_backward")(
+        data.dtype, grad.data_ptr, rois.data_ptr, in_grad.data_ptr, rois_grad.data_ptr,
+        data.shape[0], data.shape[1], data.shape[2], data.shape[3], rois.shape[0],
+        p.output_dim, (int)p.P, (int)p.Q, (int)p.Gh(), (int)p.Gw(), (float)p.spatial_scale,
+        (int)p.sample_ratio, p.aligned ? 1 : 0, p.rfcn() ? 1 : 0, (int)p.sample_num, ws,
+        bytes, stream, err, len);
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_PSROIAlign, mx_roi_op::PSROIAlignOp);
+MX_ROI_EXT_REGISTER(mx_roi_PSROIAlign, mx_roi_op::PSROIAlignOp)
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::PSROIAlignGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::PSROIAlignGpu>::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (psroi_align.py's native_gpu_kernels, NVRTC's
+// PTX in PSROI_ALIGN_IMAGE) as PositionSensitive.forward_cuda / backward_cuda run them on
+// the device-built sample grid and channel map, and the C entries.
+namespace mx_roi_cuda {
+
+// A PSROIAlign call's sample grid: ROIAlign's (sample_ratio, aligned), or for legacy
+// 'rfcn' the R-FCN grid of sample_num points a side (not aligned).
+struct PsAlignGrid : SampleGrid {
+  PsAlignGrid(int dtype, long long R, int P, int Q, long long H, long long W, int sample_ratio,
+              int aligned, int rfcn, int sample_num, CUdeviceptr workspace)
+      : SampleGrid("PSROIAlign", dtype, rfcn ? MODE_RFCN_GRID : MODE_ALIGN_GRID, R, P, Q, H, W,
+                   rfcn ? sample_num : sample_ratio, rfcn ? 0 : (aligned ? 1 : 0), workspace) {}
+};
+
+// PSROIAlign's workspace: the grid's tables, the channel map, and for a float16 backward
+// the float32 accumulator; 0 for R = 0.  ``*map_at``: where the channel map starts.
+inline unsigned long long psroi_align_bytes(int dtype, long long N, long long Cin, long long H,
+                                            long long W, long long R, long long output_dim,
+                                            int P, int Q, int sample_ratio, int rfcn,
+                                            int sample_num, bool backward,
+                                            unsigned long long* map_at = nullptr) {
+  if (R <= 0) return 0;
+  const unsigned long long tables =
+      sample_layout("PSROIAlign", dtype, rfcn ? MODE_RFCN_GRID : MODE_ALIGN_GRID, R, P, Q, H,
+                    W, rfcn ? sample_num : sample_ratio).bytes;
+  if (map_at) *map_at = tables;
+  const unsigned long long both = tables + ps_map_bytes(output_dim, P, Q);
+  return backward ? with_accumulator(both, dtype, N * Cin * H * W) : both;
+}
+
+// The kernels' arguments from ``first`` (data or grad) through the divisor: first, batch,
+// channel_map, y_count .. x_wh, divisor
+inline void ps_align_tables(Args& k, CUdeviceptr first, const SampleGrid& grid,
+                            CUdeviceptr map) {
+  k(first)(grid.tb[0])(map);
+  for (int i = 1; i < 12; ++i) k(grid.tb[i]);
+}
+
+// PSROIAlign's forward (PositionSensitive.forward_cuda on a device-built grid): the
+// geometry kernel, the channel map's fill, then psroi_align_forward, on ``stream``.
+inline void psroi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
+                                long long N, long long Cin, long long H, long long W,
+                                long long R, long long output_dim, int P, int Q, int Gh,
+                                int Gw, float spatial_scale, int sample_ratio, int aligned,
+                                int rfcn, int sample_num, CUdeviceptr workspace,
+                                unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PSROIAlign", dtype, stream);
+  ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
+  call.report();
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  unsigned long long map_at = 0;
+  need_workspace(call.op, workspace_bytes,
+                 psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q, sample_ratio,
+                                   rfcn, sample_num, false, &map_at));
+  const PsAlignGrid grid(dtype, R, P, Q, H, W, sample_ratio, aligned, rfcn, sample_num,
+                         workspace);
+  grid.geometry(call, PSROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
+  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + map_at, output_dim, P, Q, Gh, Gw);
+  const long long n = R * output_dim * P * Q;
+  Args k;
+  ps_align_tables(k, data, grid, workspace + map_at);
+  k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(out)(n);
+  call.run(PSROI_ALIGN_IMAGE, "psroi_align_forward" + call.ta() + ">", n, k);
+  call.record();
+}
+
+// PSROIAlign's backward (PositionSensitive.backward_cuda, req write), as PSROIPooling's.
+inline void psroi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr rois,
+                                 CUdeviceptr in_grad, CUdeviceptr rois_grad, long long N,
+                                 long long Cin, long long H, long long W, long long R,
+                                 long long output_dim, int P, int Q, int Gh, int Gw,
+                                 float spatial_scale, int sample_ratio, int aligned, int rfcn,
+                                 int sample_num, CUdeviceptr workspace,
+                                 unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PSROIAlign", dtype, stream);
+  ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
+  unsigned long long map_at = 0;
+  need_workspace(call.op, workspace_bytes,
+                 psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q, sample_ratio,
+                                   rfcn, sample_num, true, &map_at));
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * Cin * H * W) * item_size(dtype));
+  const PsAlignGrid grid(dtype, R, P, Q, H, W, sample_ratio, aligned, rfcn, sample_num,
+                         workspace);
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * Cin * H * W, R, 5,
+                          workspace + map_at + ps_map_bytes(output_dim, P, Q));
+  grid.geometry(call, PSROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
+  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + map_at, output_dim, P, Q, Gh, Gw);
+  const long long n = R * output_dim * P * Q;
+  Args k;
+  ps_align_tables(k, grad, grid, workspace + map_at);
+  k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(target.bottom)(
+      1.0)(n);  // scale, n
+  call.run(PSROI_ALIGN_IMAGE, "psroi_align_backward" + call.ta() + ", " + call.t.A + ">", n,
+           k);
+  target.store(call);
+  call.record();
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a PSROIAlign forward (``backward`` 0) or backward (1): 0, or 1
+// with the message.  ``rfcn``: legacy 'rfcn' (the grid of ``sample_num``).
+int mx_roi_ext_cuda_psroi_align_workspace(int dtype, long long N, long long Cin, long long H,
+                                          long long W, long long R, long long output_dim,
+                                          int P, int Q, int sample_ratio, int rfcn,
+                                          int sample_num, int backward,
+                                          unsigned long long* bytes, char* err,
+                                          size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("PSROIAlign", dtype);
+    *bytes = mx_roi_cuda::psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                            sample_ratio, rfcn, sample_num, backward != 0);
+  });
+}
+
+// PSROIAlign's forward on ``stream`` (arguments as PSROIPooling's, then the sample grid's:
+// sample_ratio, aligned, rfcn, sample_num).  No host synchronisation.
+int mx_roi_ext_cuda_psroi_align_forward(int dtype, const void* data, const void* rois,
+                                        void* out, long long N, long long Cin, long long H,
+                                        long long W, long long R, long long output_dim, int P,
+                                        int Q, int Gh, int Gw, float spatial_scale,
+                                        int sample_ratio, int aligned, int rfcn,
+                                        int sample_num, void* workspace,
+                                        unsigned long long workspace_bytes, void* stream,
+                                        char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::psroi_align_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, Cin, H, W, R, output_dim, P, Q, Gh, Gw,
+        spatial_scale, sample_ratio, aligned, rfcn, sample_num,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// PSROIAlign's backward on ``stream`` (as PSROIPooling's, with the sample grid's
+// arguments).  No host synchronisation; a bad roi is reported by a later forward.
+int mx_roi_ext_cuda_psroi_align_backward(int dtype, const void* grad, const void* rois,
+                                         void* in_grad, void* rois_grad, long long N,
+                                         long long Cin, long long H, long long W, long long R,
+                                         long long output_dim, int P, int Q, int Gh, int Gw,
+                                         float spatial_scale, int sample_ratio, int aligned,
+                                         int rfcn, int sample_num, void* workspace,
+                                         unsigned long long workspace_bytes, void* stream,
+                                         char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::psroi_align_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)in_grad, (mx_roi_cuda::CUdeviceptr)rois_grad, N, Cin, H, W,
+        R, output_dim, P, Q, Gh, Gw, spatial_scale, sample_ratio, aligned, rfcn, sample_num,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

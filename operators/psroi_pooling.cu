@@ -246,7 +246,198 @@ struct PSROIPoolingOp {
 
 const RegisterParams psroi_pooling_params("PSROIPooling", PSROIPoolingOp::format);
 
+// The "gpu" forward and backward (opt-in; docs/gpu.md): this file's kernels launched by
+// mx_roi.ext.cuda's launcher (the MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
+// stream, the tables and the channel map in MXNet's temporary workspace; no host wait.
+struct PSROIPoolingGpu {
+  typedef PSROIPoolingOp Op;
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long,
+                           long long, int, int, int, unsigned long long*, char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, long long, int, int, int, int, float, void*,
+                         unsigned long long, void*, char*, size_t);
+  typedef int (*Backward)(int, const void*, const void*, void*, void*, long long, long long,
+                          long long, long long, long long, long long, int, int, int, int,
+                          float, void*, unsigned long long, void*, char*, size_t);
+  static constexpr const char* OP = PSROIPoolingOp::OP;
+
+  static void* tables(const Op::Params& p, const MXTensor& data, long long R, bool backward,
+                      const OpResource& res, unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_psroi_pooling_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 p.output_dim, (int)p.P, (int)p.Q, backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static int forward(const Op::Params& p, const MXTensor& data, const MXTensor& rois,
+                     MXTensor& out, void* ws, unsigned long long bytes, void* stream, char* err,
+                     size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_psroi_pooling_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, out.data_ptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], p.output_dim, (int)p.P, (int)p.Q,
+        (int)p.Gh(), (int)p.Gw(), (float)p.spatial_scale, ws, bytes, stream, err, len);
+  }
+
+  static int backward(const Op::Params& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, MXTensor& in_grad, MXTensor& rois_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_psroi_pooling_backward")(
+        data.dtype, grad.data_ptr, rois.data_ptr, in_grad.data_ptr, rois_grad.data_ptr,
+        data.shape[0], data.shape[1], data.shape[2], data.shape[3], rois.shape[0],
+        p.output_dim, (int)p.P, (int)p.Q, (int)p.Gh(), (int)p.Gw(), (float)p.spatial_scale,
+        ws, bytes, stream, err, len);
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_PSROIPooling, mx_roi_op::PSROIPoolingOp);
+MX_ROI_EXT_REGISTER(mx_roi_PSROIPooling, mx_roi_op::PSROIPoolingOp)
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::PSROIPoolingGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::PSROIPoolingGpu>::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (psroi_pooling.py's native_gpu_kernels, NVRTC's
+// PTX in PSROI_POOLING_IMAGE) as PositionSensitive.forward_cuda / backward_cuda run them
+// on the device-built integer bins and channel map, and the C entries.
+namespace mx_roi_cuda {
+
+// PSROIPooling's workspace: the integer bins (IntBins), the channel map, and for a float16
+// backward the float32 accumulator (with_accumulator); 0 for R = 0.  ``*map_at``: where
+// the channel map starts.
+inline unsigned long long psroi_pooling_bytes(int dtype, long long N, long long Cin,
+                                              long long H, long long W, long long R,
+                                              long long output_dim, int P, int Q,
+                                              bool backward,
+                                              unsigned long long* map_at = nullptr) {
+  if (R <= 0) return 0;
+  const unsigned long long tables = IntBins(MODE_PS_POOL_BINS, R, P, Q, H, W, 0).bytes;
+  if (map_at) *map_at = tables;
+  const unsigned long long both = tables + ps_map_bytes(output_dim, P, Q);
+  return backward ? with_accumulator(both, dtype, N * Cin * H * W) : both;
+}
+
+// PSROIPooling's forward (PositionSensitive.forward_cuda on device-built bins): the
+// geometry kernel, the channel map's fill, then psroi_pooling_forward, on ``stream``.
+inline void psroi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois,
+                                  CUdeviceptr out, long long N, long long Cin, long long H,
+                                  long long W, long long R, long long output_dim, int P, int Q,
+                                  int Gh, int Gw, float spatial_scale, CUdeviceptr workspace,
+                                  unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PSROIPooling", dtype, stream);
+  ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
+  call.report();
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  unsigned long long map_at = 0;
+  need_workspace(call.op, workspace_bytes, psroi_pooling_bytes(dtype, N, Cin, H, W, R,
+                                                               output_dim, P, Q, false,
+                                                               &map_at));
+  const IntBins bins(MODE_PS_POOL_BINS, R, P, Q, H, W, workspace);
+  bins.geometry(call, PSROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
+  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + map_at, output_dim, P, Q, Gh,
+                      Gw);
+  const long long n = R * output_dim * P * Q;
+  Args k;
+  k(data)(bins.tb[0])(workspace + map_at);  // data, batch, channel_map
+  for (int i = 1; i < 5; ++i) k(bins.tb[i]);
+  k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(out)(n);
+  call.run(PSROI_POOLING_IMAGE, "psroi_pooling_forward" + call.ta() + ">", n, k);
+  call.record();
+}
+
+// PSROIPooling's backward (PositionSensitive.backward_cuda, req write): the gradients zeroed
+// (GradTarget), the geometry kernel, the channel map, psroi_pooling_backward, then for
+// float16 the accumulator's store; all on ``stream``.  A bad roi raises nothing here (as
+// ROIAlign's backward: the next forward reports it).
+inline void psroi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr rois,
+                                   CUdeviceptr in_grad, CUdeviceptr rois_grad, long long N,
+                                   long long Cin, long long H, long long W, long long R,
+                                   long long output_dim, int P, int Q, int Gh, int Gw,
+                                   float spatial_scale, CUdeviceptr workspace,
+                                   unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PSROIPooling", dtype, stream);
+  ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
+  unsigned long long map_at = 0;
+  need_workspace(call.op, workspace_bytes, psroi_pooling_bytes(dtype, N, Cin, H, W, R,
+                                                               output_dim, P, Q, true,
+                                                               &map_at));
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * Cin * H * W) * item_size(dtype));
+  const IntBins bins(MODE_PS_POOL_BINS, R, P, Q, H, W, workspace);
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * Cin * H * W, R, 5,
+                          workspace + map_at + ps_map_bytes(output_dim, P, Q));
+  bins.geometry(call, PSROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
+  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + map_at, output_dim, P, Q, Gh,
+                      Gw);
+  const long long n = R * output_dim * P * Q;
+  Args k;
+  k(grad)(bins.tb[0])(workspace + map_at);  // grad, batch, channel_map
+  for (int i = 1; i < 5; ++i) k(bins.tb[i]);
+  k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(target.bottom)(1.0)(n);  // scale, n
+  call.run(PSROI_POOLING_IMAGE,
+           "psroi_pooling_backward" + call.ta() + ", " + call.t.A + ">", n, k);
+  target.store(call);
+  call.record();
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a PSROIPooling forward (``backward`` 0) or backward (1): 0, or 1
+// with the message.  Cin: the data's channels (output_dim * Gh * Gw).
+int mx_roi_ext_cuda_psroi_pooling_workspace(int dtype, long long N, long long Cin, long long H,
+                                            long long W, long long R, long long output_dim,
+                                            int P, int Q, int backward,
+                                            unsigned long long* bytes, char* err,
+                                            size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("PSROIPooling", dtype);
+    *bytes = mx_roi_cuda::psroi_pooling_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                              backward != 0);
+  });
+}
+
+// PSROIPooling's forward on ``stream``: data (N, Cin, H, W), rois (R, 5), out (R,
+// output_dim, P, Q), device pointers of ``dtype``; (Gh, Gw) the group grid (Cin must be
+// output_dim * Gh * Gw); ``workspace``: at least the workspace function's bytes.  No host
+// synchronisation.
+int mx_roi_ext_cuda_psroi_pooling_forward(int dtype, const void* data, const void* rois,
+                                          void* out, long long N, long long Cin, long long H,
+                                          long long W, long long R, long long output_dim,
+                                          int P, int Q, int Gh, int Gw, float spatial_scale,
+                                          void* workspace, unsigned long long workspace_bytes,
+                                          void* stream, char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::psroi_pooling_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, Cin, H, W, R, output_dim, P, Q, Gh, Gw,
+        spatial_scale, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
+        (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// PSROIPooling's backward on ``stream``: grad (R, output_dim, P, Q), in_grad (N, Cin, H, W)
+// written (req write), rois_grad (R, 5) zeroed (null: none); the data is not read.  No host
+// synchronisation; a bad roi is reported by a later forward.
+int mx_roi_ext_cuda_psroi_pooling_backward(int dtype, const void* grad, const void* rois,
+                                           void* in_grad, void* rois_grad, long long N,
+                                           long long Cin, long long H, long long W, long long R,
+                                           long long output_dim, int P, int Q, int Gh, int Gw,
+                                           float spatial_scale, void* workspace,
+                                           unsigned long long workspace_bytes, void* stream,
+                                           char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::psroi_pooling_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)in_grad, (mx_roi_cuda::CUdeviceptr)rois_grad, N, Cin, H, W,
+        R, output_dim, P, Q, Gh, Gw, spatial_scale, (mx_roi_cuda::CUdeviceptr)workspace,
+        workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

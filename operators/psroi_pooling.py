@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mx_roi import geometry, kernels_numpy as K
+from mx_roi.ndio import Kind
 from mx_roi.params import PSROIPoolingParam
 from mx_roi.registry import RoIOp, register
 from mx_roi.cuda.tables import int_bins_tables
@@ -51,7 +52,7 @@ class PositionSensitive(RoIOp):
         C = self.param.output_dim
         out = launch.output((tables["batch"].shape[0], C, tables["P"], tables["Q"]))
         launch.forward(self._kernel("forward"), out.size, tables, data=data,
-                       channel_map=self.channel_map(launch.xp), C=C, Cin=Cin, H=H, W=W,
+                       channel_map=self.launch_channel_map(launch), C=C, Cin=Cin, H=H, W=W,
                        out=out)
         return out, None
 
@@ -59,28 +60,42 @@ class PositionSensitive(RoIOp):
         _, Cin, H, W = data_shape
         buf = launch.grad_buffer(data_shape, grad)
         launch.backward(self._kernel("backward"), grad.size, self.kernel_tables(geo),
-                        grad=grad, channel_map=self.channel_map(launch.xp),
+                        grad=grad, channel_map=self.launch_channel_map(launch),
                         C=self.param.output_dim, Cin=Cin, H=H, W=W, bottom=buf)
         return launch.grad_value(buf)
 
-    def channel_map(self, xp=np):
-        """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map)."""
-        cmap = _host_tables(self.param)[1]
-        if xp is np:
-            return cmap
-        # on a GPU: uploaded once per parameters and device, not per call (a copy before
-        # the launch would wait on the host)
-        key = (self.param, int(xp.cuda.get_device_id()))
-        dev = _DEVICE_MAPS.get(key)
-        if dev is None:
+    def channel_map(self):
+        """(C_out, P, Q) int32 input channel of each output bin on the host
+        (geometry.ps_channel_map; read-only, shared by the calls with these parameters)."""
+        return _host_tables(self.param)[1]
+
+    def launch_channel_map(self, launch):
+        """The channel map ``launch``'s kernels read: the host table in the native build;
+        where the kernels run as on a GPU (CUDA, emulated-cuda) the ``ps_channel_map_fill``
+        kernel's (the native GPU path's way too: nothing copied to the device), filled
+        once per parameters and device -- the call that fills it waits for its stream
+        before it returns (the backend's one sync), so a later call on any stream reads
+        it complete."""
+        if launch.module.kind is Kind.NATIVE:
+            return self.channel_map()
+        kind = launch.module.kind
+        key = (self.param, kind, 0 if kind.on_host else int(launch.xp.cuda.get_device_id()))
+        cmap = _DEVICE_MAPS.get(key)
+        if cmap is None:
+            p = self.param
+            (P, Q), (Gh, Gw) = p.pooled_size, p.group_grid
+            cmap = launch.empty((p.output_dim, P, Q), np.int32)
+            launch.forward("ps_channel_map_fill", cmap.size, channel_map=cmap, P=P, Q=Q,
+                           Gh=Gh, Gw=Gw)
             if len(_DEVICE_MAPS) >= 256:  # stay bounded, as _HOST_TABLES
                 _DEVICE_MAPS.clear()
-            dev = _DEVICE_MAPS[key] = xp.asarray(cmap)
-        return dev
+            _DEVICE_MAPS[key] = cmap
+        return cmap
 
 
 _HOST_TABLES = {}
-#: (parameters, device id) -> the channel map on that GPU (read-only by the kernels)
+#: (parameters, kind, device id) -> the channel map ps_channel_map_fill made there (read-only
+#: by the kernels)
 _DEVICE_MAPS = {}
 
 
@@ -132,6 +147,9 @@ class PSROIPooling(PositionSensitive):
     name = "PSROIPooling"
     param_cls = PSROIPoolingParam
     cuda_source = "psroi_pooling.cu"
+    #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section)
+    native_gpu_kernels = (("roi_bins_geometry", ()), ("ps_channel_map_fill", ()),
+                          ("psroi_pooling_forward", ()), ("psroi_pooling_backward", ("A",)))
     gluon_mode = "pspool"
     builtin_order = ("spatial_scale", "output_dim", "pooled_size",        # contrib.PSROIPooling
                      "group_size")

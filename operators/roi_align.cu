@@ -834,47 +834,24 @@ MX_ROI_EXT_REGISTER(mx_roi_ROIAlign, mx_roi_op::ROIAlignOp)
 // entries that the extension op's "gpu" callbacks above and mx_roi.ext.cuda's wrappers call.
 namespace mx_roi_cuda {
 
-inline GridLayout roi_align_layout(const std::string& op, int dtype, long long R, int P,
-                                   int Q, int H, int W, int sample_ratio, int caffe) {
-  const Types t = types_of(op, dtype);
-  GridLayout g;
-  if (!grid_layout(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID, P, Q, H, W,
-                   caffe ? 0 : sample_ratio, R, t.acc_size, g))
-    throw Error(op + ": the native GPU path cannot build this call's sample grid on the "
-                "device (more than " + std::to_string(MAX_SAMPLES_PER_AXIS) +
-                " sample points along an axis); use the Custom door");
-  return g;
-}
+// ROIAlign's grid: the Caffe grid for legacy 'caffe' (no sample count, not aligned)
+inline int roi_align_mode(int caffe) { return caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID; }
 
-// A ROIAlign call's sample grid (both directions): the tables' layout over the
-// workspace, checked against the kernels' limits; geometry() queues roi_grid_geometry,
-// which fills the tables and marks a bad roi (as padding, in the channel's status word).
-struct RoiAlignGrid {
-  GridLayout g;
-  CUdeviceptr tb[12];  // batch, y_count .. y_wh, x_count .. x_wh, divisor
+// A ROIAlign call's sample grid (both directions; SampleGrid), checked against the max
+// kernels' running argmax.
+struct RoiAlignGrid : SampleGrid {
   bool is_max;
 
   RoiAlignGrid(const std::string& op, int dtype, long long R, int P, int Q, long long H,
-               long long W, int sample_ratio, int pool_max, int caffe, CUdeviceptr workspace)
-      : g(roi_align_layout(op, dtype, R, P, Q, (int)H, (int)W, sample_ratio, caffe)),
+               long long W, int sample_ratio, int aligned, int pool_max, int caffe,
+               CUdeviceptr workspace)
+      : SampleGrid(op, dtype, roi_align_mode(caffe), R, P, Q, H, W, caffe ? 0 : sample_ratio,
+                   caffe ? 0 : (aligned ? 1 : 0), workspace),
         is_max(pool_max || caffe) {
     if (is_max && (long long)g.Gy * g.Gx >= (1LL << 31))  // the running argmax is an int
       throw Error(op + ": " + std::to_string(g.Gy) + "x" + std::to_string(g.Gx) +
                   " sample points per bin are too many for pool_mode='max' on the CUDA "
                   "backend");
-    for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
-  }
-
-  void geometry(const CallScope& call, CUdeviceptr rois, long long N, long long H,
-                long long W, long long R, int P, int Q, float spatial_scale, int sample_ratio,
-                int aligned, int caffe) const {
-    Args geo;
-    geo(rois)(caffe ? MODE_CAFFE_GRID : MODE_ALIGN_GRID)(P)(Q)((int)H)((int)W)(
-        caffe ? 0 : sample_ratio)(caffe ? 0 : (aligned ? 1 : 0))(spatial_scale)(g.Gy)(g.Gx)(
-        (long long)N)(GUARD_BOUND)(call.t.bounded ? 1 : 0);
-    for (int k = 0; k < 12; ++k) geo(tb[k]);
-    geo(call.ch.status)((long long)R);
-    call.run(ROI_ALIGN_IMAGE, "roi_grid_geometry" + call.ta() + ">", R, geo);
   }
 };
 
@@ -889,17 +866,16 @@ inline void roi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUd
   const CallScope call("ROIAlign", dtype, stream);
   call.report();
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
-                          workspace);
+  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, aligned, pool_max,
+                          caffe, workspace);
   if (workspace_bytes < grid.g.bytes)
     throw Error(call.op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables need " + std::to_string(grid.g.bytes));
-  grid.geometry(call, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned, caffe);
+  grid.geometry(call, ROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   k(data);
-  for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
-  if (!grid.is_max) k(grid.tb[11]);            // divisor
+  grid.tables(k, !grid.is_max);  // batch .. x_wh, the divisor for avg
   k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(out);
   if (grid.is_max) k(workspace)(0);            // argmax (never written: store_argmax 0)
   k(n);
@@ -917,8 +893,8 @@ inline unsigned long long roi_align_backward_bytes(int dtype, long long N, long 
                                                    int Q, int sample_ratio, int caffe,
                                                    unsigned long long* acc_offset = nullptr) {
   if (R <= 0) return 0;
-  const GridLayout g = roi_align_layout("ROIAlign", dtype, R, P, Q, (int)H, (int)W,
-                                        sample_ratio, caffe);
+  const GridLayout g = sample_layout("ROIAlign", dtype, roi_align_mode(caffe), R, P, Q, H, W,
+                                     caffe ? 0 : sample_ratio);
   if (acc_offset) *acc_offset = g.bytes;  // (a multiple of 16)
   return with_accumulator(g.bytes, dtype, N * C * H * W);
 }
@@ -946,17 +922,16 @@ inline void roi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CU
     throw Error(call.op + ": the workspace holds " + std::to_string(workspace_bytes) +
                 " bytes but the call's tables and accumulator need " + std::to_string(need));
   if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
-  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, pool_max, caffe,
-                          workspace);
+  const RoiAlignGrid grid(call.op, dtype, R, P, Q, H, W, sample_ratio, aligned, pool_max,
+                          caffe, workspace);
   const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
                           workspace + acc_at);
-  grid.geometry(call, rois, N, H, W, R, P, Q, spatial_scale, sample_ratio, aligned, caffe);
+  grid.geometry(call, ROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   if (grid.is_max) k(data);
   k(grad);
-  for (int i = 0; i < 11; ++i) k(grid.tb[i]);  // batch .. x_wh
-  if (!grid.is_max) k(grid.tb[11]);            // divisor
+  grid.tables(k, !grid.is_max);  // batch .. x_wh, the divisor for avg
   k((int)C)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(target.bottom)(1.0)(n);  // scale, n
   call.run(ROI_ALIGN_IMAGE,
            (grid.is_max ? "roi_align_backward_max_rescan" : "roi_align_backward_avg") +
@@ -977,8 +952,9 @@ int mx_roi_ext_cuda_roi_align_workspace(int dtype, long long R, int P, int Q, in
                                         char* err, size_t err_len) {
   return mx_roi_cuda::c_entry(err, err_len, [&]() {
     *bytes = R <= 0 ? 0
-                    : mx_roi_cuda::roi_align_layout("ROIAlign", dtype, R, P, Q, H, W,
-                                                    sample_ratio, caffe).bytes;
+                    : mx_roi_cuda::sample_layout("ROIAlign", dtype,
+                                                 mx_roi_cuda::roi_align_mode(caffe), R, P, Q,
+                                                 H, W, caffe ? 0 : sample_ratio).bytes;
   });
 }
 

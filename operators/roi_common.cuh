@@ -1396,6 +1396,14 @@ __device__ __forceinline__ int group_cell(int i, int pooled, int group) {
   return imin(imax(g, 0), group - 1);
 }
 
+// geometry.ps_channel_map's entry (c, p, q): the input channel (c * Gh + gh[p]) * Gw + gw[q]
+// that output channel c reads at bin (p, q) of a P x Q grid on the group grid (Gh, Gw) --
+// the C++ form of the rule (the extension library's host map, ps_channel_map_fill)
+__device__ __forceinline__ int ps_channel(long long c, int p, int q, int P, int Q, int Gh,
+                                          int Gw) {
+  return (int)((c * Gh + group_cell(p, P, Gh)) * Gw + group_cell(q, Q, Gw));
+}
+
 }  // namespace geo
 }  // namespace mx_roi
 
@@ -1775,6 +1783,19 @@ __global__ void roi_check(const T* __restrict__ rois, int columns, long long N, 
   const long long step = (long long)blockDim.x * (long long)gridDim.x;
   for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step)
     mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status, columns);
+}
+
+// The position-sensitive channel map (C_out, P, Q) int32 built where the op kernels read it
+// (mx_roi::geo::ps_channel; geometry.ps_channel_map on the host): PositionSensitive's CUDA
+// and emulated launches and the native GPU path fill it instead of copying a host table to
+// the device.  n = C_out * P * Q.
+template <typename T, typename A>
+__global__ void ps_channel_map_fill(int* __restrict__ channel_map, int P, int Q, int Gh, int Gw,
+                                    long long n) {
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+    channel_map[i] = mx_roi::geo::ps_channel(i / ((long long)P * Q), (int)(i / Q % P),
+                                             (int)(i % Q), P, Q, Gh, Gw);
 }
 
 #ifdef MX_ROI_HOST_SHIM

@@ -399,50 +399,18 @@ MX_ROI_EXT_REGISTER(mx_roi_ROIPooling, mx_roi_op::ROIPoolingOp)
 // integer bins, and the C entries.
 namespace mx_roi_cuda {
 
-// The integer bins' device tables over one workspace, as device_geometry.build lays them
-// out (_carve: 16-byte aligned): batch (R,), hstart, hend (R, P), wstart, wend (R, Q), int32;
-// and ``cells``, the most cells per bin the tables allow (device_geometry.bin_cells: a roi
-// with a larger bin is flagged in the status word, as a grid roi the tables cannot hold).
-struct RoiPoolingBins {
-  CUdeviceptr tb[5];
-  unsigned long long bytes = 0;
-  long long cells;
-
-  RoiPoolingBins(long long R, int P, int Q, long long H, long long W, CUdeviceptr workspace) {
-    const long long counts[5] = {R, R * P, R * P, R * Q, R * Q};
-    for (int k = 0; k < 5; ++k) {
-      tb[k] = workspace + bytes;
-      bytes += ((unsigned long long)counts[k] * 4 + 15) / 16 * 16;
-    }
-    if (bytes < 16) bytes = 16;
-    const long long by_side = ((H + 1 + P - 1) / P + 1) * ((W + 1 + Q - 1) / Q + 1);
-    cells = H * W < by_side ? H * W : by_side;
-  }
-
-  // roi_bins_geometry on ``stream``: the tables filled, a bad roi marked (padding, status)
-  void geometry(const CallScope& call, CUdeviceptr rois, long long N, long long H,
-                long long W, long long R, int P, int Q, float spatial_scale) const {
-    Args geo;
-    geo(rois)(MODE_POOL_BINS)(P)(Q)((int)H)((int)W)(spatial_scale)(N)(GUARD_BOUND)(
-        call.t.bounded ? 1 : 0)(cells);
-    for (int k = 0; k < 5; ++k) geo(tb[k]);
-    geo(call.ch.status)(R);
-    call.run(ROI_POOLING_IMAGE, "roi_bins_geometry" + call.ta() + ">", R, geo);
-  }
-};
-
 // ROIPooling's workspace: the tables, and for a float16 backward the float32 accumulator
 // (with_accumulator); 0 for R = 0.
 inline unsigned long long roi_pooling_bytes(int dtype, long long N, long long C, long long H,
                                             long long W, long long R, int P, int Q,
                                             bool backward) {
   if (R <= 0) return 0;
-  const unsigned long long tables = RoiPoolingBins(R, P, Q, H, W, 0).bytes;
+  const unsigned long long tables = IntBins(MODE_POOL_BINS, R, P, Q, H, W, 0).bytes;
   return backward ? with_accumulator(tables, dtype, N * C * H * W) : tables;
 }
 
-// ROIPooling's forward (roi_pooling.py forward_cuda on device-built bins): the geometry
-// kernel, then roi_pooling_forward (no argmax kept: store_argmax 0, the backward rescans),
+// ROIPooling's forward (roi_pooling.py forward_cuda on device-built bins, IntBins): the
+// geometry kernel, then roi_pooling_forward (no argmax kept: store_argmax 0, the backward rescans),
 // on ``stream``.
 inline void roi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
                                 long long N, long long C, long long H, long long W,
@@ -454,8 +422,8 @@ inline void roi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, C
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
   need_workspace(call.op, workspace_bytes,
                  roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, false));
-  const RoiPoolingBins bins(R, P, Q, H, W, workspace);
-  bins.geometry(call, rois, N, H, W, R, P, Q, spatial_scale);
+  const IntBins bins(MODE_POOL_BINS, R, P, Q, H, W, workspace);
+  bins.geometry(call, ROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   k(data);
@@ -478,10 +446,10 @@ inline void roi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr data,
   const CallScope call("ROIPooling", dtype, stream);
   need_workspace(call.op, workspace_bytes, roi_pooling_bytes(dtype, N, C, H, W, R, P, Q, true));
   if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
-  const RoiPoolingBins bins(R, P, Q, H, W, workspace);
+  const IntBins bins(MODE_POOL_BINS, R, P, Q, H, W, workspace);
   const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 5,
                           workspace + bins.bytes);
-  bins.geometry(call, rois, N, H, W, R, P, Q, spatial_scale);
+  bins.geometry(call, ROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
   const long long n = R * C * P * Q;
   Args k;
   k(data)(grad);

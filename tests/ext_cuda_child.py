@@ -17,8 +17,8 @@ fake.fake_image.restype = ctypes.c_char_p
 STREAM, OTHER_STREAM = 0x5100, 0x5200
 N, C, H, W, R, P = 2, 3, 19, 25, 4, 7
 buffers = {name: np.full(n, 0xCD, np.uint8) for name, n in
-           (("data", 1 << 16), ("rois", 1 << 10), ("out", 1 << 16), ("ws", 1 << 20),
-            ("grad", 1 << 16), ("in_grad", 1 << 16), ("rois_grad", 1 << 10))}
+           (("data", 1 << 18), ("rois", 1 << 10), ("out", 1 << 16), ("ws", 1 << 20),
+            ("grad", 1 << 16), ("in_grad", 1 << 18), ("rois_grad", 1 << 10))}
 ptr = {k: v.ctypes.data for k, v in buffers.items()}
 steps = {}
 
@@ -137,6 +137,54 @@ step("pool_reported", pool())
 step("pool_no_rois", pool(R=0))
 step("pool_small_workspace", pool(ws=cuda.roi_pooling_workspace("float32", (N, C, H, W), R,
                                                                 P) - 1))
+# ---- the position-sensitive ops (a channel each; output_dim 2 on a 2 x 3 group grid) ----
+PS_D, PS_GROUP, PS_CIN = 2, (2, 3), 12
+
+
+def ps(op, direction="forward", dtype="float32", R=R, ws=None, channels=PS_CIN, **grid):
+    shape = (N, channels, H, W)
+    back = direction == "backward"
+    if op == "PSROIPooling":
+        need = cuda.psroi_pooling_workspace(dtype, shape, R, P, PS_D, back)
+        fwd, bwd, grid = cuda.psroi_pooling_forward, cuda.psroi_pooling_backward, {}
+    else:
+        grid = dict(dict(sample_ratio=-1, aligned=False, legacy="", sample_num=2), **grid)
+        need = cuda.psroi_align_workspace(dtype, shape, R, P, PS_D, grid["sample_ratio"],
+                                          grid["legacy"], grid["sample_num"], back)
+        fwd, bwd = cuda.psroi_align_forward, cuda.psroi_align_backward
+    common = dict(group_size=PS_GROUP, workspace=ptr["ws"],
+                  workspace_bytes=need if ws is None else ws, stream=STREAM, **grid)
+    if not back:
+        return lambda: fwd(dtype, ptr["data"], ptr["rois"], ptr["out"], shape, R, P, PS_D, 0.5,
+                           **common)
+    return lambda: bwd(dtype, ptr["grad"], ptr["rois"], ptr["in_grad"], shape, R, P, PS_D,
+                       0.5, rois_grad=ptr["rois_grad"], **common)
+
+
+ps_status = {}
+for op, tag in (("PSROIPooling", "psp"), ("PSROIAlign", "psa")):
+    step(f"{tag}_first", ps(op))
+    ps_status[op] = status_ptr(steps[f"{tag}_first"])
+    step(f"{tag}_fwd_f64", ps(op, dtype="float64"))
+    step(f"{tag}_fwd_f16", ps(op, dtype="float16"))
+    step(f"{tag}_bwd", ps(op, "backward"))
+    step(f"{tag}_bwd_f64", ps(op, "backward", "float64"))
+    step(f"{tag}_bwd_f16", ps(op, "backward", "float16"))
+    plant(ps_status[op], ~3 & (2 ** 64 - 1))     # the backward's geometry finds rois[3] bad
+    step(f"{tag}_bad_bwd", ps(op, "backward"))
+    step(f"{tag}_reported", ps(op))
+    step(f"{tag}_no_rois", ps(op, R=0))
+    step(f"{tag}_bwd_no_rois", ps(op, "backward", R=0))
+    step(f"{tag}_channels", ps(op, channels=PS_CIN + 1))
+    step(f"{tag}_bwd_channels", ps(op, "backward", channels=PS_CIN - 1))
+    step(f"{tag}_small_workspace", ps(op, ws=(cuda.psroi_pooling_workspace(
+        "float32", (N, PS_CIN, H, W), R, P, PS_D) if op == "PSROIPooling" else
+        cuda.psroi_align_workspace("float32", (N, PS_CIN, H, W), R, P, PS_D)) - 1))
+step("psa_fixed", ps("PSROIAlign", sample_ratio=2, aligned=True))
+step("psa_rfcn", ps("PSROIAlign", legacy="rfcn", sample_num=3))
+step("psa_bwd_rfcn", ps("PSROIAlign", "backward", legacy="rfcn", sample_num=3))
+step("psa_bwd_fixed_f16", ps("PSROIAlign", "backward", "float16", sample_ratio=2,
+                             aligned=True))
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -177,20 +225,22 @@ def gpu_malloc(state, size):
     return gpu_allocs[-1].ctypes.data
 
 
-def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0):
+def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C, C)):
     """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on
     (data, rois) -> out, the backward on (out-grad, data, rois) -> (data's gradient, rois'
-    gradient), as MXNet hands them to a stateless op; (rc, last message)."""
+    gradient), as MXNet hands them to a stateless op; ``channels``: the data's and the
+    output's; (rc, last message)."""
     keys = (ctypes.c_char_p * len(attrs))(*[k.encode() for k in attrs])
     vals = (ctypes.c_char_p * len(attrs))(*[str(v).encode() for v in attrs.values()])
     P_, Q_ = attrs["pooled_size"]
-    data, rois, out = ((N, C, H, W), ptr["data"]), ((R_, 5), ptr["rois"]), \
-        ((R_, C, P_, Q_), ptr["out"])
+    (Cd, Co) = channels
+    data, rois, out = ((N, Cd, H, W), ptr["data"]), ((R_, 5), ptr["rois"]), \
+        ((R_, Co, P_, Q_), ptr["out"])
     if direction == "forward":
         ins, outs = [data, rois], [out]
     else:
-        ins = [((R_, C, P_, Q_), ptr["grad"]), data, rois]
-        outs = [((N, C, H, W), ptr["in_grad"]), ((R_, 5), ptr["rois_grad"])]
+        ins = [((R_, Co, P_, Q_), ptr["grad"]), data, rois]
+        outs = [((N, Cd, H, W), ptr["in_grad"]), ((R_, 5), ptr["rois_grad"])]
 
     def arrays(tensors):
         shapes = [(ctypes.c_int64 * len(s))(*s) for s, _ in tensors]
@@ -222,11 +272,12 @@ ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligne
          "pool_mode": "max"}
 
 
-def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0):
+def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0, channels=(C, C)):
     fake.fake_clear()
     fake.fake_set_ready(1)
     allocs = len(gpu_allocs)
-    rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction, dtype=dtype)
+    rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction, dtype=dtype,
+                       channels=channels)
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "rc": rc,
                    "error": msg if rc != 1 else None,  # lib_api: MX_SUCCESS 1, MX_FAIL 0
                    # MXNet's workspace of the call (its address and size), if it asked
@@ -248,7 +299,22 @@ POOL_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5}
 mx_step("mx_pool_forward", POOL_ATTRS)
 mx_step("mx_pool_backward", POOL_ATTRS, direction="backward")
 pool_contexts = sorted("/".join(k) for k in fns)
+PS_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "output_dim": PS_D,
+            "group_size": PS_GROUP}
+ps_contexts = {}
+for op, tag, extra in (("PSROIPooling", "psp", {}),
+                       ("PSROIAlign", "psa", {"sample_ratio": 2, "aligned": True})):
+    fns = op_functions(f"mx_roi_{op}".encode())
+    ps_contexts[op] = sorted("/".join(k) for k in fns)
+    attrs = dict(PS_ATTRS, **extra)
+    mx_step(f"mx_{tag}_forward", attrs, channels=(PS_CIN, PS_D))
+    mx_step(f"mx_{tag}_backward", attrs, direction="backward", channels=(PS_CIN, PS_D))
+    mx_step(f"mx_{tag}_backward_f16", attrs, direction="backward", dtype=2,
+            channels=(PS_CIN, PS_D))
+    mx_step(f"mx_{tag}_deterministic", dict(attrs, deterministic=True), direction="backward",
+            channels=(PS_CIN, PS_D))
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
-                  "mx_contexts": mx_contexts, "pool_contexts": pool_contexts}))
+                  "mx_contexts": mx_contexts, "pool_contexts": pool_contexts,
+                  "ps_contexts": ps_contexts}))
 sys.stdout.flush()

@@ -26,6 +26,7 @@ import pytest
 
 from mx_roi.cuda import device_geometry, nvrtc
 from mx_roi.cuda import source as S
+from mx_roi.ndio import Kind
 from mx_roi.registry import get_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,26 +124,38 @@ def parse_launch(line, ptx):
         sig = types.SimpleNamespace(params=[
             types.SimpleNamespace(name=n, pointer=n != "n", ctype=c)
             for n, c in (("src", "float"), ("dst", "__half"), ("n", "long long"))])
-    else:
-        sig = S.instantiate("roi_pooling.cu" if expr.startswith(("roi_pooling", "roi_bins"))
-                        else "roi_align.cu", expr)
+    else:  # (the geometry and channel-map kernels are in every source: roi_common.cuh)
+        sig = S.instantiate(next((f for k, f in SOURCE_OF if expr.startswith(k)),
+                                 "roi_align.cu"), expr)
     # the launcher's argument count = the PTX entry's = the kernel's declaration's
     assert len(slots) == len(types_) == len(sig.params), (expr, len(slots), len(types_))
     values = {p.name: decode(s, t, p) for p, s, t in zip(sig.params, slots, types_)}
     return expr, grid, block, shared, stream, values
 
 
+#: a launched kernel's source by its name's start (any other: roi_align.cu)
+SOURCE_OF = (("psroi_pooling", "psroi_pooling.cu"), ("psroi_align", "psroi_align.cu"),
+             ("roi_pooling", "roi_pooling.cu"), ("roi_bins", "roi_pooling.cu"))
+
+
 # ---- what the CuPy path binds for the same call (device_geometry.build, forward_cuda) ----
 class Recorder:
-    """A stand-in for mx_roi.cuda.backend.Launch over NumPy: records each launch's
-    arguments by name."""
+    """A stand-in for mx_roi.cuda.backend.Launch over NumPy, as the emulated build's (the
+    CUDA path's code: the tables and the channel map made where the kernels run): records
+    each launch's arguments by name."""
 
     xp = np
+    module = types.SimpleNamespace(kind=Kind.EMULATED)
 
     def __init__(self, dtype):
         self.dtype = np.dtype(dtype)
         self.acc = np.float64 if self.dtype == np.float64 else np.float32
         self.calls = []
+        self.made = []
+
+    def empty(self, shape, dtype=None):
+        self.made.append(np.empty(shape, dtype or self.dtype))
+        return self.made[-1]
 
     def forward(self, kernel, n, tables=None, **args):
         self.calls.append((kernel, int(n), dict(tables or {}, **args)))
@@ -167,7 +180,11 @@ class Recorder:
 
 def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign", hw=(H, W)):
     """[(kernel, n, {name: value or ('ws', offset) / role})] of the CuPy path's call (the
-    backward: _backward_device's, req write) on an ``hw`` map."""
+    backward: _backward_device's, req write) on an ``hw`` map, and the bytes of the
+    launcher's workspace before float16's accumulator: the tables, then (position-
+    sensitive ops) the channel map, which the CuPy path makes once per parameters and the
+    launcher per call (the cache is emptied here: the CuPy path's first call)."""
+    from mx_roi.operators import psroi_pooling
     cls = get_op(op_name)
     op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
     rois = np.zeros((R_, 5), dtype)
@@ -179,6 +196,7 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
         return bufs[-1]
 
     rec = Recorder(dtype)
+    psroi_pooling._DEVICE_MAPS.clear()
     dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
     status, table = bufs[0], bufs[1]
     base, end = table.ctypes.data, table.ctypes.data + table.nbytes
@@ -191,8 +209,13 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
         grad = np.zeros(op.out_shape(data.shape, rois.shape), dtype)
         roles[id(grad)] = "grad"
         op.backward_cuda(rec, dev.geo, grad, data.shape, None)
-        # float16: a float32 temporary, which the launcher keeps after the tables
-        roles[id(rec.bottom)] = ("ws", table.nbytes) if dtype == "float16" else "in_grad"
+    used = table.nbytes
+    for made in rec.made:  # the channel map: after the tables in the launcher's workspace
+        roles[id(made)] = ("ws", used)
+        used += -(-made.nbytes // 16) * 16
+    if direction == "backward":
+        # float16: a float32 temporary, which the launcher keeps after the rest
+        roles[id(rec.bottom)] = ("ws", used) if dtype == "float16" else "in_grad"
     result = []
     for kernel, n, args in rec.calls:
         named = {}
@@ -207,7 +230,7 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
             else:
                 named[k] = v
         result.append((kernel, n, named))
-    return result, table.nbytes
+    return result, used
 
 
 def c_binding(values, run, ws_bytes, ws, status):
@@ -216,7 +239,8 @@ def c_binding(values, run, ws_bytes, ws, status):
              ptr["grad"]: "grad", ptr["in_grad"]: "in_grad"}
     named = {}
     for k, v in values.items():
-        if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom") or k in TABLES:
+        if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom",
+                 "channel_map") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
             elif ws <= v < ws + ws_bytes:
@@ -284,7 +308,7 @@ def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAli
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
         assert expr.startswith(f"{kernel}<{t[dtype]}")
-        if direction == "backward" and not kernel.endswith("_geometry"):  # O: accumulator
+        if direction == "backward" and "_backward" in kernel:  # O: the accumulator
             assert expr == f"{kernel}<{t[dtype]}, {t[dtype].split(', ')[1]}>"
         assert stream == want_stream and shared == 0 and block == (256, 1, 1)
         assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
@@ -387,6 +411,101 @@ def test_roi_pooling_status_zeroing_and_workspace(run):
         cuda.roi_pooling_workspace("float32", (N, C, H, W), R, P, backward=True)]
 
 
+PS_D, PS_GROUP, PS_CIN = 2, (2, 3), 12  # (ext_cuda_child.py's)
+PS = dict(pooled_size=(P, P), spatial_scale=0.5, output_dim=PS_D, group_size=PS_GROUP)
+PS_ALIGN = dict(PS, sample_ratio=-1)
+PS_CASES = {  # child step -> (op, direction, dtype, parameters)
+    **{f"{tag}_{step}": (op, direction, dtype, params)
+       for op, tag, params in (("PSROIPooling", "psp", PS), ("PSROIAlign", "psa", PS_ALIGN))
+       for step, direction, dtype in (
+           ("first", "forward", "float32"), ("fwd_f64", "forward", "float64"),
+           ("fwd_f16", "forward", "float16"), ("bwd", "backward", "float32"),
+           ("bwd_f64", "backward", "float64"), ("bwd_f16", "backward", "float16"))},
+    "psa_fixed": ("PSROIAlign", "forward", "float32", dict(PS, sample_ratio=2, aligned=True)),
+    "psa_rfcn": ("PSROIAlign", "forward", "float32", dict(PS, legacy="rfcn", sample_num=3)),
+    "psa_bwd_rfcn": ("PSROIAlign", "backward", "float32",
+                     dict(PS, legacy="rfcn", sample_num=3)),
+    "psa_bwd_fixed_f16": ("PSROIAlign", "backward", "float16",
+                          dict(PS, sample_ratio=2, aligned=True)),
+    "mx_psp_forward": ("PSROIPooling", "forward", "float32", PS),
+    "mx_psp_backward": ("PSROIPooling", "backward", "float32", PS),
+    "mx_psp_backward_f16": ("PSROIPooling", "backward", "float16", PS),
+    "mx_psa_forward": ("PSROIAlign", "forward", "float32", dict(PS, sample_ratio=2,
+                                                                aligned=True)),
+    "mx_psa_backward": ("PSROIAlign", "backward", "float32", dict(PS, sample_ratio=2,
+                                                                  aligned=True)),
+    "mx_psa_backward_f16": ("PSROIAlign", "backward", "float16", dict(PS, sample_ratio=2,
+                                                                      aligned=True)),
+}
+
+
+@pytest.mark.parametrize("step", sorted(PS_CASES))
+def test_position_sensitive_launch_arguments_are_the_cupy_paths(run, step):
+    """PSROIPooling and PSROIAlign on the native GPU path (their own files' sections): the
+    geometry kernel, then the channel map filled on the device (ps_channel_map_fill, into
+    the workspace after the tables: nothing copied from the host), then the op kernel,
+    each binding what the CuPy path's device geometry and PositionSensitive.forward_cuda
+    / backward_cuda bind (output_dim 2 on a 2 x 3 group grid: 12 data channels; adaptive,
+    fixed and aligned, and R-FCN samples); float16's backward accumulates in float32 after
+    the map, then the store."""
+    op, direction, dtype, params = PS_CASES[step]
+    tag = step.split("_")[1] if step.startswith("mx_") else step.split("_")[0]
+    got = _check_launches(run, step, direction, dtype, R, PS_CIN, params, op,
+                          f"mx_{tag}_forward" if step.startswith("mx_") else f"{tag}_first")
+    assert [g[0].split("<")[0] for g in got][1] == "ps_channel_map_fill"
+
+
+def test_position_sensitive_status_channels_and_workspace(run):
+    """Each position-sensitive op has its own channel on the stream; a bad roi found by
+    its backward's geometry is raised by its next forward; a call whose data has other
+    than output_dim * Gh * Gw channels is refused by name before anything is queued (the
+    kernels would read past the data); no roi: nothing launched (the backward zeroes the
+    gradient); a short workspace refused; the extension ops have "gpu" callbacks, take
+    MXNet's workspace of the entries' size, and refuse deterministic=True."""
+    from mx_roi.ext import cuda
+    s = run["steps"]
+    words = {int(next(x for x in s[f"{tag}_first"]["log"] if x.startswith("cuMemAlloc_v2"))
+                  .split()[2], 16) for tag in ("psp", "psa")}
+    assert len(words) == 2 and run["status"] not in words
+    shape = (N, PS_CIN, H, W)
+    for op, tag in (("PSROIPooling", "psp"), ("PSROIAlign", "psa")):
+        assert s[f"{tag}_bad_bwd"]["error"] is None and len(launches(s[f"{tag}_bad_bwd"])) == 3
+        assert s[f"{tag}_reported"]["error"] == (f"{op}: rois[3] has a NaN or infinite value; "
+                                                 "coordinates must be finite" + WHERE)
+        assert not launches(s[f"{tag}_reported"])
+        assert calls(s[f"{tag}_no_rois"]) == ["cuCtxGetCurrent"]
+        assert s[f"{tag}_bwd_no_rois"]["log"] == [
+            "cuCtxGetCurrent",
+            f"cuMemsetD8Async {run['ptr']['in_grad']:x} 0 {N * PS_CIN * H * W * 4} "
+            f"stream {STREAM:x}"]
+        for k, have in ((f"{tag}_channels", PS_CIN + 1), (f"{tag}_bwd_channels", PS_CIN - 1)):
+            assert s[k]["error"] == (f"{op}: data has {have} channels but output_dim * gh * "
+                                     f"gw = 2 * 2 * 3 = 12 are required")
+            assert s[k]["log"] == ["cuCtxGetCurrent"], k
+        if op == "PSROIPooling":
+            need = cuda.psroi_pooling_workspace("float32", shape, R, P, PS_D)
+            ws = [cuda.psroi_pooling_workspace("float32", shape, R, P, PS_D),
+                  cuda.psroi_pooling_workspace("float32", shape, R, P, PS_D, True),
+                  cuda.psroi_pooling_workspace("float16", shape, R, P, PS_D, True)]
+        else:
+            need = cuda.psroi_align_workspace("float32", shape, R, P, PS_D)
+            ws = [cuda.psroi_align_workspace("float32", shape, R, P, PS_D, 2),
+                  cuda.psroi_align_workspace("float32", shape, R, P, PS_D, 2, backward=True),
+                  cuda.psroi_align_workspace("float16", shape, R, P, PS_D, 2, backward=True)]
+        assert s[f"{tag}_small_workspace"]["error"] == (
+            f"{op}: the workspace holds {need - 1} bytes but the call needs {need}")
+        assert not launches(s[f"{tag}_small_workspace"])
+        assert run["ps_contexts"][op] == ["backward/cpu", "backward/gpu", "forward/cpu",
+                                          "forward/gpu"]
+        mx = [s[f"mx_{tag}_{k}"] for k in ("forward", "backward", "backward_f16")]
+        assert [x["rc"] for x in mx] == [1, 1, 1]
+        assert [x["ws"][0][1] for x in mx] == ws
+        det = s[f"mx_{tag}_deterministic"]
+        assert det["rc"] == 0 and det["log"] == [] and det["error"] == (
+            f"{op}: deterministic=True: the native GPU path has no deterministic backward "
+            "yet; use the Custom door on GPU contexts for it")
+
+
 def test_backward_zeroes_the_gradients_first(run):
     """Before any launch, on the caller's stream: the accumulator's bytes zeroed (req
     write; the kernels add into it) -- MXNet's data gradient, or for float16 the float32
@@ -474,20 +593,24 @@ def test_valid_calls_make_exactly_these_driver_calls(run):
 
 
 def test_one_module_load_and_the_ptx_image(run):
-    loads = [line for s in run["steps"].values() for line in s["log"]
+    loads = [line.split()[3] for s in run["steps"].values() for line in s["log"]
              if line.startswith("cuModuleLoadData")]
     # one module per image and context (roi_align.cu's; the cast kernel's at the first
-    # float16 backward; roi_pooling.cu's), one function lookup per kernel
-    assert len(loads) == 3
-    lookups = [line.split()[1] for s in run["steps"].values() for line in s["log"]
+    # float16 backward; roi_pooling.cu's, psroi_pooling.cu's, psroi_align.cu's), one
+    # function lookup per kernel and module, of kernels the run launched
+    assert len(loads) == len(set(loads)) == 5
+    lookups = [tuple(line.split()[1:4:2]) for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
-    assert len(lookups) == len(set(lookups)) == 22
+    assert len(lookups) == len(set(lookups))
+    launched = {line.split()[1] for s in run["steps"].values() for line in launches(s)}
+    assert {name for name, _ in lookups} == launched and {m for _, m in lookups} == set(loads)
     image = run["image"]  # (every image)
-    assert image.count(f".target sm_{run['arch']}") == 3 and run["arch"] == min(
+    assert image.count(f".target sm_{run['arch']}") == 5 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
-    assert sorted(expression_of(n) for n in ptx_params(image)) == sorted(
-        cuda.kernel_expressions("roi_align.cu") + cuda.kernel_expressions("roi_pooling.cu")
+    entries = re.findall(r"\.entry\s+(\w+)", image)  # (each image's own)
+    assert sorted(expression_of(n) for n in entries) == sorted(
+        sum((cuda.kernel_expressions(f) for f in cuda.gpu_ops()), ())
         + cuda.OWN_KERNELS["ext_cuda_cast.cu"])
 
 
@@ -616,8 +739,9 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     by name."""
     from mx_roi.ext import ExtLibraryError, cuda
     cls = get_op("ROIAlign")
-    assert cuda.gpu_ops() == {"roi_align.cu": cls.native_gpu_kernels,
-                              "roi_pooling.cu": get_op("ROIPooling").native_gpu_kernels}
+    assert cuda.gpu_ops() == {
+        get_op(n).cuda_source: get_op(n).native_gpu_kernels
+        for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign")}
     text = cuda.section("roi_align.cu")
     assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
     assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
@@ -630,9 +754,9 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     for name in ("roi_align", "roialign", "roi_pooling", "roipooling"):
         assert name not in shared.lower()
     assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
-    monkeypatch.setattr(get_op("PSROIPooling"), "native_gpu_kernels",
-                        (("psroi_pooling_forward", ()),))
-    with pytest.raises(ExtLibraryError, match=r"^PSROIPooling declares native_gpu_kernels "
-                                              r"but psroi_pooling.cu has no "
+    monkeypatch.setattr(get_op("RROIAlign"), "native_gpu_kernels",
+                        (("rroi_align_forward", ()),))
+    with pytest.raises(ExtLibraryError, match=r"^RROIAlign declares native_gpu_kernels "
+                                              r"but rroi_align.cu has no "
                                               r"MX_ROI_EXT_CUDA_LAUNCHER section$"):
         cuda.gpu_ops()

@@ -177,6 +177,28 @@ def test_group_index_bit_equal(kind):
                                           G.group_index(pooled, group))
 
 
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+def test_ps_channel_map_kernel_bit_equal(kind):
+    """``ps_channel_map_fill`` (the channel map the CUDA and emulated launches and the
+    native GPU path build on the device, from mx_roi::geo::ps_channel) fills exactly
+    geometry.ps_channel_map: every pooled and group grid up to 8 x 8 per side pair, then
+    random ones up to 64 (float32's group rows: 7 * 3 / 7, 49 * 5 / 49, ...), the map
+    pre-filled with garbage."""
+    from mx_roi.cuda.backend import Launch
+    launch = Launch.on_host("psroi_pooling.cu", kind, np.float32)
+    rng = np.random.default_rng(21)
+    cases = [(2, (P, Q), (Gh, Gw)) for P in range(1, 9) for Gh in range(1, 9)
+             for Q, Gw in ((P, Gh), (9 - P, 9 - Gh))]
+    cases += [(int(rng.integers(1, 6)), tuple(int(v) for v in rng.integers(1, 65, 2)),
+               tuple(int(v) for v in rng.integers(1, 65, 2))) for _ in range(600)]
+    for output_dim, (P, Q), (Gh, Gw) in cases:
+        want = G.ps_channel_map(output_dim, (P, Q), (Gh, Gw))
+        got = np.full(want.shape, -7, np.int32)
+        launch.forward("ps_channel_map_fill", got.size, channel_map=got, P=P, Q=Q, Gh=Gh,
+                       Gw=Gw)
+        np.testing.assert_array_equal(got, want, f"{output_dim}, {(P, Q)}, {(Gh, Gw)}")
+
+
 def _message(op, rois, n, compiled=None):
     try:
         op.check_inputs((n, 1, 4, 4), rois.dtype, rois, np, compiled=compiled)

@@ -19,11 +19,11 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's and ROIPooling's forward and backward (:func:`roi_align_forward`,
-:func:`roi_align_backward`, :func:`roi_pooling_forward`, :func:`roi_pooling_backward`),
-also the extension ops ``mx_roi_ROIAlign``'s and ``mx_roi_ROIPooling``'s ``"gpu"``
-forward and backward, which call them once :func:`enable` has run.  Not yet: a
-deterministic backward, the other ops.
+Today: ROIAlign's, ROIPooling's, PSROIPooling's and PSROIAlign's forward and backward
+(:func:`roi_align_forward`, :func:`roi_align_backward`, :func:`roi_pooling_forward`, ...,
+:func:`psroi_align_backward`), also those extension ops' ``"gpu"`` forward and backward,
+which call them once :func:`enable` has run.  Not yet: a deterministic backward,
+RROIAlign, DeformablePSROIPooling, PrRoIPool.
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ from . import ExtLibraryError, _read, _run, load_or_build
 __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_align_workspace",
            "roi_align_forward", "roi_align_backward_workspace", "roi_align_backward",
            "roi_pooling_workspace", "roi_pooling_forward", "roi_pooling_backward",
+           "psroi_pooling_workspace", "psroi_pooling_forward", "psroi_pooling_backward",
+           "psroi_align_workspace", "psroi_align_forward", "psroi_align_backward",
            "check", "DTYPE_CODES",
            "CudaLaunchError"]
 
@@ -200,9 +202,10 @@ def library_path() -> str:
 def enable() -> str:
     """Opt in to the native GPU path in this process: load the extension library into
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
-    ``"gpu"`` forward and backward of ``mx_roi_ROIAlign`` and ``mx_roi_ROIPooling`` run (on
-    an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom
-    door).  Returns the launcher's path."""
+    ``"gpu"`` forward and backward of the ops with a native GPU path (:func:`gpu_ops`:
+    ``mx_roi_ROIAlign``, ``mx_roi_ROIPooling``, ``mx_roi_PSROIPooling``,
+    ``mx_roi_PSROIAlign``) run (on an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` /
+    ``sym`` / Gluon keep the Custom door).  Returns the launcher's path."""
     from . import load
     path = library_path()
     ext = ctypes.CDLL(load())  # the library MXNet opened (the loader hands out the same)
@@ -248,6 +251,22 @@ def _lib():
             c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong,
             c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
             c.c_float, c.c_void_p, c.c_ulonglong, c.c_void_p, c.c_char_p, c.c_size_t]
+        ps = [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong,
+              c.c_longlong, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
+              c.c_int, c.c_int, c.c_float]  # (the forward's; the backward: one more pointer)
+        tail = [c.c_void_p, c.c_ulonglong, c.c_void_p, c.c_char_p, c.c_size_t]
+        grid = [c.c_int] * 4  # sample_ratio, aligned, rfcn, sample_num
+        ws = [c.c_int] + [c.c_longlong] * 6 + [c.c_int] * 2
+        lib.mx_roi_ext_cuda_psroi_pooling_workspace.argtypes = ws + [
+            c.c_int, c.POINTER(c.c_ulonglong), c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_psroi_pooling_forward.argtypes = ps + tail
+        lib.mx_roi_ext_cuda_psroi_pooling_backward.argtypes = ps[:4] + [c.c_void_p] + \
+            ps[4:] + tail
+        lib.mx_roi_ext_cuda_psroi_align_workspace.argtypes = ws + [c.c_int] * 4 + [
+            c.POINTER(c.c_ulonglong), c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_psroi_align_forward.argtypes = ps + grid + tail
+        lib.mx_roi_ext_cuda_psroi_align_backward.argtypes = ps[:4] + [c.c_void_p] + \
+            ps[4:] + grid + tail
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -370,6 +389,124 @@ def roi_pooling_backward(dtype, grad: int, data: int, rois: int, in_grad: int, d
         DTYPE_CODES[np.dtype(dtype)], grad, data, rois, in_grad, rois_grad, N, C, H, W,
         int(R), P, Q, float(np.float32(spatial_scale)), workspace, int(workspace_bytes),
         stream, err, len(err)), err)
+
+
+def _ps(op_name, pooled_size, output_dim, group_size, **grid):
+    """``(P, Q, output_dim, Gh, Gw)`` of a position-sensitive call, its parameters checked
+    as the op's parameter struct checks them (its group-grid rule, its messages)."""
+    from ..registry import get_op
+    cls = get_op(op_name)
+    p = cls.param_cls.from_kwargs(**{k: str(v) for k, v in dict(
+        pooled_size=pooled_size, output_dim=output_dim, spatial_scale=1.0,
+        group_size=group_size, **grid).items()})
+    (P, Q), (Gh, Gw) = p.pooled_size, p.group_grid
+    return int(P), int(Q), int(p.output_dim), int(Gh), int(Gw)
+
+
+def psroi_pooling_workspace(dtype, data_shape, R: int, pooled_size, output_dim: int,
+                            backward: bool = False) -> int:
+    """Bytes of device memory a PSROIPooling forward (or ``backward``) needs: its integer
+    bins' tables, the channel map and, for a float16 backward, the float32 accumulator (0
+    for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_psroi_pooling_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), int(output_dim), P, Q,
+        int(bool(backward)), ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def psroi_pooling_forward(dtype, data: int, rois: int, out: int, data_shape, R: int,
+                          pooled_size, output_dim: int, spatial_scale: float, group_size=0,
+                          workspace: int = 0, workspace_bytes: int = 0,
+                          stream: int = 0) -> None:
+    """Queue PSROIPooling's forward on ``stream``: ``data`` (N, output_dim * Gh * Gw, H, W),
+    ``rois`` (R, 5), ``out`` (R, output_dim, P, Q); ``group_size`` as the op's (0: the
+    pooled grid); the workspace: :func:`psroi_pooling_workspace` bytes.  Otherwise as
+    :func:`roi_align_forward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q, D, Gh, Gw = _ps("PSROIPooling", pooled_size, output_dim, group_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_psroi_pooling_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, out, N, C, H, W, int(R), D, P, Q, Gh, Gw,
+        float(np.float32(spatial_scale)), workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
+
+
+def psroi_pooling_backward(dtype, grad: int, rois: int, in_grad: int, data_shape, R: int,
+                           pooled_size, output_dim: int, spatial_scale: float, group_size=0,
+                           workspace: int = 0, workspace_bytes: int = 0, stream: int = 0,
+                           rois_grad: int = 0) -> None:
+    """Queue PSROIPooling's backward on ``stream``: ``in_grad`` (N, output_dim * Gh * Gw, H,
+    W) written from ``grad`` (R, output_dim, P, Q) (the data is not read); otherwise as
+    :func:`roi_align_backward` (the workspace: :func:`psroi_pooling_workspace` with
+    ``backward``)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q, D, Gh, Gw = _ps("PSROIPooling", pooled_size, output_dim, group_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_psroi_pooling_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, rois, in_grad, rois_grad, N, C, H, W, int(R), D,
+        P, Q, Gh, Gw, float(np.float32(spatial_scale)), workspace, int(workspace_bytes),
+        stream, err, len(err)), err)
+
+
+def _ps_grid(sample_ratio, aligned, legacy, sample_num):
+    rfcn = legacy == "rfcn"
+    return (int(sample_ratio), int(bool(aligned) and not rfcn), int(rfcn), int(sample_num))
+
+
+def psroi_align_workspace(dtype, data_shape, R: int, pooled_size, output_dim: int,
+                          sample_ratio: int = -1, legacy: str = "", sample_num: int = 2,
+                          backward: bool = False) -> int:
+    """Bytes of device memory a PSROIAlign forward (or ``backward``) needs: its sample
+    grid's tables, the channel map and, for a float16 backward, the float32 accumulator
+    (0 for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    ratio, _, rfcn, num = _ps_grid(sample_ratio, False, legacy, sample_num)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_psroi_align_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), int(output_dim), P, Q, ratio, rfcn,
+        num, int(bool(backward)), ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def psroi_align_forward(dtype, data: int, rois: int, out: int, data_shape, R: int,
+                        pooled_size, output_dim: int, spatial_scale: float, sample_ratio=-1,
+                        aligned: bool = False, group_size=0, legacy: str = "",
+                        sample_num: int = 2, workspace: int = 0, workspace_bytes: int = 0,
+                        stream: int = 0) -> None:
+    """Queue PSROIAlign's forward on ``stream`` (as :func:`psroi_pooling_forward`, on
+    ROIAlign's samples or, ``legacy='rfcn'``, the R-FCN grid of ``sample_num``; the
+    workspace: :func:`psroi_align_workspace` bytes)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    grid = _ps_grid(sample_ratio, aligned, legacy, sample_num)
+    P, Q, D, Gh, Gw = _ps("PSROIAlign", pooled_size, output_dim, group_size,
+                          sample_ratio=sample_ratio, legacy=legacy, sample_num=sample_num)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_psroi_align_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, out, N, C, H, W, int(R), D, P, Q, Gh, Gw,
+        float(np.float32(spatial_scale)), *grid, workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
+
+
+def psroi_align_backward(dtype, grad: int, rois: int, in_grad: int, data_shape, R: int,
+                         pooled_size, output_dim: int, spatial_scale: float, sample_ratio=-1,
+                         aligned: bool = False, group_size=0, legacy: str = "",
+                         sample_num: int = 2, workspace: int = 0, workspace_bytes: int = 0,
+                         stream: int = 0, rois_grad: int = 0) -> None:
+    """Queue PSROIAlign's backward on ``stream`` (as :func:`psroi_pooling_backward`; the
+    workspace: :func:`psroi_align_workspace` with ``backward``)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    grid = _ps_grid(sample_ratio, aligned, legacy, sample_num)
+    P, Q, D, Gh, Gw = _ps("PSROIAlign", pooled_size, output_dim, group_size,
+                          sample_ratio=sample_ratio, legacy=legacy, sample_num=sample_num)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_psroi_align_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, rois, in_grad, rois_grad, N, C, H, W, int(R), D,
+        P, Q, Gh, Gw, float(np.float32(spatial_scale)), *grid, workspace,
+        int(workspace_bytes), stream, err, len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:

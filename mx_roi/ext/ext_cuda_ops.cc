@@ -19,7 +19,8 @@ const int DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2;
 const double GUARD_BOUND = 3.0e38;
 const long long MAX_SAMPLES_PER_AXIS = 1LL << 22;
 // compiled_geometry.MODES
-const int MODE_POOL_BINS = 0, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3;
+const int MODE_POOL_BINS = 0, MODE_PS_POOL_BINS = 1, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3,
+          MODE_RFCN_GRID = 4;
 
 // The kernels' template arguments (T, A) of a dtype (source.TYPE_PAIRS), the compute
 // dtype's size, and whether the roi check bounds coordinates (onednn.bounded_dtype).
@@ -56,7 +57,7 @@ struct GridLayout {
 inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long long R,
                         size_t acc, GridLayout& g) {
   long long gy, gx;
-  if (mode == MODE_ALIGN_GRID && sample > 0) {
+  if ((mode == MODE_ALIGN_GRID && sample > 0) || mode == MODE_RFCN_GRID) {
     gy = gx = sample;
   } else {
     gy = (H + 1 + P - 1) / P + 1;
@@ -156,6 +157,114 @@ struct GradTarget {
     call.run(EXT_CUDA_CAST_IMAGE, "store_float_as<__half>", size, c);
   }
 };
+
+// ---- the device-built tables two ops share (device_geometry.build's layout) -------------
+// The integer bins (the pooling ops') over one workspace (_carve: 16-byte
+// aligned): batch (R,), hstart, hend (R, P), wstart, wend (R, Q), int32; ``cells``, the
+// most cells per bin the tables allow (device_geometry.bin_cells: a roi with a larger bin
+// is flagged in the status word, as a grid roi the tables cannot hold).
+struct IntBins {
+  int mode;
+  CUdeviceptr tb[5];
+  unsigned long long bytes = 0;
+  long long cells;
+
+  IntBins(int mode_, long long R, int P, int Q, long long H, long long W, CUdeviceptr workspace)
+      : mode(mode_) {
+    const long long counts[5] = {R, R * P, R * P, R * Q, R * Q};
+    for (int k = 0; k < 5; ++k) {
+      tb[k] = workspace + bytes;
+      bytes += ((unsigned long long)counts[k] * 4 + 15) / 16 * 16;
+    }
+    if (bytes < 16) bytes = 16;
+    const long long by_side = ((H + 1 + P - 1) / P + 1) * ((W + 1 + Q - 1) / Q + 1);
+    cells = mode == MODE_POOL_BINS && by_side < H * W ? by_side : H * W;
+  }
+
+  // roi_bins_geometry (of ``image``) on the call's stream: the tables filled, a bad roi
+  // marked (padding, status)
+  void geometry(const CallScope& call, const Image& image, CUdeviceptr rois, long long N,
+                long long H, long long W, long long R, int P, int Q, float spatial_scale) const {
+    Args geo;
+    geo(rois)(mode)(P)(Q)((int)H)((int)W)(spatial_scale)(N)(GUARD_BOUND)(
+        call.t.bounded ? 1 : 0)(cells);
+    for (int k = 0; k < 5; ++k) geo(tb[k]);
+    geo(call.ch.status)(R);
+    call.run(image, "roi_bins_geometry" + call.ta() + ">", R, geo);
+  }
+};
+
+// A sample grid's layout (device_geometry.grid_widths, then GridLayout), or the error of a
+// call whose tables cannot be built on the device.
+inline GridLayout sample_layout(const std::string& op, int dtype, int mode, long long R, int P,
+                                int Q, long long H, long long W, int sample) {
+  GridLayout g;
+  if (!grid_layout(mode, P, Q, (int)H, (int)W, sample, R, types_of(op, dtype).acc_size, g))
+    throw Error(op + ": the native GPU path cannot build this call's sample grid on the "
+                "device (more than " + std::to_string(MAX_SAMPLES_PER_AXIS) +
+                " sample points along an axis); use the Custom door");
+  return g;
+}
+
+// A sample grid's device tables over one workspace (the align ops'); geometry()
+// queues roi_grid_geometry, which fills them and marks a bad roi (as padding, in the
+// channel's status word).  ``sample``, ``aligned``: the geometry kernel's (0 where the
+// mode has none).
+struct SampleGrid {
+  int mode, sample, aligned;
+  GridLayout g;
+  CUdeviceptr tb[12];  // batch, y_count .. y_wh, x_count .. x_wh, divisor
+
+  SampleGrid(const std::string& op, int dtype, int mode_, long long R, int P, int Q,
+             long long H, long long W, int sample_, int aligned_, CUdeviceptr workspace)
+      : mode(mode_), sample(sample_), aligned(aligned_),
+        g(sample_layout(op, dtype, mode_, R, P, Q, H, W, sample_)) {
+    for (int k = 0; k < 12; ++k) tb[k] = workspace + g.offset[k];
+  }
+
+  void geometry(const CallScope& call, const Image& image, CUdeviceptr rois, long long N,
+                long long H, long long W, long long R, int P, int Q, float spatial_scale) const {
+    Args geo;
+    geo(rois)(mode)(P)(Q)((int)H)((int)W)(sample)(aligned)(spatial_scale)(g.Gy)(g.Gx)(N)(
+        GUARD_BOUND)(call.t.bounded ? 1 : 0);
+    for (int k = 0; k < 12; ++k) geo(tb[k]);
+    geo(call.ch.status)(R);
+    call.run(image, "roi_grid_geometry" + call.ta() + ">", R, geo);
+  }
+
+  // the op kernels' table arguments: batch .. x_wh, then the divisor where ``divisor``
+  void tables(Args& k, bool divisor) const {
+    for (int i = 0; i < 11; ++i) k(tb[i]);
+    if (divisor) k(tb[11]);
+  }
+};
+
+// ---- the position-sensitive ops' channel map ------------------------------------------
+// The kernels read input channels up to output_dim * Gh * Gw - 1 of ``Cin``: a call whose
+// data has other than that many is refused (PositionSensitive.out_channels' rule).
+inline void ps_check_channels(const std::string& op, long long Cin, long long output_dim,
+                              int Gh, int Gw) {
+  if (output_dim < 1 || Gh < 1 || Gw < 1 || Cin != output_dim * Gh * Gw)
+    throw Error(op + ": data has " + std::to_string(Cin) + " channels but output_dim * gh " +
+                "* gw = " + std::to_string(output_dim) + " * " + std::to_string(Gh) + " * " +
+                std::to_string(Gw) + " = " + std::to_string(output_dim * Gh * Gw) +
+                " are required");
+}
+
+// The channel map (output_dim, P, Q) int32 in a call's workspace: its bytes (16-aligned),
+// and its fill on the call's stream (ps_channel_map_fill of ``image``, per call: nothing is
+// copied from the host).
+inline unsigned long long ps_map_bytes(long long output_dim, int P, int Q) {
+  return ((unsigned long long)(output_dim * P * Q) * 4 + 15) / 16 * 16;
+}
+
+inline void ps_fill_channel_map(const CallScope& call, const Image& image, CUdeviceptr map,
+                                long long output_dim, int P, int Q, int Gh, int Gw) {
+  const long long n = output_dim * P * Q;
+  Args a;
+  a(map)(P)(Q)(Gh)(Gw)(n);
+  call.run(image, "ps_channel_map_fill" + call.ta() + ">", n, a);
+}
 
 // A C entry's body: 0 when ``body()`` returned, else 1 with its message in ``err``.
 template <typename F>

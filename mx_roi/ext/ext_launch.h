@@ -458,33 +458,21 @@ inline long long ps_out_channels(const std::string& op, const PsGrid& p, long lo
   return p.output_dim;
 }
 
-// geometry.group_index: floor(i * G / pooled) in float32 (as MXNet and R-FCN compute it),
-// clipped to [0, G - 1], for i < pooled
-inline std::vector<int> ps_group_index(long long pooled, long long G) {
-  std::vector<int> g((size_t)pooled);
-  for (long long i = 0; i < pooled; ++i) {
-    const float v = std::floor((float)i * (float)G / (float)pooled);
-    const int k = (int)v;
-    g[(size_t)i] = k < 0 ? 0 : (k > G - 1 ? (int)(G - 1) : k);
-  }
-  return g;
-}
-
-// geometry.ps_channel_map (output_dim, P, Q): the input channel (c*Gh + gh[p])*Gw + gw[q]
-// output channel c reads at bin (p, q); kept per thread for the last grid (the pointer is
-// good until this thread asks for another)
+// geometry.ps_channel_map (output_dim, P, Q) (mx_roi::geo::ps_channel, the GPU path's
+// rule too); kept per thread for the last grid (the pointer is good until this thread asks for
+// another)
 inline const int* ps_channel_map(const PsGrid& p) {
   static thread_local std::vector<int> map;
   static thread_local long long key[5] = {-1, -1, -1, -1, -1};
   const long long now[5] = {p.output_dim, p.P, p.Q, p.Gh(), p.Gw()};
   if (!std::equal(now, now + 5, key)) {
-    const std::vector<int> gh = ps_group_index(p.P, p.Gh()), gw = ps_group_index(p.Q, p.Gw());
     map.assign((size_t)(p.output_dim * p.P * p.Q), 0);
     size_t i = 0;
     for (long long c = 0; c < p.output_dim; ++c)
       for (long long y = 0; y < p.P; ++y)
         for (long long x = 0; x < p.Q; ++x)
-          map[i++] = (int)((c * p.Gh() + gh[(size_t)y]) * p.Gw() + gw[(size_t)x]);
+          map[i++] = mx_roi::geo::ps_channel(c, (int)y, (int)x, (int)p.P, (int)p.Q,
+                                             (int)p.Gh(), (int)p.Gw());
     std::copy(now, now + 5, key);
   }
   return map.data();

@@ -239,7 +239,7 @@ def sampling_coords(op, feature_shape, roi, tap_sample: Optional[Sequence[int]] 
         out["empty"] = ((geo.hend[0] <= geo.hstart[0])[:, None]
                         | (geo.wend[0] <= geo.wstart[0])[None, :])
     if is_position_sensitive(op):
-        cmap = op.channel_map(np)
+        cmap = op.channel_map()
         if not 0 <= channel < cmap.shape[0]:
             raise ValueError(f"channel {channel} out of range: output_dim = {cmap.shape[0]}")
         Gh, Gw = (int(g) for g in p.group_grid)
