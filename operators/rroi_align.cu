@@ -399,6 +399,37 @@ __global__ void rroi_align_backward(const T* __restrict__ grad, const T* __restr
 #endif
 }
 
+// The native GPU path's roi check (the kernels above read the rois themselves, so a bad roi
+// must not reach them): roi r copied into ``safe`` (R, 6), or a padding roi (batch -1, a
+// zero box: no data read, no gradient) when check_rois' rule finds it bad (status[0], as
+// roi_check) or, with adaptive sampling (ratio <= 0), its bins need more than
+// MX_ROI_MAX_ROTATED_SAMPLES samples (status[1] = 2: check_samples_per_bin's bound, in
+// float64 over |w|, |h| as the host computes it).  n = R.
+template <typename T, typename A>
+__global__ void rroi_align_safe_rois(const T* __restrict__ rois, float spatial_scale, int ratio,
+                                     int P, int Q, long long N, double bound, int use_bound,
+                                     T* __restrict__ safe,
+                                     unsigned long long* __restrict__ status, long long n) {
+  typedef mx_roi::Traits<T> Tr;
+  const double s = (double)(A)spatial_scale;
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step) {
+    const T* row = rois + r * 6;
+    bool bad = mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status, 6);
+    if (!bad && ratio <= 0) {
+      const double w = fabs((double)(A)Tr::load(row[3]));
+      const double h = fabs((double)(A)Tr::load(row[4]));
+      const double per_bin = ceil(h * s / (double)P) * ceil(w * s / (double)Q);
+      if (per_bin > (double)MX_ROI_MAX_ROTATED_SAMPLES) {
+        status[1] = 2ULL;
+        bad = true;
+      }
+    }
+    for (int k = 0; k < 6; ++k)
+      safe[r * 6 + k] = bad ? Tr::store((A)(k == 0 ? -1 : 0)) : row[k];
+  }
+}
+
 // The sample tables of mx_roi.geometry.RotatedGrid from the functions above (for the
 // geometry-equality test; C = 1, n = R * P * Q items, G padded samples per bin):
 // batch/count/divisor (R,), the rest (R, P, Q, G), padding entries 0.
@@ -548,7 +579,184 @@ struct RROIAlignOp {
 
 const RegisterParams rroi_align_params("RROIAlign", RROIAlignOp::format);
 
+// The "gpu" forward and backward (opt-in; docs/gpu.md): this file's kernels launched by
+// mx_roi.ext.cuda's launcher (the MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
+// stream, the checked copy of the rois in MXNet's temporary workspace; no host wait.
+struct RROIAlignGpu {
+  typedef RROIAlignOp Op;
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long, int,
+                           unsigned long long*, char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, int, int, float, int, int, int, void*,
+                         unsigned long long, void*, char*, size_t);
+  typedef int (*Backward)(int, const void*, const void*, void*, void*, long long, long long,
+                          long long, long long, long long, int, int, float, int, int, int,
+                          void*, unsigned long long, void*, char*, size_t);
+  static constexpr const char* OP = RROIAlignOp::OP;
+
+  static void* tables(const Op::Params&, const MXTensor& data, long long R, bool backward,
+                      const OpResource& res, unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_rroi_align_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static int forward(const Op::Params& p, const MXTensor& data, const MXTensor& rois,
+                     MXTensor& out, void* ws, unsigned long long bytes, void* stream, char* err,
+                     size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_rroi_align_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, out.data_ptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], (int)p.P, (int)p.Q,
+        (float)p.spatial_scale, (int)p.sampling_ratio, p.aligned ? 1 : 0, p.clockwise ? 1 : 0,
+        ws, bytes, stream, err, len);
+  }
+
+  static int backward(const Op::Params& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, MXTensor& in_grad, MXTensor& rois_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_rroi_align_backward")(
+        data.dtype, grad.data_ptr, rois.data_ptr, in_grad.data_ptr, rois_grad.data_ptr,
+        data.shape[0], data.shape[1], data.shape[2], data.shape[3], rois.shape[0], (int)p.P,
+        (int)p.Q, (float)p.spatial_scale, (int)p.sampling_ratio, p.aligned ? 1 : 0,
+        p.clockwise ? 1 : 0, ws, bytes, stream, err, len);
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_RROIAlign, mx_roi_op::RROIAlignOp);
+MX_ROI_EXT_REGISTER(mx_roi_RROIAlign, mx_roi_op::RROIAlignOp)
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::RROIAlignGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::RROIAlignGpu>::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (rroi_align.py's native_gpu_kernels, NVRTC's PTX
+// in RROI_ALIGN_IMAGE).  The op kernels read the rois themselves, so they read the checked
+// copy rroi_align_safe_rois makes in the workspace (a bad roi there a padding roi, in the
+// status word for the next call's report), then run as forward_cuda / backward_cuda.
+namespace mx_roi_cuda {
+
+// RROIAlign's workspace: the rois' checked copy (R, 6), and for a float16 backward the
+// float32 accumulator (with_accumulator); 0 for R = 0.
+inline unsigned long long rroi_align_bytes(int dtype, long long N, long long C, long long H,
+                                           long long W, long long R, bool backward) {
+  if (R <= 0) return 0;
+  const unsigned long long rois = ((unsigned long long)R * 6 * item_size(dtype) + 15) / 16 * 16;
+  return backward ? with_accumulator(rois, dtype, N * C * H * W) : rois;
+}
+
+// rroi_align_safe_rois on the call's stream: the checked copy at ``safe``
+inline void rroi_align_safe_rois(const CallScope& call, CUdeviceptr rois, CUdeviceptr safe,
+                                 long long N, long long R, int P, int Q, float spatial_scale,
+                                 int ratio) {
+  Args a;
+  a(rois)(spatial_scale)(ratio)(P)(Q)(N)(GUARD_BOUND)(call.t.bounded ? 1 : 0)(safe)(
+      call.ch.status)(R);
+  call.run(RROI_ALIGN_IMAGE, "rroi_align_safe_rois" + call.ta() + ">", R, a);
+}
+
+// RROIAlign's forward (rroi_align.py forward_cuda, on the checked copy of the rois) on
+// ``stream``.
+inline void rroi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
+                               long long N, long long C, long long H, long long W, long long R,
+                               int P, int Q, float spatial_scale, int ratio, int aligned,
+                               int clockwise, CUdeviceptr workspace,
+                               unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("RROIAlign", dtype, stream);
+  call.report();
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  need_workspace(call.op, workspace_bytes, rroi_align_bytes(dtype, N, C, H, W, R, false));
+  rroi_align_safe_rois(call, rois, workspace, N, R, P, Q, spatial_scale, ratio);
+  const long long n = R * C * P * Q;
+  Args k;
+  k(data)(workspace)(spatial_scale)(ratio)(aligned)(clockwise)((int)C)((int)H)((int)W)(P)(Q)(
+      out)(n);
+  call.run(RROI_ALIGN_IMAGE, "rroi_align_forward" + call.ta() + ">", n, k);
+  call.record();
+}
+
+// RROIAlign's backward (rroi_align.py backward_cuda, req write): the gradients zeroed
+// (GradTarget), the checked copy, rroi_align_backward, then for float16 the accumulator's
+// store; all on ``stream``.  A bad roi raises nothing here (the next forward reports it).
+inline void rroi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr rois,
+                                CUdeviceptr in_grad, CUdeviceptr rois_grad, long long N,
+                                long long C, long long H, long long W, long long R, int P,
+                                int Q, float spatial_scale, int ratio, int aligned,
+                                int clockwise, CUdeviceptr workspace,
+                                unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("RROIAlign", dtype, stream);
+  need_workspace(call.op, workspace_bytes, rroi_align_bytes(dtype, N, C, H, W, R, true));
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 6,
+                          workspace + rroi_align_bytes(dtype, N, C, H, W, R, false));
+  rroi_align_safe_rois(call, rois, workspace, N, R, P, Q, spatial_scale, ratio);
+  const long long n = R * C * P * Q;
+  Args k;
+  k(grad)(workspace)(spatial_scale)(ratio)(aligned)(clockwise)((int)C)((int)H)((int)W)(P)(Q)(
+      target.bottom)(1.0)(n);  // scale, n
+  call.run(RROI_ALIGN_IMAGE, "rroi_align_backward" + call.ta() + ", " + call.t.A + ">", n, k);
+  target.store(call);
+  call.record();
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a RROIAlign forward (``backward`` 0) or backward (1): 0, or 1 with
+// the message.
+int mx_roi_ext_cuda_rroi_align_workspace(int dtype, long long N, long long C, long long H,
+                                         long long W, long long R, int backward,
+                                         unsigned long long* bytes, char* err,
+                                         size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("RROIAlign", dtype);
+    *bytes = mx_roi_cuda::rroi_align_bytes(dtype, N, C, H, W, R, backward != 0);
+  });
+}
+
+// RROIAlign's forward on ``stream``: data (N, C, H, W), rois (R, 6), out (R, C, P, Q),
+// device pointers of ``dtype``; ``ratio``: sampling_ratio; ``workspace``: at least the
+// workspace function's bytes.  No host synchronisation.
+int mx_roi_ext_cuda_rroi_align_forward(int dtype, const void* data, const void* rois,
+                                       void* out, long long N, long long C, long long H,
+                                       long long W, long long R, int P, int Q,
+                                       float spatial_scale, int ratio, int aligned,
+                                       int clockwise, void* workspace,
+                                       unsigned long long workspace_bytes, void* stream,
+                                       char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::rroi_align_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale, ratio, aligned,
+        clockwise, (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes,
+        (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// RROIAlign's backward on ``stream``: grad (R, C, P, Q), in_grad (N, C, H, W) written (req
+// write), rois_grad (R, 6) zeroed (null: none); the data is not read.  No host
+// synchronisation; a bad roi is reported by a later forward.
+int mx_roi_ext_cuda_rroi_align_backward(int dtype, const void* grad, const void* rois,
+                                        void* in_grad, void* rois_grad, long long N, long long C,
+                                        long long H, long long W, long long R, int P, int Q,
+                                        float spatial_scale, int ratio, int aligned,
+                                        int clockwise, void* workspace,
+                                        unsigned long long workspace_bytes, void* stream,
+                                        char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::rroi_align_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)in_grad, (mx_roi_cuda::CUdeviceptr)rois_grad, N, C, H, W, R,
+        P, Q, spatial_scale, ratio, aligned, clockwise, (mx_roi_cuda::CUdeviceptr)workspace,
+        workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

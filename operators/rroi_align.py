@@ -70,6 +70,10 @@ class RROIAlign(RoIOp):
     name = "RROIAlign"
     param_cls = RROIAlignParam
     cuda_source = "rroi_align.cu"
+    #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section): the kernels
+    #: read the rois themselves, so the path runs them on rroi_align_safe_rois' checked copy
+    native_gpu_kernels = (("rroi_align_safe_rois", ()), ("rroi_align_forward", ()),
+                          ("rroi_align_backward", ("A",)))
     gluon_mode = "ralign"
     builtin_order = ("pooled_size", "spatial_scale", "sampling_ratio")  # contrib.RROIAlign
     rois_columns = 6

@@ -185,6 +185,36 @@ step("psa_rfcn", ps("PSROIAlign", legacy="rfcn", sample_num=3))
 step("psa_bwd_rfcn", ps("PSROIAlign", "backward", legacy="rfcn", sample_num=3))
 step("psa_bwd_fixed_f16", ps("PSROIAlign", "backward", "float16", sample_ratio=2,
                              aligned=True))
+# ---- RROIAlign (its kernels read the rois: the checked copy first) ----
+def rroi(direction="forward", dtype="float32", R=R, ws=None, **kw):
+    shape = (N, C, H, W)
+    back = direction == "backward"
+    need = cuda.rroi_align_workspace(dtype, shape, R, back)
+    common = dict(workspace=ptr["ws"], workspace_bytes=need if ws is None else ws,
+                  stream=STREAM, **kw)
+    if not back:
+        return lambda: cuda.rroi_align_forward(dtype, ptr["data"], ptr["rois"], ptr["out"],
+                                               shape, R, P, 0.5, **common)
+    return lambda: cuda.rroi_align_backward(dtype, ptr["grad"], ptr["rois"], ptr["in_grad"],
+                                            shape, R, P, 0.5, rois_grad=ptr["rois_grad"],
+                                            **common)
+
+
+step("rra_first", rroi())
+rra_status = status_ptr(steps["rra_first"])
+step("rra_fwd_f64", rroi(dtype="float64"))
+step("rra_fwd_f16", rroi(dtype="float16"))
+step("rra_fixed", rroi(sampling_ratio=2, aligned=True, clockwise=True))
+step("rra_bwd", rroi("backward"))
+step("rra_bwd_f16", rroi("backward", "float16"))
+step("rra_bwd_fixed_f64", rroi("backward", "float64", sampling_ratio=3, clockwise=True))
+plant(rra_status, 0, 2)                         # a box over the samples-per-bin bound
+step("rra_bad_bwd", rroi("backward"))
+step("rra_reported", rroi())
+step("rra_no_rois", rroi(R=0))
+step("rra_bwd_no_rois", rroi("backward", R=0))
+step("rra_small_workspace", rroi(ws=cuda.rroi_align_workspace("float32", (N, C, H, W), R)
+                                 - 1))
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -225,7 +255,8 @@ def gpu_malloc(state, size):
     return gpu_allocs[-1].ctypes.data
 
 
-def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C, C)):
+def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C, C),
+             columns=5):
     """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on
     (data, rois) -> out, the backward on (out-grad, data, rois) -> (data's gradient, rois'
     gradient), as MXNet hands them to a stateless op; ``channels``: the data's and the
@@ -234,13 +265,13 @@ def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C,
     vals = (ctypes.c_char_p * len(attrs))(*[str(v).encode() for v in attrs.values()])
     P_, Q_ = attrs["pooled_size"]
     (Cd, Co) = channels
-    data, rois, out = ((N, Cd, H, W), ptr["data"]), ((R_, 5), ptr["rois"]), \
+    data, rois, out = ((N, Cd, H, W), ptr["data"]), ((R_, columns), ptr["rois"]), \
         ((R_, Co, P_, Q_), ptr["out"])
     if direction == "forward":
         ins, outs = [data, rois], [out]
     else:
         ins = [((R_, Co, P_, Q_), ptr["grad"]), data, rois]
-        outs = [((N, Cd, H, W), ptr["in_grad"]), ((R_, 5), ptr["rois_grad"])]
+        outs = [((N, Cd, H, W), ptr["in_grad"]), ((R_, columns), ptr["rois_grad"])]
 
     def arrays(tensors):
         shapes = [(ctypes.c_int64 * len(s))(*s) for s, _ in tensors]
@@ -272,12 +303,13 @@ ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligne
          "pool_mode": "max"}
 
 
-def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0, channels=(C, C)):
+def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0, channels=(C, C),
+            columns=5):
     fake.fake_clear()
     fake.fake_set_ready(1)
     allocs = len(gpu_allocs)
     rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction, dtype=dtype,
-                       channels=channels)
+                       channels=channels, columns=columns)
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "rc": rc,
                    "error": msg if rc != 1 else None,  # lib_api: MX_SUCCESS 1, MX_FAIL 0
                    # MXNet's workspace of the call (its address and size), if it asked
@@ -313,6 +345,15 @@ for op, tag, extra in (("PSROIPooling", "psp", {}),
             channels=(PS_CIN, PS_D))
     mx_step(f"mx_{tag}_deterministic", dict(attrs, deterministic=True), direction="backward",
             channels=(PS_CIN, PS_D))
+fns = op_functions(b"mx_roi_RROIAlign")
+ps_contexts["RROIAlign"] = sorted("/".join(k) for k in fns)
+RROI_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sampling_ratio": 2,
+              "clockwise": True}
+mx_step("mx_rra_forward", RROI_ATTRS, columns=6)
+mx_step("mx_rra_backward", RROI_ATTRS, direction="backward", columns=6)
+mx_step("mx_rra_backward_f16", RROI_ATTRS, direction="backward", dtype=2, columns=6)
+mx_step("mx_rra_deterministic", dict(RROI_ATTRS, deterministic=True), direction="backward",
+        columns=6)
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
                   "mx_contexts": mx_contexts, "pool_contexts": pool_contexts,

@@ -27,6 +27,7 @@ import pytest
 from mx_roi.cuda import device_geometry, nvrtc
 from mx_roi.cuda import source as S
 from mx_roi.ndio import Kind
+from mx_roi.onednn import GUARD_BOUND, bounded_dtype
 from mx_roi.registry import get_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +136,8 @@ def parse_launch(line, ptx):
 
 #: a launched kernel's source by its name's start (any other: roi_align.cu)
 SOURCE_OF = (("psroi_pooling", "psroi_pooling.cu"), ("psroi_align", "psroi_align.cu"),
-             ("roi_pooling", "roi_pooling.cu"), ("roi_bins", "roi_pooling.cu"))
+             ("rroi_align", "rroi_align.cu"), ("roi_pooling", "roi_pooling.cu"),
+             ("roi_bins", "roi_pooling.cu"))
 
 
 # ---- what the CuPy path binds for the same call (device_geometry.build, forward_cuda) ----
@@ -187,7 +189,7 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
     from mx_roi.operators import psroi_pooling
     cls = get_op(op_name)
     op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
-    rois = np.zeros((R_, 5), dtype)
+    rois = np.zeros((R_, op.rois_columns), dtype)
     data = np.zeros((N, C_) + hw, dtype)
     bufs = []
 
@@ -197,8 +199,17 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
 
     rec = Recorder(dtype)
     psroi_pooling._DEVICE_MAPS.clear()
-    dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
-    status, table = bufs[0], bufs[1]
+    if op.geometry_spec() is None:  # kernels that read the rois: the launcher's checked copy
+        status, table = np.empty(2, np.uint64), np.empty(rois.shape, dtype)
+        rec.forward(f"{op.cuda_source[:-3]}_safe_rois", R_, rois=rois,
+                    spatial_scale=float(np.float32(params["spatial_scale"])),
+                    ratio=op.param.sampling_ratio, P=op.param.pooled_size[0],
+                    Q=op.param.pooled_size[1], N=N, bound=GUARD_BOUND,
+                    use_bound=int(bounded_dtype(rois.dtype)), safe=table, status=status)
+        dev = types.SimpleNamespace(geo=types.SimpleNamespace(rois=table))
+    else:
+        dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
+        status, table = bufs[0], bufs[1]
     base, end = table.ctypes.data, table.ctypes.data + table.nbytes
     roles = {id(rois): "rois", id(data): "data", id(status): "status"}
     if direction == "forward":
@@ -209,7 +220,7 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
         grad = np.zeros(op.out_shape(data.shape, rois.shape), dtype)
         roles[id(grad)] = "grad"
         op.backward_cuda(rec, dev.geo, grad, data.shape, None)
-    used = table.nbytes
+    used = -(-table.nbytes // 16) * 16
     for made in rec.made:  # the channel map: after the tables in the launcher's workspace
         roles[id(made)] = ("ws", used)
         used += -(-made.nbytes // 16) * 16
@@ -240,7 +251,7 @@ def c_binding(values, run, ws_bytes, ws, status):
     named = {}
     for k, v in values.items():
         if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom",
-                 "channel_map") or k in TABLES:
+                 "channel_map", "safe") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
             elif ws <= v < ws + ws_bytes:
@@ -506,6 +517,73 @@ def test_position_sensitive_status_channels_and_workspace(run):
             "yet; use the Custom door on GPU contexts for it")
 
 
+RROI = dict(pooled_size=(P, P), spatial_scale=0.5, sampling_ratio=-1)
+RROI_FIXED = dict(RROI, sampling_ratio=2, aligned=True, clockwise=True)
+RROI_CASES = {  # child step -> (direction, dtype, parameters)
+    "rra_first": ("forward", "float32", RROI), "rra_fwd_f64": ("forward", "float64", RROI),
+    "rra_fwd_f16": ("forward", "float16", RROI), "rra_fixed": ("forward", "float32", RROI_FIXED),
+    "rra_bwd": ("backward", "float32", RROI), "rra_bwd_f16": ("backward", "float16", RROI),
+    "rra_bwd_fixed_f64": ("backward", "float64", dict(RROI, sampling_ratio=3, clockwise=True)),
+    "mx_rra_forward": ("forward", "float32", dict(RROI_FIXED, aligned=False)),
+    "mx_rra_backward": ("backward", "float32", dict(RROI_FIXED, aligned=False)),
+    "mx_rra_backward_f16": ("backward", "float16", dict(RROI_FIXED, aligned=False)),
+}
+
+
+@pytest.mark.parametrize("step", sorted(RROI_CASES))
+def test_rroi_align_launch_arguments_are_the_cupy_paths(run, step):
+    """RROIAlign on the native GPU path: its kernels read the rois themselves, so the first
+    launch is rroi_align_safe_rois (the rois, the roi check's bound, the status word, the
+    checked copy at the workspace's start), then the op kernel binding what the CuPy path's
+    forward_cuda / backward_cuda bind, its ``rois`` the checked copy; float16's backward
+    accumulates in float32 after the copy, then the store."""
+    direction, dtype, params = RROI_CASES[step]
+    got = _check_launches(run, step, direction, dtype, R, C, params, "RROIAlign",
+                          "mx_rra_forward" if step.startswith("mx_") else "rra_first")
+    assert [g[0].split("<")[0] for g in got][:2] == [
+        "rroi_align_safe_rois", f"rroi_align_{direction}"]
+
+
+def test_rroi_align_status_and_workspace(run):
+    """RROIAlign's own channel: a box over the samples-per-bin bound found by a backward
+    (status word 1 = 2) is raised by the next forward with its own message; no roi:
+    nothing launched; a short workspace refused; the extension op's "gpu" callbacks take
+    MXNet's workspace of the entries' size and refuse deterministic=True."""
+    from mx_roi.ext import cuda
+    s = run["steps"]
+    assert s["rra_bad_bwd"]["error"] is None and len(launches(s["rra_bad_bwd"])) == 2
+    assert s["rra_reported"]["error"] == (
+        "RROIAlign: rois: a box needs more than 1048576 samples per bin with sampling_ratio "
+        "<= 0; check the box size and spatial_scale, or set sampling_ratio" + WHERE)
+    assert not launches(s["rra_reported"])
+    log = s["rra_bwd"]["log"]
+    first_launch = next(i for i, x in enumerate(log) if x.startswith("cuLaunchKernel"))
+    assert [x for x in log[:first_launch] if x.startswith("cuMemsetD8Async")] == [
+        f"cuMemsetD8Async {run['ptr']['in_grad']:x} 0 {N * C * H * W * 4} stream {STREAM:x}",
+        f"cuMemsetD8Async {run['ptr']['rois_grad']:x} 0 {R * 6 * 4} stream {STREAM:x}"]
+    assert calls(s["rra_no_rois"]) == ["cuCtxGetCurrent"]
+    assert s["rra_bwd_no_rois"]["log"] == [
+        "cuCtxGetCurrent",
+        f"cuMemsetD8Async {run['ptr']['in_grad']:x} 0 {N * C * H * W * 4} stream {STREAM:x}"]
+    shape = (N, C, H, W)
+    need = cuda.rroi_align_workspace("float32", shape, R)
+    assert need == -(-R * 6 * 4 // 16) * 16
+    assert s["rra_small_workspace"]["error"] == (
+        f"RROIAlign: the workspace holds {need - 1} bytes but the call needs {need}")
+    assert not launches(s["rra_small_workspace"])
+    assert run["ps_contexts"]["RROIAlign"] == ["backward/cpu", "backward/gpu", "forward/cpu",
+                                               "forward/gpu"]
+    mx = [s[f"mx_rra_{k}"] for k in ("forward", "backward", "backward_f16")]
+    assert [x["rc"] for x in mx] == [1, 1, 1]
+    assert [x["ws"][0][1] for x in mx] == [
+        need, cuda.rroi_align_workspace("float32", shape, R, True),
+        cuda.rroi_align_workspace("float16", shape, R, True)]
+    det = s["mx_rra_deterministic"]
+    assert det["rc"] == 0 and det["log"] == [] and det["error"] == (
+        "RROIAlign: deterministic=True: the native GPU path has no deterministic backward "
+        "yet; use the Custom door on GPU contexts for it")
+
+
 def test_backward_zeroes_the_gradients_first(run):
     """Before any launch, on the caller's stream: the accumulator's bytes zeroed (req
     write; the kernels add into it) -- MXNet's data gradient, or for float16 the float32
@@ -596,16 +674,17 @@ def test_one_module_load_and_the_ptx_image(run):
     loads = [line.split()[3] for s in run["steps"].values() for line in s["log"]
              if line.startswith("cuModuleLoadData")]
     # one module per image and context (roi_align.cu's; the cast kernel's at the first
-    # float16 backward; roi_pooling.cu's, psroi_pooling.cu's, psroi_align.cu's), one
-    # function lookup per kernel and module, of kernels the run launched
-    assert len(loads) == len(set(loads)) == 5
+    # float16 backward; roi_pooling.cu's, psroi_pooling.cu's, psroi_align.cu's,
+    # rroi_align.cu's), one function lookup per kernel and module, of kernels the run
+    # launched
+    assert len(loads) == len(set(loads)) == 6
     lookups = [tuple(line.split()[1:4:2]) for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
     assert len(lookups) == len(set(lookups))
     launched = {line.split()[1] for s in run["steps"].values() for line in launches(s)}
     assert {name for name, _ in lookups} == launched and {m for _, m in lookups} == set(loads)
     image = run["image"]  # (every image)
-    assert image.count(f".target sm_{run['arch']}") == 5 and run["arch"] == min(
+    assert image.count(f".target sm_{run['arch']}") == 6 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
     entries = re.findall(r"\.entry\s+(\w+)", image)  # (each image's own)
@@ -741,7 +820,7 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     cls = get_op("ROIAlign")
     assert cuda.gpu_ops() == {
         get_op(n).cuda_source: get_op(n).native_gpu_kernels
-        for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign")}
+        for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign", "RROIAlign")}
     text = cuda.section("roi_align.cu")
     assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
     assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
@@ -754,9 +833,9 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     for name in ("roi_align", "roialign", "roi_pooling", "roipooling"):
         assert name not in shared.lower()
     assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
-    monkeypatch.setattr(get_op("RROIAlign"), "native_gpu_kernels",
-                        (("rroi_align_forward", ()),))
-    with pytest.raises(ExtLibraryError, match=r"^RROIAlign declares native_gpu_kernels "
-                                              r"but rroi_align.cu has no "
+    monkeypatch.setattr(get_op("PrRoIPool"), "native_gpu_kernels",
+                        (("prroi_pool_forward", ()),))
+    with pytest.raises(ExtLibraryError, match=r"^PrRoIPool declares native_gpu_kernels "
+                                              r"but prroi_pool.cu has no "
                                               r"MX_ROI_EXT_CUDA_LAUNCHER section$"):
         cuda.gpu_ops()

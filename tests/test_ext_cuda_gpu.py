@@ -14,7 +14,9 @@ ROIAlign's backward (every dtype), every mode, against ``emulated-cuda``'s gradi
 (the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
 the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
 gradient zeros; a bad roi raises nothing in the backward and is reported by the next
-forward.  ROIPooling's forward bit for bit and its backward to rounding, every dtype."""
+forward.  ROIPooling's, PSROIPooling's, PSROIAlign's and RROIAlign's forward bit for bit
+and their backward to rounding, every dtype (RROIAlign: a NaN roi reported by the next
+call)."""
 import numpy as np
 import pytest
 
@@ -318,3 +320,81 @@ def test_position_sensitive_forward_bits_and_backward_match_emulation(case, dtyp
     tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
     np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
                                want_dx.astype(np.float64), rtol=tol, atol=tol)
+
+
+# ---- RROIAlign (its kernels read the rois: the checked copy first) ------------------------
+RROI_GPU = {
+    "adaptive": dict(pooled_size=(3, 3), spatial_scale=0.5, sampling_ratio=-1),
+    "fixed-aligned-clockwise": dict(pooled_size=(3, 3), spatial_scale=0.5, sampling_ratio=2,
+                                    aligned=True, clockwise=True),
+}
+
+
+def rotated(dtype, R=6):
+    """(R, 6) rotated boxes from problem()'s, a padding roi at 2."""
+    _, r = problem(np.float64, R)
+    angle = np.random.default_rng(5).uniform(-180, 180, R)
+    return np.stack([r[:, 0], (r[:, 1] + r[:, 3]) / 2, (r[:, 2] + r[:, 4]) / 2,
+                     r[:, 3] - r[:, 1], r[:, 4] - r[:, 2], angle], 1).astype(dtype)
+
+
+def native_gpu_rroi(params, data, rois, stream, out_grad=None):
+    import cupy
+    from mx_roi.ext import cuda
+    R = rois.shape[0]
+    backward = out_grad is not None
+    kw = dict(params)
+    pooled, scale = kw.pop("pooled_size"), kw.pop("spatial_scale")
+    with stream:
+        x, r = cupy.asarray(data), cupy.asarray(rois)
+        ws = cupy.empty(max(cuda.rroi_align_workspace(data.dtype, data.shape, R, backward),
+                            16), cupy.uint8)
+        g = cupy.asarray(out_grad) if backward else None
+        res = cupy.full(data.shape if backward else (R, data.shape[1]) + tuple(pooled),
+                        np.nan, data.dtype)
+        stream.synchronize()
+        common = dict(workspace=ws.data.ptr, workspace_bytes=ws.nbytes, stream=stream.ptr,
+                      **kw)
+        if backward:
+            cuda.rroi_align_backward(data.dtype, g.data.ptr, r.data.ptr, res.data.ptr,
+                                     data.shape, R, pooled, scale, **common)
+        else:
+            cuda.rroi_align_forward(data.dtype, x.data.ptr, r.data.ptr, res.data.ptr,
+                                    data.shape, R, pooled, scale, **common)
+    return res, (x, r, g, ws)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("case", sorted(RROI_GPU))
+def test_rroi_align_forward_bits_and_backward_match_emulation(case, dtype):
+    """RROIAlign's forward bit for bit and backward to rounding against ``emulated-cuda``
+    (on the checked copy of the rois); a NaN roi's call gives zeros for it, raises
+    nothing, and the next call on the stream reports it."""
+    import cupy
+    from mx_roi.ext import cuda
+    params = RROI_GPU[case]
+    cls = get_op("RROIAlign")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+    data, _ = problem(dtype)
+    rois = rotated(dtype)
+    out_grad = np.random.default_rng(6).standard_normal(
+        op.out_shape(data.shape, rois.shape)).astype(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out, keep = native_gpu_rroi(params, data, rois, stream)
+    dx, keep2 = native_gpu_rroi(params, data, rois, stream, out_grad)
+    stream.synchronize()
+    want_out, (want_dx,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu())
+    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
+                                  np.asarray(want_out).view(np.uint8))
+    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
+                               want_dx.astype(np.float64), rtol=tol, atol=tol)
+    bad = rois.copy()
+    bad[3, 2] = np.nan
+    out, keep3 = native_gpu_rroi(params, data, bad, stream)  # raises nothing
+    stream.synchronize()
+    assert not cupy.asnumpy(out)[3].any()
+    with pytest.raises(cuda.CudaLaunchError, match=r"^RROIAlign: rois\[3\] has a NaN"):
+        native_gpu_rroi(params, data, rois, stream)
+    native_gpu_rroi(params, data, rois, stream)  # the call after the report works
+    stream.synchronize()

@@ -287,6 +287,69 @@ def test_roi_check_kernel_finds_what_check_inputs_finds(name, params, dtype, kin
     assert seen == {None, "a NaN", "batch"} and last_column
 
 
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("ratio", [-1, 2])
+def test_rroi_safe_rois_kernel(ratio, dtype, kind):
+    """``rroi_align_safe_rois`` (the native GPU path's check before RROIAlign's kernels,
+    which read the rois themselves) copies every roi that ``check_inputs`` accepts bit for
+    bit and turns each bad one into a padding roi (-1, 0, 0, 0, 0, 0): a roi the
+    ``roi_check`` kernel finds bad (the same status word 0), or with adaptive sampling a
+    box over the samples-per-bin bound (geometry.adaptive_samples_per_bin, in float64
+    over |h|, |w|: status word 1 = 2); the rois pass iff ``check_inputs`` passes them."""
+    from mx_roi.cuda.backend import Launch
+    from mx_roi.onednn import GUARD_BOUND, bounded_dtype
+    op = get_op("RROIAlign")(get_op("RROIAlign").param_cls.from_kwargs(
+        pooled_size="(2, 3)", spatial_scale="0.5", sampling_ratio=str(ratio)))
+    launch = Launch.on_host(op.cuda_source, kind, dtype)
+    rng = np.random.default_rng([DTYPES.index(dtype), ratio + 1, 13])
+    bound = dict(N=0, bound=float(GUARD_BOUND), use_bound=int(bounded_dtype(dtype)))
+    # (width, height): ceil(h * 0.5 / 2) * ceil(w * 0.5 / 3) = 1024 * 1024 = 2^20 exactly
+    # (accepted), one cell more (refused), negative sides (|.|), float16's largest, 1e5
+    sides = [(6144.0, 4096.0), (6145.0, 4096.0), (6144.0, 4097.0), (-6144.0, -4096.0),
+             (65504.0, 3.0), (-65504.0, 65504.0), (1e5, 1.0)]
+    seen = set()
+    for _ in range(300):
+        R, n = int(rng.integers(1, 6)), int(rng.integers(0, 4))
+        rois = np.zeros((R, 6), dtype)
+        rois[:, 0] = rng.integers(-1, 3, R)
+        rois[:, 1:5] = rng.uniform(-5, 20, (R, 4))
+        rois[:, 5] = rng.uniform(-180, 180, R)
+        for _ in range(int(rng.integers(0, 3))):
+            r, c = int(rng.integers(R)), int(rng.integers(1, 6))
+            rois[r, c] = rng.choice([np.nan, np.inf, -np.inf, 2.5, -0.0])
+        for _ in range(int(rng.integers(0, 3))):
+            r = int(rng.integers(R))
+            rois[r, 3:5] = sides[int(rng.integers(len(sides)))]
+        safe = np.full((R, 6), 7, dtype)
+        status = np.zeros(2, np.uint64)
+        launch.forward("rroi_align_safe_rois", R, rois=rois, spatial_scale=0.5, ratio=ratio,
+                       P=2, Q=3, safe=safe, status=status, **dict(bound, N=n))
+        checked = np.zeros(2, np.uint64)
+        launch.forward("roi_check", R, rois=rois, columns=6, status=checked,
+                       **dict(bound, N=n))
+        assert status[0] == checked[0], (rois, n)
+        with np.errstate(invalid="ignore"):  # (NaN and inf sides)
+            per_bin = G.adaptive_samples_per_bin(
+                np.abs(rois[:, [4, 3]].astype(np.float64)), 0.5, (2, 3), dtype)
+        any_over = False
+        for r in range(R):
+            row = np.zeros(2, np.uint64)
+            launch.forward("roi_check", 1, rois=rois[r:r + 1].copy(), columns=6, status=row,
+                           **dict(bound, N=n))
+            over = ratio <= 0 and not row[0] and per_bin[r] > G.MAX_SAMPLES_PER_BIN
+            if row[0] or over:
+                np.testing.assert_array_equal(safe[r], [-1, 0, 0, 0, 0, 0])
+            else:
+                np.testing.assert_array_equal(safe[r].view(np.uint8), rois[r].view(np.uint8))
+            any_over |= bool(over)
+            seen.add("bad" if row[0] else "over" if over else
+                     "edge" if per_bin[r] == G.MAX_SAMPLES_PER_BIN else "ok")
+        assert status[1] == (2 if any_over else 0), (rois, status)
+        assert (_message(op, rois, n) is None) == (not status.any()), (rois, n, status)
+    assert seen == ({"ok", "bad", "over", "edge"} if ratio <= 0 else {"ok", "bad", "edge"})
+
+
 # ---- end to end: the host backends run on the compiled tables, with today's bits -------
 
 def _garbage(shape, dtype):

@@ -19,11 +19,11 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's, ROIPooling's, PSROIPooling's and PSROIAlign's forward and backward
-(:func:`roi_align_forward`, :func:`roi_align_backward`, :func:`roi_pooling_forward`, ...,
-:func:`psroi_align_backward`), also those extension ops' ``"gpu"`` forward and backward,
-which call them once :func:`enable` has run.  Not yet: a deterministic backward,
-RROIAlign, DeformablePSROIPooling, PrRoIPool.
+Today: ROIAlign's, ROIPooling's, PSROIPooling's, PSROIAlign's and RROIAlign's forward and
+backward (:func:`roi_align_forward`, :func:`roi_align_backward`, :func:`roi_pooling_forward`,
+..., :func:`rroi_align_backward`), also those extension ops' ``"gpu"`` forward and
+backward, which call them once :func:`enable` has run.  Not yet: a deterministic
+backward, DeformablePSROIPooling, PrRoIPool.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_alig
            "roi_pooling_workspace", "roi_pooling_forward", "roi_pooling_backward",
            "psroi_pooling_workspace", "psroi_pooling_forward", "psroi_pooling_backward",
            "psroi_align_workspace", "psroi_align_forward", "psroi_align_backward",
+           "rroi_align_workspace", "rroi_align_forward", "rroi_align_backward",
            "check", "DTYPE_CODES",
            "CudaLaunchError"]
 
@@ -204,7 +205,7 @@ def enable() -> str:
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
     ``"gpu"`` forward and backward of the ops with a native GPU path (:func:`gpu_ops`:
     ``mx_roi_ROIAlign``, ``mx_roi_ROIPooling``, ``mx_roi_PSROIPooling``,
-    ``mx_roi_PSROIAlign``) run (on an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` /
+    ``mx_roi_PSROIAlign``, ``mx_roi_RROIAlign``) run (on an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` /
     ``sym`` / Gluon keep the Custom door).  Returns the launcher's path."""
     from . import load
     path = library_path()
@@ -267,6 +268,14 @@ def _lib():
         lib.mx_roi_ext_cuda_psroi_align_forward.argtypes = ps + grid + tail
         lib.mx_roi_ext_cuda_psroi_align_backward.argtypes = ps[:4] + [c.c_void_p] + \
             ps[4:] + grid + tail
+        rr = [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong,
+              c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int, c.c_float, c.c_int,
+              c.c_int, c.c_int]  # (the forward's; the backward: one more pointer)
+        lib.mx_roi_ext_cuda_rroi_align_workspace.argtypes = [c.c_int] + [c.c_longlong] * 5 + [
+            c.c_int, c.POINTER(c.c_ulonglong), c.c_char_p, c.c_size_t]
+        lib.mx_roi_ext_cuda_rroi_align_forward.argtypes = rr + tail
+        lib.mx_roi_ext_cuda_rroi_align_backward.argtypes = rr[:4] + [c.c_void_p] + rr[4:] + \
+            tail
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -507,6 +516,50 @@ def psroi_align_backward(dtype, grad: int, rois: int, in_grad: int, data_shape, 
         DTYPE_CODES[np.dtype(dtype)], grad, rois, in_grad, rois_grad, N, C, H, W, int(R), D,
         P, Q, Gh, Gw, float(np.float32(spatial_scale)), *grid, workspace,
         int(workspace_bytes), stream, err, len(err)), err)
+
+
+def rroi_align_workspace(dtype, data_shape, R: int, backward: bool = False) -> int:
+    """Bytes of device memory a RROIAlign forward (or ``backward``) needs: the rois'
+    checked copy and, for a float16 backward, the float32 accumulator (0 for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_rroi_align_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), int(bool(backward)),
+        ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def rroi_align_forward(dtype, data: int, rois: int, out: int, data_shape, R: int, pooled_size,
+                       spatial_scale: float, sampling_ratio: int = -1, aligned: bool = False,
+                       clockwise: bool = False, workspace: int = 0, workspace_bytes: int = 0,
+                       stream: int = 0) -> None:
+    """Queue RROIAlign's forward on ``stream``: ``rois`` (R, 6) (batch, centre x, centre y,
+    width, height, angle in degrees), checked on the device into the workspace
+    (:func:`rroi_align_workspace` bytes) before the kernel reads them; otherwise as
+    :func:`roi_align_forward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_rroi_align_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, out, N, C, H, W, int(R), P, Q,
+        float(np.float32(spatial_scale)), int(sampling_ratio), int(bool(aligned)),
+        int(bool(clockwise)), workspace, int(workspace_bytes), stream, err, len(err)), err)
+
+
+def rroi_align_backward(dtype, grad: int, rois: int, in_grad: int, data_shape, R: int,
+                        pooled_size, spatial_scale: float, sampling_ratio: int = -1,
+                        aligned: bool = False, clockwise: bool = False, workspace: int = 0,
+                        workspace_bytes: int = 0, stream: int = 0, rois_grad: int = 0) -> None:
+    """Queue RROIAlign's backward on ``stream`` (``rois_grad`` (R, 6); the data is not
+    read; the workspace: :func:`rroi_align_workspace` with ``backward``); otherwise as
+    :func:`roi_align_backward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_rroi_align_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, rois, in_grad, rois_grad, N, C, H, W, int(R), P,
+        Q, float(np.float32(spatial_scale)), int(sampling_ratio), int(bool(aligned)),
+        int(bool(clockwise)), workspace, int(workspace_bytes), stream, err, len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:

@@ -258,7 +258,8 @@ inline Channel& channel(const std::string& op, CUcontext ctx, CUstream stream) {
 }
 
 // The message of a reported status (word 0: the first bad roi by check_rois' rule; word 1:
-// a box the device tables could not hold).
+// 1 a box the device tables could not hold, 2 a box over the adaptive grid's samples-per-
+// bin bound of an op whose kernels derive their samples from the rois).
 inline std::string status_error(const std::string& op, unsigned long long word0,
                                 unsigned long long word1) {
   const std::string where =
@@ -274,6 +275,9 @@ inline std::string status_error(const std::string& op, unsigned long long word0,
     return op + ": rois[" + std::to_string(key) +
            "] has a NaN or infinite value; coordinates must be finite" + where;
   }
+  if (word1 == 2)
+    return op + ": rois: a box needs more than 1048576 samples per bin with sampling_ratio "
+                "<= 0; check the box size and spatial_scale, or set sampling_ratio" + where;
   return op + ": rois: a box needs more sample points per bin side than the device tables "
               "hold (a box far larger than the feature map); check the coordinates and "
               "spatial_scale, or run such boxes through the Custom door" + where;
