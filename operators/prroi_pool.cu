@@ -599,7 +599,203 @@ struct PrRoIPoolOp : PooledOp<PrRoIPoolOp> {
 
 const RegisterParams prroi_pool_params("PrRoIPool", PrRoIPoolOp::format);
 
+// The "gpu" forward and backward (opt-in; docs/gpu.md): this file's kernels launched by
+// mx_roi.ext.cuda's launcher (the MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
+// stream, the checked copy of the rois in MXNet's temporary workspace; no host wait.  The
+// backward also writes the rois' gradient (this op differentiates its rois).
+struct PrRoIPoolGpu {
+  typedef PrRoIPoolOp Op;
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long, int,
+                           unsigned long long*, char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, void*, long long, long long, long long,
+                         long long, long long, int, int, float, void*, unsigned long long,
+                         void*, char*, size_t);
+  typedef int (*Backward)(int, const void*, const void*, const void*, void*, void*, long long,
+                          long long, long long, long long, long long, int, int, float, void*,
+                          unsigned long long, void*, char*, size_t);
+  static constexpr const char* OP = PrRoIPoolOp::OP;
+
+  static void* tables(const Op::Params&, const MXTensor& data, long long R, bool backward,
+                      const OpResource& res, unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_prroi_pool_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static int forward(const Op::Params& p, const MXTensor& data, const MXTensor& rois,
+                     MXTensor& out, void* ws, unsigned long long bytes, void* stream, char* err,
+                     size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_prroi_pool_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, out.data_ptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], (int)p.P, (int)p.Q,
+        (float)p.spatial_scale, ws, bytes, stream, err, len);
+  }
+
+  static int backward(const Op::Params& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, MXTensor& in_grad, MXTensor& rois_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_prroi_pool_backward")(
+        data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr, in_grad.data_ptr,
+        rois_grad.data_ptr, data.shape[0], data.shape[1], data.shape[2], data.shape[3],
+        rois.shape[0], (int)p.P, (int)p.Q, (float)p.spatial_scale, ws, bytes, stream, err,
+        len);
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_PrRoIPool, mx_roi_op::PrRoIPoolOp);
+MX_ROI_EXT_REGISTER(mx_roi_PrRoIPool, mx_roi_op::PrRoIPoolOp)
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::PrRoIPoolGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::PrRoIPoolGpu>::backward, "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (prroi_pool.py's native_gpu_kernels, NVRTC's PTX
+// in PRROI_POOL_IMAGE).  The op kernels read the rois themselves, so they read the checked
+// copy roi_safe_copy makes in the workspace (a bad roi there a padding roi, in the status
+// word for the next call's report), then run as forward_cuda / backward_cuda /
+// rois_backward_cuda.
+namespace mx_roi_cuda {
+
+// PrRoIPool's workspace: the rois' checked copy (R, 5); for a float16 backward then the
+// float32 results of the rois' gradient (R, 5) and of the data gradient
+// (with_accumulator); 0 for R = 0.
+inline unsigned long long prroi_safe_bytes(int dtype, long long R) {
+  return ((unsigned long long)R * 5 * item_size(dtype) + 15) / 16 * 16;
+}
+
+inline unsigned long long prroi_rois_acc_bytes(int dtype, long long R) {
+  return dtype == DTYPE_FLOAT16 ? ((unsigned long long)R * 5 * 4 + 15) / 16 * 16 : 0;
+}
+
+inline unsigned long long prroi_pool_bytes(int dtype, long long N, long long C, long long H,
+                                           long long W, long long R, bool backward) {
+  if (R <= 0) return 0;
+  if (!backward) return prroi_safe_bytes(dtype, R);
+  return with_accumulator(prroi_safe_bytes(dtype, R) + prroi_rois_acc_bytes(dtype, R), dtype,
+                          N * C * H * W);
+}
+
+// roi_safe_copy on the call's stream: the checked copy at ``safe``
+inline void prroi_safe_rois(const CallScope& call, CUdeviceptr rois, CUdeviceptr safe,
+                            long long N, long long R) {
+  Args a;
+  a(rois)(5)(N)(GUARD_BOUND)(call.t.bounded ? 1 : 0)(safe)(call.ch.status)(R);
+  call.run(PRROI_POOL_IMAGE, "roi_safe_copy" + call.ta() + ">", R, a);
+}
+
+// PrRoIPool's forward (prroi_pool.py forward_cuda, on the checked copy of the rois) on
+// ``stream``.
+inline void prroi_pool_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr out,
+                               long long N, long long C, long long H, long long W, long long R,
+                               int P, int Q, float spatial_scale, CUdeviceptr workspace,
+                               unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PrRoIPool", dtype, stream);
+  call.report();
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  need_workspace(call.op, workspace_bytes, prroi_pool_bytes(dtype, N, C, H, W, R, false));
+  prroi_safe_rois(call, rois, workspace, N, R);
+  const long long n = R * C * P * Q;
+  Args k;
+  k(data)(workspace)(spatial_scale)((int)C)((int)H)((int)W)(P)(Q)(out)(n);
+  call.run(PRROI_POOL_IMAGE, "prroi_pool_forward" + call.ta() + ">", n, k);
+  call.record();
+}
+
+// PrRoIPool's backward (the Custom path's order: rois_backward_cuda, then backward_cuda;
+// req write) on ``stream``: the data gradient zeroed (GradTarget), the checked copy, the
+// rois' gradient (prroi_pool_rois_backward writes every row; float16: into the float32
+// result, then stored), then prroi_pool_backward and float16's store.  ``rois_grad`` null:
+// no rois' gradient.  A bad roi raises nothing here (the next forward reports it).
+inline void prroi_pool_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, CUdeviceptr rois,
+                                CUdeviceptr in_grad, CUdeviceptr rois_grad, long long N,
+                                long long C, long long H, long long W, long long R, int P,
+                                int Q, float spatial_scale, CUdeviceptr workspace,
+                                unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("PrRoIPool", dtype, stream);
+  need_workspace(call.op, workspace_bytes, prroi_pool_bytes(dtype, N, C, H, W, R, true));
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
+  const unsigned long long safe_bytes = prroi_safe_bytes(dtype, R);
+  const CUdeviceptr rois_acc = workspace + safe_bytes;
+  const GradTarget target(call, dtype, in_grad, 0, N * C * H * W, R, 5,
+                          rois_acc + prroi_rois_acc_bytes(dtype, R));
+  prroi_safe_rois(call, rois, workspace, N, R);
+  if (rois_grad) {
+    const bool half = dtype == DTYPE_FLOAT16;
+    Args g;
+    g(grad)(data)(workspace)(spatial_scale)((int)C)((int)H)((int)W)(P)(Q)((int)R)(
+        half ? rois_acc : rois_grad)(R);  // channels = C; "C" = R: one roi per item
+    call.run(PRROI_POOL_IMAGE, "prroi_pool_rois_backward" + call.ta() + ">", R, g);
+    if (half) {
+      Args c;
+      c(rois_acc)(rois_grad)(R * 5);
+      call.run(EXT_CUDA_CAST_IMAGE, "store_float_as<__half>", R * 5, c);
+    }
+  }
+  const long long n = R * C * P * Q;
+  Args k;
+  k(grad)(workspace)(spatial_scale)((int)C)((int)H)((int)W)(P)(Q)(target.bottom)(1.0)(n);
+  call.run(PRROI_POOL_IMAGE, "prroi_pool_backward" + call.ta() + ", " + call.t.A + ">", n, k);
+  target.store(call);
+  call.record();
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a PrRoIPool forward (``backward`` 0) or backward (1): 0, or 1 with
+// the message.
+int mx_roi_ext_cuda_prroi_pool_workspace(int dtype, long long N, long long C, long long H,
+                                         long long W, long long R, int backward,
+                                         unsigned long long* bytes, char* err,
+                                         size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("PrRoIPool", dtype);
+    *bytes = mx_roi_cuda::prroi_pool_bytes(dtype, N, C, H, W, R, backward != 0);
+  });
+}
+
+// PrRoIPool's forward on ``stream``: data (N, C, H, W), rois (R, 5), out (R, C, P, Q),
+// device pointers of ``dtype``; ``workspace``: at least the workspace function's bytes.  No
+// host synchronisation.
+int mx_roi_ext_cuda_prroi_pool_forward(int dtype, const void* data, const void* rois,
+                                       void* out, long long N, long long C, long long H,
+                                       long long W, long long R, int P, int Q,
+                                       float spatial_scale, void* workspace,
+                                       unsigned long long workspace_bytes, void* stream,
+                                       char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::prroi_pool_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, P, Q, spatial_scale,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// PrRoIPool's backward on ``stream``: grad (R, C, P, Q), data (N, C, H, W) (read for the
+// rois' gradient), in_grad (N, C, H, W) written (req write), rois_grad (R, 5) written (the
+// op's gradient of its rois; null: not computed).  No host synchronisation; a bad roi is
+// reported by a later forward.
+int mx_roi_ext_cuda_prroi_pool_backward(int dtype, const void* grad, const void* data,
+                                        const void* rois, void* in_grad, void* rois_grad,
+                                        long long N, long long C, long long H, long long W,
+                                        long long R, int P, int Q, float spatial_scale,
+                                        void* workspace, unsigned long long workspace_bytes,
+                                        void* stream, char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::prroi_pool_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)data,
+        (mx_roi_cuda::CUdeviceptr)rois, (mx_roi_cuda::CUdeviceptr)in_grad,
+        (mx_roi_cuda::CUdeviceptr)rois_grad, N, C, H, W, R, P, Q, spatial_scale,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

@@ -60,6 +60,10 @@ class PrRoIPool(RoIOp):
     name = "PrRoIPool"
     param_cls = PrRoIPoolParam
     cuda_source = "prroi_pool.cu"
+    #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section): the kernels
+    #: read the rois themselves, so the path runs them on roi_safe_copy's checked copy
+    native_gpu_kernels = (("roi_safe_copy", ()), ("prroi_pool_forward", ()),
+                          ("prroi_pool_rois_backward", ()), ("prroi_pool_backward", ("A",)))
     gluon_mode = "prpool"
     builtin_order = ("pooled_size", "spatial_scale")   # mmcv's PrRoIPool(output_size, scale)
     differentiates_rois = True

@@ -1683,6 +1683,16 @@ __device__ __forceinline__ bool roi_status(const T* rois, long long r, long long
   return true;
 }
 
+// Roi r of ``rois`` (R, columns) into ``safe``, for op kernels that read the rois
+// themselves (the native GPU path): as it is, or where ``bad`` a padding roi (batch -1,
+// the rest 0), which those kernels skip without reading data.
+template <typename T, typename A>
+__device__ __forceinline__ void copy_safe_roi(const T* rois, long long r, int columns, bool bad,
+                                              T* safe) {
+  for (int k = 0; k < columns; ++k)
+    safe[r * columns + k] = bad ? Traits<T>::store((A)(k == 0 ? -1 : 0)) : rois[r * columns + k];
+}
+
 // Roi r's verdict in a device geometry kernel: a bad roi (roi_status) or one whose tables
 // cannot hold it (``over``: flagged in status[1]) becomes padding (batch -1), so the op
 // kernels that follow read no data for it.
@@ -1783,6 +1793,20 @@ __global__ void roi_check(const T* __restrict__ rois, int columns, long long N, 
   const long long step = (long long)blockDim.x * (long long)gridDim.x;
   for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step)
     mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status, columns);
+}
+
+// The roi check with a checked copy, for an op whose kernels read the rois themselves on
+// the native GPU path: each roi by check_rois' rule into ``status`` (as roi_check), copied
+// into ``safe`` (R, columns), a bad one as a padding roi (copy_safe_roi).  n = R.
+template <typename T, typename A>
+__global__ void roi_safe_copy(const T* __restrict__ rois, int columns, long long N, double bound,
+                              int use_bound, T* __restrict__ safe,
+                              unsigned long long* __restrict__ status, long long n) {
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step)
+    mx_roi::geo::copy_safe_roi<T, A>(
+        rois, r, columns,
+        mx_roi::geo::roi_status<T, A>(rois, r, N, bound, use_bound != 0, status, columns), safe);
 }
 
 // The position-sensitive channel map (C_out, P, Q) int32 built where the op kernels read it

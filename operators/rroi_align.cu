@@ -400,11 +400,11 @@ __global__ void rroi_align_backward(const T* __restrict__ grad, const T* __restr
 }
 
 // The native GPU path's roi check (the kernels above read the rois themselves, so a bad roi
-// must not reach them): roi r copied into ``safe`` (R, 6), or a padding roi (batch -1, a
-// zero box: no data read, no gradient) when check_rois' rule finds it bad (status[0], as
-// roi_check) or, with adaptive sampling (ratio <= 0), its bins need more than
-// MX_ROI_MAX_ROTATED_SAMPLES samples (status[1] = 2: check_samples_per_bin's bound, in
-// float64 over |w|, |h| as the host computes it).  n = R.
+// must not reach them; roi_safe_copy plus this op's bound): roi r copied into ``safe`` (R,
+// 6), or a padding roi (batch -1, a zero box: no data read, no gradient) when check_rois'
+// rule finds it bad (status[0], as roi_check) or, with adaptive sampling (ratio <= 0), its
+// bins need more than MX_ROI_MAX_ROTATED_SAMPLES samples (status[1] = 2:
+// check_samples_per_bin's bound, in float64 over |w|, |h| as the host computes it).  n = R.
 template <typename T, typename A>
 __global__ void rroi_align_safe_rois(const T* __restrict__ rois, float spatial_scale, int ratio,
                                      int P, int Q, long long N, double bound, int use_bound,
@@ -425,8 +425,7 @@ __global__ void rroi_align_safe_rois(const T* __restrict__ rois, float spatial_s
         bad = true;
       }
     }
-    for (int k = 0; k < 6; ++k)
-      safe[r * 6 + k] = bad ? Tr::store((A)(k == 0 ? -1 : 0)) : row[k];
+    mx_roi::geo::copy_safe_roi<T, A>(rois, r, 6, bad, safe);
   }
 }
 

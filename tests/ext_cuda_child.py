@@ -215,6 +215,36 @@ step("rra_no_rois", rroi(R=0))
 step("rra_bwd_no_rois", rroi("backward", R=0))
 step("rra_small_workspace", rroi(ws=cuda.rroi_align_workspace("float32", (N, C, H, W), R)
                                  - 1))
+# ---- PrRoIPool (the checked copy first; the backward writes the rois' gradient too) ----
+def prroi(direction="forward", dtype="float32", R=R, ws=None, rois_grad=True):
+    shape = (N, C, H, W)
+    back = direction == "backward"
+    need = cuda.prroi_pool_workspace(dtype, shape, R, back)
+    common = dict(workspace=ptr["ws"], workspace_bytes=need if ws is None else ws,
+                  stream=STREAM)
+    if not back:
+        return lambda: cuda.prroi_pool_forward(dtype, ptr["data"], ptr["rois"], ptr["out"],
+                                               shape, R, P, 0.5, **common)
+    return lambda: cuda.prroi_pool_backward(
+        dtype, ptr["grad"], ptr["data"], ptr["rois"], ptr["in_grad"], shape, R, P, 0.5,
+        rois_grad=ptr["rois_grad"] if rois_grad else 0, **common)
+
+
+step("prp_first", prroi())
+prp_status = status_ptr(steps["prp_first"])
+step("prp_fwd_f64", prroi(dtype="float64"))
+step("prp_fwd_f16", prroi(dtype="float16"))
+step("prp_bwd", prroi("backward"))
+step("prp_bwd_f64", prroi("backward", "float64"))
+step("prp_bwd_f16", prroi("backward", "float16"))
+step("prp_bwd_no_rois_grad", prroi("backward", rois_grad=False))
+plant(prp_status, ~((1 << 62) + 2) & (2 ** 64 - 1))  # rois[2]'s batch index out of range
+step("prp_bad_bwd", prroi("backward"))
+step("prp_reported", prroi())
+step("prp_no_rois", prroi(R=0))
+step("prp_bwd_no_rois", prroi("backward", R=0))
+step("prp_small_workspace", prroi("backward", "float16", ws=cuda.prroi_pool_workspace(
+    "float16", (N, C, H, W), R, True) - 1))
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -354,6 +384,12 @@ mx_step("mx_rra_backward", RROI_ATTRS, direction="backward", columns=6)
 mx_step("mx_rra_backward_f16", RROI_ATTRS, direction="backward", dtype=2, columns=6)
 mx_step("mx_rra_deterministic", dict(RROI_ATTRS, deterministic=True), direction="backward",
         columns=6)
+fns = op_functions(b"mx_roi_PrRoIPool")
+ps_contexts["PrRoIPool"] = sorted("/".join(k) for k in fns)
+PRROI_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5}
+mx_step("mx_prp_forward", PRROI_ATTRS)
+mx_step("mx_prp_backward", PRROI_ATTRS, direction="backward")
+mx_step("mx_prp_backward_f16", PRROI_ATTRS, direction="backward", dtype=2)
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
                   "mx_contexts": mx_contexts, "pool_contexts": pool_contexts,

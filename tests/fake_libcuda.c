@@ -25,7 +25,7 @@ static size_t g_len = 0;
 static int g_ready = 1;
 static int g_has_context = 1;
 static const char* g_image = NULL;
-static char g_names[256][512];
+static char g_names[1024][512];
 static int g_nnames = 0;
 
 static void logf_(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -76,7 +76,7 @@ CUresult cuModuleLoadData(void** mod, const void* image) {
   return 0;
 }
 CUresult cuModuleGetFunction(void** fn, void* mod, const char* name) {
-  if (g_nnames == 256) return 1;
+  if (g_nnames == 1024) return 1;
   snprintf(g_names[g_nnames], sizeof g_names[0], "%s", name);
   *fn = (void*)(intptr_t)(++g_nnames);
   logf_("cuModuleGetFunction %s module %llx", name, (unsigned long long)(uintptr_t)mod);

@@ -125,9 +125,8 @@ def parse_launch(line, ptx):
         sig = types.SimpleNamespace(params=[
             types.SimpleNamespace(name=n, pointer=n != "n", ctype=c)
             for n, c in (("src", "float"), ("dst", "__half"), ("n", "long long"))])
-    else:  # (the geometry and channel-map kernels are in every source: roi_common.cuh)
-        sig = S.instantiate(next((f for k, f in SOURCE_OF if expr.startswith(k)),
-                                 "roi_align.cu"), expr)
+    else:
+        sig = S.instantiate(source_of(expr), expr)
     # the launcher's argument count = the PTX entry's = the kernel's declaration's
     assert len(slots) == len(types_) == len(sig.params), (expr, len(slots), len(types_))
     values = {p.name: decode(s, t, p) for p, s, t in zip(sig.params, slots, types_)}
@@ -136,8 +135,14 @@ def parse_launch(line, ptx):
 
 #: a launched kernel's source by its name's start (any other: roi_align.cu)
 SOURCE_OF = (("psroi_pooling", "psroi_pooling.cu"), ("psroi_align", "psroi_align.cu"),
-             ("rroi_align", "rroi_align.cu"), ("roi_pooling", "roi_pooling.cu"),
-             ("roi_bins", "roi_pooling.cu"))
+             ("rroi_align", "rroi_align.cu"), ("prroi_pool", "prroi_pool.cu"),
+             ("roi_pooling", "roi_pooling.cu"), ("roi_bins", "roi_pooling.cu"))
+
+
+def source_of(kernel):
+    """The op source of a kernel (or expression); the geometry, check and channel-map
+    kernels are in every source (roi_common.cuh): roi_align.cu's."""
+    return next((f for k, f in SOURCE_OF if kernel.startswith(k)), "roi_align.cu")
 
 
 # ---- what the CuPy path binds for the same call (device_geometry.build, forward_cuda) ----
@@ -201,11 +206,15 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
     psroi_pooling._DEVICE_MAPS.clear()
     if op.geometry_spec() is None:  # kernels that read the rois: the launcher's checked copy
         status, table = np.empty(2, np.uint64), np.empty(rois.shape, dtype)
-        rec.forward(f"{op.cuda_source[:-3]}_safe_rois", R_, rois=rois,
-                    spatial_scale=float(np.float32(params["spatial_scale"])),
-                    ratio=op.param.sampling_ratio, P=op.param.pooled_size[0],
-                    Q=op.param.pooled_size[1], N=N, bound=GUARD_BOUND,
-                    use_bound=int(bounded_dtype(rois.dtype)), safe=table, status=status)
+        common = dict(rois=rois, N=N, bound=GUARD_BOUND,
+                      use_bound=int(bounded_dtype(rois.dtype)), safe=table, status=status)
+        if op_name == "RROIAlign":  # (with its samples-per-bin bound)
+            rec.forward("rroi_align_safe_rois", R_,
+                        spatial_scale=float(np.float32(params["spatial_scale"])),
+                        ratio=op.param.sampling_ratio, P=op.param.pooled_size[0],
+                        Q=op.param.pooled_size[1], **common)
+        else:
+            rec.forward("roi_safe_copy", R_, columns=op.rois_columns, **common)
         dev = types.SimpleNamespace(geo=types.SimpleNamespace(rois=table))
     else:
         dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
@@ -215,12 +224,20 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
     if direction == "forward":
         out, _ = op.forward_cuda(rec, dev.geo, data)
         roles[id(out)] = "out"
-    else:
+    used, rois_acc = -(-table.nbytes // 16) * 16, None
+    if direction == "backward":
         rec.data = data
         grad = np.zeros(op.out_shape(data.shape, rois.shape), dtype)
         roles[id(grad)] = "grad"
+        if op.differentiates_rois:  # first, as the Custom path: the rois' gradient
+            rgrad = op.rois_backward_cuda(rec, dev.geo, grad, data, rois)
+            rec.made = [m for m in rec.made if m is not rgrad]
+            if dtype == "float16":  # a float32 result after the copy, then stored
+                roles[id(rgrad)], rois_acc = ("ws", used), used
+                used += -(-rgrad.size * 4 // 16) * 16
+            else:
+                roles[id(rgrad)] = "rois_grad"
         op.backward_cuda(rec, dev.geo, grad, data.shape, None)
-    used = -(-table.nbytes // 16) * 16
     for made in rec.made:  # the channel map: after the tables in the launcher's workspace
         roles[id(made)] = ("ws", used)
         used += -(-made.nbytes // 16) * 16
@@ -241,17 +258,17 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
             else:
                 named[k] = v
         result.append((kernel, n, named))
-    return result, used
+    return result, used, rois_acc
 
 
 def c_binding(values, run, ws_bytes, ws, status):
     ptr = run["ptr"]
     roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status",
-             ptr["grad"]: "grad", ptr["in_grad"]: "in_grad"}
+             ptr["grad"]: "grad", ptr["in_grad"]: "in_grad", ptr["rois_grad"]: "rois_grad"}
     named = {}
     for k, v in values.items():
         if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom",
-                 "channel_map", "safe") or k in TABLES:
+                 "channel_map", "safe", "rois_grad") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
             elif ws <= v < ws + ws_bytes:
@@ -300,10 +317,12 @@ def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAli
     offsets, the status word, scalars of the same value and width); grid and block as
     launch_config; every launch on the caller's stream.  ``first``: the step that made
     the channel (its status word)."""
-    expected, ws_bytes = python_binding(dtype, R_, C_, params, direction, op_name, hw)
+    expected, ws_bytes, rois_acc = python_binding(dtype, R_, C_, params, direction, op_name,
+                                                  hw)
     ptx = ptx_params(run["image"])
     log = run["steps"][step]["log"]
     got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
+    launches_of = list(got)
     # a channel's status word: allocated by its first call (MXNet's stream: mx_forward's)
     first = first or ("mx_forward" if step.startswith("mx_") else None)
     own = [x for x in log + (run["steps"][first]["log"] if first else [])
@@ -313,13 +332,22 @@ def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAli
     want_stream = MX_STREAM if step.startswith("mx_") else STREAM
     if direction == "backward" and dtype == "float16":  # the accumulator after the tables
         size = N * C_ * hw[0] * hw[1]
-        _check_store_to_half(run, got.pop(), ws + ws_bytes, size, want_stream)
+        stores = [g for g in got if g[0].startswith("store_float_as<")]
+        got = [g for g in got if not g[0].startswith("store_float_as<")]
+        assert got and stores[-1] == launches_of[len(launches_of) - 1]
+        _check_store_to_half(run, stores[-1], ws + ws_bytes, size, want_stream)
+        if rois_acc is not None:  # the rois' gradient's float32 result, stored first
+            assert len(stores) == 2
+            _check_store_to_half(run, stores[0], ws + rois_acc, R_ * 5, want_stream,
+                                 "rois_grad")
+        else:
+            assert len(stores) == 1
         ws_bytes += -(-size * 4 // 16) * 16
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
     for (expr, grid, block, shared, stream, values), (kernel, n, want) in zip(got, expected):
         assert expr.startswith(f"{kernel}<{t[dtype]}")
-        if direction == "backward" and "_backward" in kernel:  # O: the accumulator
+        if "O" in S.kernel_signatures(source_of(kernel))[kernel][0]:  # O: the accumulator
             assert expr == f"{kernel}<{t[dtype]}, {t[dtype].split(', ')[1]}>"
         assert stream == want_stream and shared == 0 and block == (256, 1, 1)
         assert grid == (max(1, min(-(-n // 256), 65535)), 1, 1)
@@ -340,12 +368,13 @@ def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAli
     return got
 
 
-def _check_store_to_half(run, launch, acc, size, stream):
+def _check_store_to_half(run, launch, acc, size, stream, target="in_grad"):
     """The float16 backward's last launch: store_float_as<__half> (ext_cuda_cast.cu) of
-    the float32 accumulator at ``acc`` into MXNet's gradient, ``size`` elements."""
+    the float32 accumulator at ``acc`` into MXNet's gradient (``target``), ``size``
+    elements."""
     expr, grid, block, shared, got_stream, values = launch
     assert expr == "store_float_as<__half>"
-    assert values == {"src": acc, "dst": run["ptr"]["in_grad"], "n": size}
+    assert values == {"src": acc, "dst": run["ptr"][target], "n": size}
     assert got_stream == stream and shared == 0 and block == (256, 1, 1)
     assert grid == (max(1, min(-(-size // 256), 65535)), 1, 1)
 
@@ -584,6 +613,63 @@ def test_rroi_align_status_and_workspace(run):
         "yet; use the Custom door on GPU contexts for it")
 
 
+PRROI = dict(pooled_size=(P, P), spatial_scale=0.5)
+PRROI_CASES = {  # child step -> (direction, dtype)
+    "prp_first": ("forward", "float32"), "prp_fwd_f64": ("forward", "float64"),
+    "prp_fwd_f16": ("forward", "float16"), "prp_bwd": ("backward", "float32"),
+    "prp_bwd_f64": ("backward", "float64"), "prp_bwd_f16": ("backward", "float16"),
+    "mx_prp_forward": ("forward", "float32"), "mx_prp_backward": ("backward", "float32"),
+    "mx_prp_backward_f16": ("backward", "float16"),
+}
+
+
+@pytest.mark.parametrize("step", sorted(PRROI_CASES))
+def test_prroi_pool_launch_arguments_are_the_cupy_paths(run, step):
+    """PrRoIPool on the native GPU path: roi_safe_copy (the rois checked into the
+    workspace: its kernels read the rois themselves), then the op kernels on the copy as
+    the CuPy path binds them -- the backward in the Custom path's order, the rois'
+    gradient (prroi_pool_rois_backward into MXNet's rois gradient; float16: a float32
+    result after the copy, then stored) before the data gradient."""
+    direction, dtype = PRROI_CASES[step]
+    got = _check_launches(run, step, direction, dtype, R, C, PRROI, "PrRoIPool",
+                          "mx_prp_forward" if step.startswith("mx_") else "prp_first")
+    want = ["roi_safe_copy", "prroi_pool_forward"] if direction == "forward" else [
+        "roi_safe_copy", "prroi_pool_rois_backward", "prroi_pool_backward"]
+    assert [g[0].split("<")[0] for g in got] == want
+
+
+def test_prroi_pool_status_rois_gradient_and_workspace(run):
+    """PrRoIPool's own channel (a bad batch index found by a backward raised by the next
+    forward); without a rois gradient pointer the backward skips its kernel; no roi:
+    nothing launched, the data gradient zeroed; a short float16 backward workspace
+    refused; MXNet's workspace of the entries' size."""
+    from mx_roi.ext import cuda
+    s, shape = run["steps"], (N, C, H, W)
+    assert s["prp_bad_bwd"]["error"] is None and len(launches(s["prp_bad_bwd"])) == 3
+    assert s["prp_reported"]["error"] == (
+        "PrRoIPool: rois[2] has a batch index beyond the images of data (valid: 0..N-1; a "
+        "negative index marks a padding roi)" + WHERE)
+    assert not launches(s["prp_reported"])
+    assert [x.split()[1].split("I")[0] for x in launches(s["prp_bwd_no_rois_grad"])] == [
+        "_Z13roi_safe_copy", "_Z19prroi_pool_backward"]
+    assert calls(s["prp_no_rois"]) == ["cuCtxGetCurrent"]
+    assert s["prp_bwd_no_rois"]["log"] == [
+        "cuCtxGetCurrent",
+        f"cuMemsetD8Async {run['ptr']['in_grad']:x} 0 {N * C * H * W * 4} stream {STREAM:x}"]
+    need = cuda.prroi_pool_workspace("float16", shape, R, True)
+    assert need == 48 + 80 + -(-N * C * H * W * 4 // 16) * 16  # copy, rois' result, data's
+    assert s["prp_small_workspace"]["error"] == (
+        f"PrRoIPool: the workspace holds {need - 1} bytes but the call needs {need}")
+    assert not launches(s["prp_small_workspace"])
+    assert run["ps_contexts"]["PrRoIPool"] == ["backward/cpu", "backward/gpu", "forward/cpu",
+                                               "forward/gpu"]
+    mx = [s[f"mx_prp_{k}"] for k in ("forward", "backward", "backward_f16")]
+    assert [x["rc"] for x in mx] == [1, 1, 1]
+    assert [x["ws"][0][1] for x in mx] == [
+        cuda.prroi_pool_workspace("float32", shape, R),
+        cuda.prroi_pool_workspace("float32", shape, R, True), need]
+
+
 def test_backward_zeroes_the_gradients_first(run):
     """Before any launch, on the caller's stream: the accumulator's bytes zeroed (req
     write; the kernels add into it) -- MXNet's data gradient, or for float16 the float32
@@ -675,16 +761,16 @@ def test_one_module_load_and_the_ptx_image(run):
              if line.startswith("cuModuleLoadData")]
     # one module per image and context (roi_align.cu's; the cast kernel's at the first
     # float16 backward; roi_pooling.cu's, psroi_pooling.cu's, psroi_align.cu's,
-    # rroi_align.cu's), one function lookup per kernel and module, of kernels the run
-    # launched
-    assert len(loads) == len(set(loads)) == 6
+    # rroi_align.cu's, prroi_pool.cu's), one function lookup per kernel and module, of
+    # kernels the run launched
+    assert len(loads) == len(set(loads)) == 7
     lookups = [tuple(line.split()[1:4:2]) for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
     assert len(lookups) == len(set(lookups))
     launched = {line.split()[1] for s in run["steps"].values() for line in launches(s)}
     assert {name for name, _ in lookups} == launched and {m for _, m in lookups} == set(loads)
     image = run["image"]  # (every image)
-    assert image.count(f".target sm_{run['arch']}") == 6 and run["arch"] == min(
+    assert image.count(f".target sm_{run['arch']}") == 7 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
     entries = re.findall(r"\.entry\s+(\w+)", image)  # (each image's own)
@@ -740,7 +826,7 @@ def test_workspace_is_the_device_paths_table_block():
     for dtype, R_, params in (("float32", 4, BASE), ("float16", 1, BASE),
                               ("float64", 33, dict(BASE, sample_ratio=2)),
                               ("float32", 5, dict(BASE, legacy="caffe", pool_mode="avg"))):
-        _, nbytes = python_binding(dtype, R_, C, params)
+        _, nbytes, _ = python_binding(dtype, R_, C, params)
         assert cuda.roi_align_workspace(dtype, R_, P, H, W, params["sample_ratio"],
                                         params.get("legacy") == "caffe") == nbytes
     assert cuda.roi_align_workspace("float32", 0, P, H, W) == 0
@@ -820,7 +906,8 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     cls = get_op("ROIAlign")
     assert cuda.gpu_ops() == {
         get_op(n).cuda_source: get_op(n).native_gpu_kernels
-        for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign", "RROIAlign")}
+        for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign", "RROIAlign",
+                  "PrRoIPool")}
     text = cuda.section("roi_align.cu")
     assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
     assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
@@ -833,9 +920,10 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     for name in ("roi_align", "roialign", "roi_pooling", "roipooling"):
         assert name not in shared.lower()
     assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
-    monkeypatch.setattr(get_op("PrRoIPool"), "native_gpu_kernels",
-                        (("prroi_pool_forward", ()),))
-    with pytest.raises(ExtLibraryError, match=r"^PrRoIPool declares native_gpu_kernels "
-                                              r"but prroi_pool.cu has no "
+    monkeypatch.setattr(get_op("DeformablePSROIPooling"), "native_gpu_kernels",
+                        (("deformable_psroi_pooling_forward", ()),))
+    with pytest.raises(ExtLibraryError, match=r"^DeformablePSROIPooling declares "
+                                              r"native_gpu_kernels but "
+                                              r"deformable_psroi_pooling.cu has no "
                                               r"MX_ROI_EXT_CUDA_LAUNCHER section$"):
         cuda.gpu_ops()

@@ -14,9 +14,9 @@ ROIAlign's backward (every dtype), every mode, against ``emulated-cuda``'s gradi
 (the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
 the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
 gradient zeros; a bad roi raises nothing in the backward and is reported by the next
-forward.  ROIPooling's, PSROIPooling's, PSROIAlign's and RROIAlign's forward bit for bit
-and their backward to rounding, every dtype (RROIAlign: a NaN roi reported by the next
-call)."""
+forward.  ROIPooling's, PSROIPooling's, PSROIAlign's, RROIAlign's and PrRoIPool's forward
+bit for bit and their backward to rounding (PrRoIPool: the rois' gradient too), every
+dtype (RROIAlign: a NaN roi reported by the next call)."""
 import numpy as np
 import pytest
 
@@ -398,3 +398,44 @@ def test_rroi_align_forward_bits_and_backward_match_emulation(case, dtype):
         native_gpu_rroi(params, data, rois, stream)
     native_gpu_rroi(params, data, rois, stream)  # the call after the report works
     stream.synchronize()
+
+
+# ---- PrRoIPool (the checked copy first; the rois' gradient too) ---------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_prroi_pool_forward_bits_and_gradients_match_emulation(dtype):
+    """PrRoIPool's forward bit for bit, its data gradient and rois' gradient (each roi's
+    one thread: bit for bit too, but compared to rounding as the data's) against
+    ``emulated-cuda``."""
+    import cupy
+    from mx_roi.ext import cuda
+    params = dict(pooled_size=(3, 3), spatial_scale=0.5)
+    cls = get_op("PrRoIPool")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+    data, rois = problem(dtype)
+    R = rois.shape[0]
+    out_grad = np.random.default_rng(7).standard_normal(
+        op.out_shape(data.shape, rois.shape)).astype(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, r, g = cupy.asarray(data), cupy.asarray(rois), cupy.asarray(out_grad)
+        out = cupy.full(op.out_shape(data.shape, rois.shape), np.nan, dtype)
+        dx = cupy.full(data.shape, np.nan, dtype)
+        drois = cupy.full(rois.shape, np.nan, dtype)
+        ws = cupy.empty(max(cuda.prroi_pool_workspace(dtype, data.shape, R, True), 16),
+                        cupy.uint8)
+        stream.synchronize()
+        common = dict(workspace=ws.data.ptr, workspace_bytes=ws.nbytes, stream=stream.ptr)
+        cuda.prroi_pool_forward(dtype, x.data.ptr, r.data.ptr, out.data.ptr, data.shape, R,
+                                (3, 3), 0.5, **common)
+        cuda.prroi_pool_backward(dtype, g.data.ptr, x.data.ptr, r.data.ptr, dx.data.ptr,
+                                 data.shape, R, (3, 3), 0.5, rois_grad=drois.data.ptr,
+                                 **common)
+    stream.synchronize()
+    want_out, (want_dx, want_drois) = host_run(get("emulated-cuda"), op, data, rois, out_grad,
+                                               mx.cpu())
+    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
+                                  np.asarray(want_out).view(np.uint8))
+    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
+    for got, want in ((dx, want_dx), (drois, want_drois)):
+        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64),
+                                   np.asarray(want).astype(np.float64), rtol=tol, atol=tol)

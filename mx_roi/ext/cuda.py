@@ -19,11 +19,11 @@ rules of the host kernel libraries (:func:`mx_roi.cuda.loader.cache_dir`,
 ``loader._try_load``), named by a hash of every source, the NVRTC version, the
 architecture, the options, the compiler and the flags.
 
-Today: ROIAlign's, ROIPooling's, PSROIPooling's, PSROIAlign's and RROIAlign's forward and
-backward (:func:`roi_align_forward`, :func:`roi_align_backward`, :func:`roi_pooling_forward`,
-..., :func:`rroi_align_backward`), also those extension ops' ``"gpu"`` forward and
-backward, which call them once :func:`enable` has run.  Not yet: a deterministic
-backward, DeformablePSROIPooling, PrRoIPool.
+Today: ROIAlign's, ROIPooling's, PSROIPooling's, PSROIAlign's, RROIAlign's and PrRoIPool's
+forward and backward (:func:`roi_align_forward`, :func:`roi_align_backward`,
+:func:`roi_pooling_forward`, ..., :func:`prroi_pool_backward`), also those extension ops'
+``"gpu"`` forward and backward, which call them once :func:`enable` has run.  Not yet: a
+deterministic backward, DeformablePSROIPooling.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_alig
            "psroi_pooling_workspace", "psroi_pooling_forward", "psroi_pooling_backward",
            "psroi_align_workspace", "psroi_align_forward", "psroi_align_backward",
            "rroi_align_workspace", "rroi_align_forward", "rroi_align_backward",
+           "prroi_pool_workspace", "prroi_pool_forward", "prroi_pool_backward",
            "check", "DTYPE_CODES",
            "CudaLaunchError"]
 
@@ -205,8 +206,9 @@ def enable() -> str:
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
     ``"gpu"`` forward and backward of the ops with a native GPU path (:func:`gpu_ops`:
     ``mx_roi_ROIAlign``, ``mx_roi_ROIPooling``, ``mx_roi_PSROIPooling``,
-    ``mx_roi_PSROIAlign``, ``mx_roi_RROIAlign``) run (on an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` /
-    ``sym`` / Gluon keep the Custom door).  Returns the launcher's path."""
+    ``mx_roi_PSROIAlign``, ``mx_roi_RROIAlign``, ``mx_roi_PrRoIPool``) run (on an MXNet
+    CUDA build; GPU contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).
+    Returns the launcher's path."""
     from . import load
     path = library_path()
     ext = ctypes.CDLL(load())  # the library MXNet opened (the loader hands out the same)
@@ -276,6 +278,13 @@ def _lib():
         lib.mx_roi_ext_cuda_rroi_align_forward.argtypes = rr + tail
         lib.mx_roi_ext_cuda_rroi_align_backward.argtypes = rr[:4] + [c.c_void_p] + rr[4:] + \
             tail
+        pr = [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong,
+              c.c_longlong, c.c_longlong, c.c_longlong, c.c_int, c.c_int, c.c_float]
+        lib.mx_roi_ext_cuda_prroi_pool_workspace.argtypes = \
+            lib.mx_roi_ext_cuda_rroi_align_workspace.argtypes
+        lib.mx_roi_ext_cuda_prroi_pool_forward.argtypes = pr + tail
+        lib.mx_roi_ext_cuda_prroi_pool_backward.argtypes = pr[:4] + [c.c_void_p] * 2 + \
+            pr[4:] + tail
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -560,6 +569,49 @@ def rroi_align_backward(dtype, grad: int, rois: int, in_grad: int, data_shape, R
         DTYPE_CODES[np.dtype(dtype)], grad, rois, in_grad, rois_grad, N, C, H, W, int(R), P,
         Q, float(np.float32(spatial_scale)), int(sampling_ratio), int(bool(aligned)),
         int(bool(clockwise)), workspace, int(workspace_bytes), stream, err, len(err)), err)
+
+
+def prroi_pool_workspace(dtype, data_shape, R: int, backward: bool = False) -> int:
+    """Bytes of device memory a PrRoIPool forward (or ``backward``) needs: the rois'
+    checked copy and, for a float16 backward, the float32 results of both gradients (0
+    for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_prroi_pool_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), int(bool(backward)),
+        ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def prroi_pool_forward(dtype, data: int, rois: int, out: int, data_shape, R: int, pooled_size,
+                       spatial_scale: float, workspace: int = 0, workspace_bytes: int = 0,
+                       stream: int = 0) -> None:
+    """Queue PrRoIPool's forward on ``stream`` (the rois checked on the device into the
+    workspace, :func:`prroi_pool_workspace` bytes); otherwise as
+    :func:`roi_align_forward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_prroi_pool_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, out, N, C, H, W, int(R), P, Q,
+        float(np.float32(spatial_scale)), workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
+
+
+def prroi_pool_backward(dtype, grad: int, data: int, rois: int, in_grad: int, data_shape,
+                        R: int, pooled_size, spatial_scale: float, workspace: int = 0,
+                        workspace_bytes: int = 0, stream: int = 0, rois_grad: int = 0) -> None:
+    """Queue PrRoIPool's backward on ``stream``: ``in_grad`` written and, where given,
+    ``rois_grad`` (R, 5) -- this op's gradient of its rois, which reads ``data``; the
+    workspace: :func:`prroi_pool_workspace` with ``backward``.  Otherwise as
+    :func:`roi_align_backward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    P, Q = _pooled(pooled_size)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_prroi_pool_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, data, rois, in_grad, rois_grad, N, C, H, W,
+        int(R), P, Q, float(np.float32(spatial_scale)), workspace, int(workspace_bytes),
+        stream, err, len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:
