@@ -71,6 +71,22 @@ def native_gpu(data, rois, params, stream):
     return out, (x, r, ws)
 
 
+def expect_emulation(op, data, rois, out_grad, out, grads, rescan=False):
+    """The launcher's ``out`` bit for bit and its ``grads`` (CuPy arrays: the data's, then
+    the rois' where the op has one) to rounding -- the atomic adds meet in any order --
+    against ``emulated-cuda`` on the host."""
+    import cupy
+    want_out, want_grads = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
+                                    rescan=rescan)
+    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
+                                  np.asarray(want_out).view(np.uint8))
+    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[np.dtype(data.dtype).type]
+    assert len(grads) == len(want_grads)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64),
+                                   np.asarray(want).astype(np.float64), rtol=tol, atol=tol)
+
+
 def op_of(params):
     cls = get_op("ROIAlign")
     return cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
@@ -243,13 +259,7 @@ def test_roi_pooling_forward_bits_and_backward_match_emulation(dtype):
     out, keep = native_gpu_pooling(data, rois, stream)
     dx, keep2 = native_gpu_pooling(data, rois, stream, out_grad)
     stream.synchronize()
-    want_out, (want_dx,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
-                                    rescan=True)
-    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
-                                  np.asarray(want_out).view(np.uint8))
-    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
-    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
-                               want_dx.astype(np.float64), rtol=tol, atol=tol)
+    expect_emulation(op, data, rois, out_grad, out, [dx], rescan=True)
 
 
 # ---- the position-sensitive ops (their own native GPU sections) ---------------------------
@@ -314,12 +324,7 @@ def test_position_sensitive_forward_bits_and_backward_match_emulation(case, dtyp
     out, keep = native_gpu_ps(name, params, data, rois, stream)
     dx, keep2 = native_gpu_ps(name, params, data, rois, stream, out_grad)
     stream.synchronize()
-    want_out, (want_dx,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu())
-    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
-                                  np.asarray(want_out).view(np.uint8))
-    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
-    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
-                               want_dx.astype(np.float64), rtol=tol, atol=tol)
+    expect_emulation(op, data, rois, out_grad, out, [dx])
 
 
 # ---- RROIAlign (its kernels read the rois: the checked copy first) ------------------------
@@ -383,12 +388,7 @@ def test_rroi_align_forward_bits_and_backward_match_emulation(case, dtype):
     out, keep = native_gpu_rroi(params, data, rois, stream)
     dx, keep2 = native_gpu_rroi(params, data, rois, stream, out_grad)
     stream.synchronize()
-    want_out, (want_dx,) = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu())
-    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
-                                  np.asarray(want_out).view(np.uint8))
-    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
-    np.testing.assert_allclose(cupy.asnumpy(dx).astype(np.float64),
-                               want_dx.astype(np.float64), rtol=tol, atol=tol)
+    expect_emulation(op, data, rois, out_grad, out, [dx])
     bad = rois.copy()
     bad[3, 2] = np.nan
     out, keep3 = native_gpu_rroi(params, data, bad, stream)  # raises nothing
@@ -431,11 +431,4 @@ def test_prroi_pool_forward_bits_and_gradients_match_emulation(dtype):
                                  data.shape, R, (3, 3), 0.5, rois_grad=drois.data.ptr,
                                  **common)
     stream.synchronize()
-    want_out, (want_dx, want_drois) = host_run(get("emulated-cuda"), op, data, rois, out_grad,
-                                               mx.cpu())
-    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
-                                  np.asarray(want_out).view(np.uint8))
-    tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[dtype]
-    for got, want in ((dx, want_dx), (drois, want_drois)):
-        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64),
-                                   np.asarray(want).astype(np.float64), rtol=tol, atol=tol)
+    expect_emulation(op, data, rois, out_grad, out, [dx, drois])
