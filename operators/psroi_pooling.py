@@ -64,10 +64,12 @@ class PositionSensitive(RoIOp):
                         C=self.param.output_dim, Cin=Cin, H=H, W=W, bottom=buf)
         return launch.grad_value(buf)
 
-    def channel_map(self):
-        """(C_out, P, Q) int32 input channel of each output bin on the host
-        (geometry.ps_channel_map; read-only, shared by the calls with these parameters)."""
-        return _host_tables(self.param)[1]
+    def channel_map(self, xp=np):
+        """(C_out, P, Q) int32 input channel of each output bin (geometry.ps_channel_map):
+        on the host read-only, shared by the calls with these parameters; ``xp`` another
+        array module: a copy there (the kernels' launches use :meth:`launch_channel_map`)."""
+        cmap = _host_tables(self.param)[1]
+        return cmap if xp is np else xp.asarray(cmap)
 
     def launch_channel_map(self, launch):
         """The channel map ``launch``'s kernels read: the host table in the native build;
