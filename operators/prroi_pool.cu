@@ -665,19 +665,15 @@ namespace mx_roi_cuda {
 // PrRoIPool's workspace: the rois' checked copy (R, 5); for a float16 backward then the
 // float32 results of the rois' gradient (R, 5) and of the data gradient
 // (with_accumulator); 0 for R = 0.
-inline unsigned long long prroi_safe_bytes(int dtype, long long R) {
-  return ((unsigned long long)R * 5 * item_size(dtype) + 15) / 16 * 16;
-}
-
 inline unsigned long long prroi_rois_acc_bytes(int dtype, long long R) {
-  return dtype == DTYPE_FLOAT16 ? ((unsigned long long)R * 5 * 4 + 15) / 16 * 16 : 0;
+  return dtype == DTYPE_FLOAT16 ? aligned16((unsigned long long)R * 5 * 4) : 0;
 }
 
 inline unsigned long long prroi_pool_bytes(int dtype, long long N, long long C, long long H,
                                            long long W, long long R, bool backward) {
   if (R <= 0) return 0;
-  if (!backward) return prroi_safe_bytes(dtype, R);
-  return with_accumulator(prroi_safe_bytes(dtype, R) + prroi_rois_acc_bytes(dtype, R), dtype,
+  if (!backward) return safe_rois_bytes(dtype, R, 5);
+  return with_accumulator(safe_rois_bytes(dtype, R, 5) + prroi_rois_acc_bytes(dtype, R), dtype,
                           N * C * H * W);
 }
 
@@ -720,7 +716,7 @@ inline void prroi_pool_backward(int dtype, CUdeviceptr grad, CUdeviceptr data, C
   const CallScope call("PrRoIPool", dtype, stream);
   need_workspace(call.op, workspace_bytes, prroi_pool_bytes(dtype, N, C, H, W, R, true));
   if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
-  const unsigned long long safe_bytes = prroi_safe_bytes(dtype, R);
+  const unsigned long long safe_bytes = safe_rois_bytes(dtype, R, 5);
   const CUdeviceptr rois_acc = workspace + safe_bytes;
   const GradTarget target(call, dtype, in_grad, 0, N * C * H * W, R, 5,
                           rois_acc + prroi_rois_acc_bytes(dtype, R));

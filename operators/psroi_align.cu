@@ -378,20 +378,15 @@ struct PsAlignGrid : SampleGrid {
                    rfcn ? sample_num : sample_ratio, rfcn ? 0 : (aligned ? 1 : 0), workspace) {}
 };
 
-// PSROIAlign's workspace: the grid's tables, the channel map, and for a float16 backward
-// the float32 accumulator; 0 for R = 0.  ``*map_at``: where the channel map starts.
-inline unsigned long long psroi_align_bytes(int dtype, long long N, long long Cin, long long H,
-                                            long long W, long long R, long long output_dim,
-                                            int P, int Q, int sample_ratio, int rfcn,
-                                            int sample_num, bool backward,
-                                            unsigned long long* map_at = nullptr) {
-  if (R <= 0) return 0;
-  const unsigned long long tables =
-      sample_layout("PSROIAlign", dtype, rfcn ? MODE_RFCN_GRID : MODE_ALIGN_GRID, R, P, Q, H,
-                    W, rfcn ? sample_num : sample_ratio).bytes;
-  if (map_at) *map_at = tables;
-  const unsigned long long both = tables + ps_map_bytes(output_dim, P, Q);
-  return backward ? with_accumulator(both, dtype, N * Cin * H * W) : both;
+// PSROIAlign's workspace: the grid's tables, then the channel map and float16's accumulator
+// (PsWorkspace); for R >= 1.
+inline PsWorkspace psroi_align_workspace(int dtype, long long N, long long Cin, long long H,
+                                         long long W, long long R, long long output_dim, int P,
+                                         int Q, int sample_ratio, int rfcn, int sample_num,
+                                         bool backward) {
+  return PsWorkspace(sample_layout("PSROIAlign", dtype, rfcn ? MODE_RFCN_GRID : MODE_ALIGN_GRID,
+                                   R, P, Q, H, W, rfcn ? sample_num : sample_ratio).bytes,
+                     dtype, output_dim, P, Q, N * Cin * H * W, backward);
 }
 
 // The kernels' arguments from ``first`` (data or grad) through the divisor: first, batch,
@@ -414,17 +409,16 @@ inline void psroi_align_forward(int dtype, CUdeviceptr data, CUdeviceptr rois, C
   ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
   call.report();
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  unsigned long long map_at = 0;
-  need_workspace(call.op, workspace_bytes,
-                 psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q, sample_ratio,
-                                   rfcn, sample_num, false, &map_at));
+  const PsWorkspace ws = psroi_align_workspace(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                               sample_ratio, rfcn, sample_num, false);
+  need_workspace(call.op, workspace_bytes, ws.bytes);
   const PsAlignGrid grid(dtype, R, P, Q, H, W, sample_ratio, aligned, rfcn, sample_num,
                          workspace);
   grid.geometry(call, PSROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
-  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + map_at, output_dim, P, Q, Gh, Gw);
+  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + ws.map_at, output_dim, P, Q, Gh, Gw);
   const long long n = R * output_dim * P * Q;
   Args k;
-  ps_align_tables(k, data, grid, workspace + map_at);
+  ps_align_tables(k, data, grid, workspace + ws.map_at);
   k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(out)(n);
   call.run(PSROI_ALIGN_IMAGE, "psroi_align_forward" + call.ta() + ">", n, k);
   call.record();
@@ -440,20 +434,19 @@ inline void psroi_align_backward(int dtype, CUdeviceptr grad, CUdeviceptr rois,
                                  unsigned long long workspace_bytes, CUstream stream) {
   const CallScope call("PSROIAlign", dtype, stream);
   ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
-  unsigned long long map_at = 0;
-  need_workspace(call.op, workspace_bytes,
-                 psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q, sample_ratio,
-                                   rfcn, sample_num, true, &map_at));
   if (R <= 0) return call.zero(in_grad, (size_t)(N * Cin * H * W) * item_size(dtype));
+  const PsWorkspace ws = psroi_align_workspace(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                               sample_ratio, rfcn, sample_num, true);
+  need_workspace(call.op, workspace_bytes, ws.bytes);
   const PsAlignGrid grid(dtype, R, P, Q, H, W, sample_ratio, aligned, rfcn, sample_num,
                          workspace);
   const GradTarget target(call, dtype, in_grad, rois_grad, N * Cin * H * W, R, 5,
-                          workspace + map_at + ps_map_bytes(output_dim, P, Q));
+                          workspace + ws.acc_at);
   grid.geometry(call, PSROI_ALIGN_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
-  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + map_at, output_dim, P, Q, Gh, Gw);
+  ps_fill_channel_map(call, PSROI_ALIGN_IMAGE, workspace + ws.map_at, output_dim, P, Q, Gh, Gw);
   const long long n = R * output_dim * P * Q;
   Args k;
-  ps_align_tables(k, grad, grid, workspace + map_at);
+  ps_align_tables(k, grad, grid, workspace + ws.map_at);
   k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(grid.g.Gy)(grid.g.Gx)(target.bottom)(
       1.0)(n);  // scale, n
   call.run(PSROI_ALIGN_IMAGE, "psroi_align_backward" + call.ta() + ", " + call.t.A + ">", n,
@@ -476,8 +469,10 @@ int mx_roi_ext_cuda_psroi_align_workspace(int dtype, long long N, long long Cin,
                                           size_t err_len) {
   return mx_roi_cuda::c_entry(err, err_len, [&]() {
     mx_roi_cuda::types_of("PSROIAlign", dtype);
-    *bytes = mx_roi_cuda::psroi_align_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q,
-                                            sample_ratio, rfcn, sample_num, backward != 0);
+    *bytes = R <= 0 ? 0
+                    : mx_roi_cuda::psroi_align_workspace(dtype, N, Cin, H, W, R, output_dim,
+                                                         P, Q, sample_ratio, rfcn, sample_num,
+                                                         backward != 0).bytes;
   });
 }
 

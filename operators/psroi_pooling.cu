@@ -306,19 +306,13 @@ MX_ROI_EXT_REGISTER(mx_roi_PSROIPooling, mx_roi_op::PSROIPoolingOp)
 // on the device-built integer bins and channel map, and the C entries.
 namespace mx_roi_cuda {
 
-// PSROIPooling's workspace: the integer bins (IntBins), the channel map, and for a float16
-// backward the float32 accumulator (with_accumulator); 0 for R = 0.  ``*map_at``: where
-// the channel map starts.
-inline unsigned long long psroi_pooling_bytes(int dtype, long long N, long long Cin,
-                                              long long H, long long W, long long R,
-                                              long long output_dim, int P, int Q,
-                                              bool backward,
-                                              unsigned long long* map_at = nullptr) {
-  if (R <= 0) return 0;
-  const unsigned long long tables = IntBins(MODE_PS_POOL_BINS, R, P, Q, H, W, 0).bytes;
-  if (map_at) *map_at = tables;
-  const unsigned long long both = tables + ps_map_bytes(output_dim, P, Q);
-  return backward ? with_accumulator(both, dtype, N * Cin * H * W) : both;
+// PSROIPooling's workspace: the integer bins (IntBins), then the channel map and float16's
+// accumulator (PsWorkspace); for R >= 1.
+inline PsWorkspace psroi_pooling_workspace(int dtype, long long N, long long Cin, long long H,
+                                           long long W, long long R, long long output_dim,
+                                           int P, int Q, bool backward) {
+  return PsWorkspace(IntBins(MODE_PS_POOL_BINS, R, P, Q, H, W, 0).bytes, dtype, output_dim, P,
+                     Q, N * Cin * H * W, backward);
 }
 
 // PSROIPooling's forward (PositionSensitive.forward_cuda on device-built bins): the
@@ -332,17 +326,16 @@ inline void psroi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois,
   ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
   call.report();
   if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
-  unsigned long long map_at = 0;
-  need_workspace(call.op, workspace_bytes, psroi_pooling_bytes(dtype, N, Cin, H, W, R,
-                                                               output_dim, P, Q, false,
-                                                               &map_at));
+  const PsWorkspace ws = psroi_pooling_workspace(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                                 false);
+  need_workspace(call.op, workspace_bytes, ws.bytes);
   const IntBins bins(MODE_PS_POOL_BINS, R, P, Q, H, W, workspace);
   bins.geometry(call, PSROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
-  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + map_at, output_dim, P, Q, Gh,
+  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + ws.map_at, output_dim, P, Q, Gh,
                       Gw);
   const long long n = R * output_dim * P * Q;
   Args k;
-  k(data)(bins.tb[0])(workspace + map_at);  // data, batch, channel_map
+  k(data)(bins.tb[0])(workspace + ws.map_at);  // data, batch, channel_map
   for (int i = 1; i < 5; ++i) k(bins.tb[i]);
   k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(out)(n);
   call.run(PSROI_POOLING_IMAGE, "psroi_pooling_forward" + call.ta() + ">", n, k);
@@ -361,20 +354,19 @@ inline void psroi_pooling_backward(int dtype, CUdeviceptr grad, CUdeviceptr rois
                                    unsigned long long workspace_bytes, CUstream stream) {
   const CallScope call("PSROIPooling", dtype, stream);
   ps_check_channels(call.op, Cin, output_dim, Gh, Gw);
-  unsigned long long map_at = 0;
-  need_workspace(call.op, workspace_bytes, psroi_pooling_bytes(dtype, N, Cin, H, W, R,
-                                                               output_dim, P, Q, true,
-                                                               &map_at));
   if (R <= 0) return call.zero(in_grad, (size_t)(N * Cin * H * W) * item_size(dtype));
+  const PsWorkspace ws = psroi_pooling_workspace(dtype, N, Cin, H, W, R, output_dim, P, Q,
+                                                 true);
+  need_workspace(call.op, workspace_bytes, ws.bytes);
   const IntBins bins(MODE_PS_POOL_BINS, R, P, Q, H, W, workspace);
   const GradTarget target(call, dtype, in_grad, rois_grad, N * Cin * H * W, R, 5,
-                          workspace + map_at + ps_map_bytes(output_dim, P, Q));
+                          workspace + ws.acc_at);
   bins.geometry(call, PSROI_POOLING_IMAGE, rois, N, H, W, R, P, Q, spatial_scale);
-  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + map_at, output_dim, P, Q, Gh,
+  ps_fill_channel_map(call, PSROI_POOLING_IMAGE, workspace + ws.map_at, output_dim, P, Q, Gh,
                       Gw);
   const long long n = R * output_dim * P * Q;
   Args k;
-  k(grad)(bins.tb[0])(workspace + map_at);  // grad, batch, channel_map
+  k(grad)(bins.tb[0])(workspace + ws.map_at);  // grad, batch, channel_map
   for (int i = 1; i < 5; ++i) k(bins.tb[i]);
   k((int)output_dim)((int)Cin)((int)H)((int)W)(P)(Q)(target.bottom)(1.0)(n);  // scale, n
   call.run(PSROI_POOLING_IMAGE,
@@ -396,8 +388,9 @@ int mx_roi_ext_cuda_psroi_pooling_workspace(int dtype, long long N, long long Ci
                                             size_t err_len) {
   return mx_roi_cuda::c_entry(err, err_len, [&]() {
     mx_roi_cuda::types_of("PSROIPooling", dtype);
-    *bytes = mx_roi_cuda::psroi_pooling_bytes(dtype, N, Cin, H, W, R, output_dim, P, Q,
-                                              backward != 0);
+    *bytes = R <= 0 ? 0
+                    : mx_roi_cuda::psroi_pooling_workspace(dtype, N, Cin, H, W, R, output_dim,
+                                                           P, Q, backward != 0).bytes;
   });
 }
 

@@ -645,7 +645,7 @@ namespace mx_roi_cuda {
 inline unsigned long long rroi_align_bytes(int dtype, long long N, long long C, long long H,
                                            long long W, long long R, bool backward) {
   if (R <= 0) return 0;
-  const unsigned long long rois = ((unsigned long long)R * 6 * item_size(dtype) + 15) / 16 * 16;
+  const unsigned long long rois = safe_rois_bytes(dtype, R, 6);
   return backward ? with_accumulator(rois, dtype, N * C * H * W) : rois;
 }
 

@@ -52,6 +52,12 @@ struct GridLayout {
   size_t bytes = 0;
 };
 
+// ``bytes`` rounded up to a multiple of 16 (device_geometry._carve's alignment of every
+// array a call keeps in its workspace)
+inline unsigned long long aligned16(unsigned long long bytes) {
+  return (bytes + 15) / 16 * 16;
+}
+
 // device_geometry.grid_widths, then the layout; false where the tables cannot be built on
 // the device (more than MAX_SAMPLES_PER_AXIS points along an axis)
 inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long long R,
@@ -76,7 +82,7 @@ inline bool grid_layout(int mode, int P, int Q, int H, int W, int sample, long l
   size_t total = 0;
   for (int k = 0; k < 12; ++k) {
     g.offset[k] = total;
-    total += (sizes[k] + 15) / 16 * 16;
+    total += aligned16(sizes[k]);
   }
   g.bytes = total < 16 ? 16 : total;
   return true;
@@ -129,7 +135,7 @@ inline void need_workspace(const std::string& op, unsigned long long have,
 // the ``size``-element data gradient (Launch.grad_buffer's temporary), 16-byte aligned.
 inline unsigned long long with_accumulator(unsigned long long tables, int dtype,
                                            long long size) {
-  return tables + (dtype == DTYPE_FLOAT16 ? ((unsigned long long)size * 4 + 15) / 16 * 16 : 0);
+  return tables + (dtype == DTYPE_FLOAT16 ? aligned16((unsigned long long)size * 4) : 0);
 }
 
 // A backward's gradients, req write (Launch.grad_buffer): the kernels add into ``bottom``,
@@ -174,7 +180,7 @@ struct IntBins {
     const long long counts[5] = {R, R * P, R * P, R * Q, R * Q};
     for (int k = 0; k < 5; ++k) {
       tb[k] = workspace + bytes;
-      bytes += ((unsigned long long)counts[k] * 4 + 15) / 16 * 16;
+      bytes += aligned16((unsigned long long)counts[k] * 4);
     }
     if (bytes < 16) bytes = 16;
     const long long by_side = ((H + 1 + P - 1) / P + 1) * ((W + 1 + Q - 1) / Q + 1);
@@ -239,6 +245,12 @@ struct SampleGrid {
   }
 };
 
+// ---- the checked copy of the rois (ops whose kernels read the rois themselves) ---------
+// Its bytes in the workspace: (R, columns) of ``dtype``, 16-aligned
+inline unsigned long long safe_rois_bytes(int dtype, long long R, int columns) {
+  return aligned16((unsigned long long)R * columns * item_size(dtype));
+}
+
 // ---- the position-sensitive ops' channel map ------------------------------------------
 // The kernels read input channels up to output_dim * Gh * Gw - 1 of ``Cin``: a call whose
 // data has other than that many is refused (PositionSensitive.out_channels' rule).
@@ -251,12 +263,22 @@ inline void ps_check_channels(const std::string& op, long long Cin, long long ou
                 " are required");
 }
 
-// The channel map (output_dim, P, Q) int32 in a call's workspace: its bytes (16-aligned),
-// and its fill on the call's stream (ps_channel_map_fill of ``image``, per call: nothing is
-// copied from the host).
-inline unsigned long long ps_map_bytes(long long output_dim, int P, int Q) {
-  return ((unsigned long long)(output_dim * P * Q) * 4 + 15) / 16 * 16;
-}
+// A position-sensitive call's workspace after its ``tables`` bytes: the channel map
+// (output_dim, P, Q) int32 at ``map_at``, then for a float16 backward the float32
+// accumulator of the ``size``-element data gradient at ``acc_at`` (with_accumulator);
+// ``bytes`` in all.
+struct PsWorkspace {
+  unsigned long long map_at, acc_at, bytes;
+
+  PsWorkspace(unsigned long long tables, int dtype, long long output_dim, int P, int Q,
+              long long size, bool backward)
+      : map_at(tables),
+        acc_at(tables + aligned16((unsigned long long)(output_dim * P * Q) * 4)),
+        bytes(backward ? with_accumulator(acc_at, dtype, size) : acc_at) {}
+};
+
+// The channel map's fill on the call's stream (ps_channel_map_fill of ``image``, per call:
+// nothing is copied from the host).
 
 inline void ps_fill_channel_map(const CallScope& call, const Image& image, CUdeviceptr map,
                                 long long output_dim, int P, int Q, int Gh, int Gw) {
