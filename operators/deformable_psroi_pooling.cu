@@ -709,6 +709,40 @@ __global__ void deformable_psroi_pooling_backward_trans(
   }
 }
 
+// ---- the offsets' device check (the native GPU path: mx_roi.ext.cuda) --------------------
+// check_extra_inputs' rule where the offsets are: every element of trans below the guard
+// bound in magnitude (float16: finite), as the rois' check (mx_roi::geo::value_bad).  The
+// bad element check_extra_inputs names (the first in C order) in two launches:
+// deformable_trans_check records each bad element's index in ``first`` (the complement,
+// atomicMax from a zeroed word: the lowest index wins; n = trans.size), then
+// deformable_trans_status (n = 1) moves it into the channel's status words 2..4 -- the
+// roi + 1; channel << 32 | u << 16 | v (2K channels, part x part cells); the value as a
+// double -- unless an earlier call's, not yet reported, is there: the first bad call's
+// offset is the one reported (ext_cuda.h's status_error).
+template <typename T, typename A>
+__global__ void deformable_trans_check(const T* __restrict__ trans, double bound, int use_bound,
+                                       unsigned long long* __restrict__ first, long long n) {
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+    if (mx_roi::geo::value_bad<T, A>(trans[i], bound, use_bound != 0))
+      atomicMax(first, ~(unsigned long long)i);
+}
+
+template <typename T, typename A>
+__global__ void deformable_trans_status(const T* __restrict__ trans,
+                                        const unsigned long long* __restrict__ first,
+                                        int channels, int part,
+                                        unsigned long long* __restrict__ status, long long n) {
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += step) {
+    if (*first == 0 || status[2] != 0) continue;
+    const unsigned long long i = ~*first, cells = (unsigned long long)part * part;
+    status[2] = i / (cells * channels) + 1;
+    status[3] = (i / cells % channels) << 32 | (i % cells / part) << 16 | (i % part);
+    reinterpret_cast<double*>(status)[4] = (double)mx_roi::Traits<T>::load(trans[i]);
+  }
+}
+
 #ifdef MX_ROI_EXT_LAUNCHER
 // ==== mx_roi_DeformablePSROIPooling: this op in mx_roi's MXNet extension library ==========
 // Compiled only into that library (g++ with -DMX_ROI_EXT_LAUNCHER, the host shim in native
@@ -863,10 +897,9 @@ struct DeformablePSROIPoolingOp {
     const T* t = (const T*)trans->data_ptr;
     const long long n = numel(trans->shape);
     const bool use_bound = !std::is_same<T, __half>::value;  // onednn.bounded_dtype
-    const double bound = (double)(A)GUARD_BOUND;
     for (long long i = 0; i < n; ++i) {
+      if (!mx_roi::geo::value_bad<T, A>(t[i], GUARD_BOUND, use_bound)) continue;
       const double v = to_double(t[i]);
-      if (use_bound ? std::fabs(v) < bound : std::isfinite(v)) continue;
       std::string at;
       long long rest = i;
       for (int d = 3; d >= 0; --d) {
@@ -986,7 +1019,319 @@ struct DeformablePSROIPoolingOp {
 const RegisterParams deformable_psroi_pooling_params("DeformablePSROIPooling",
                                                      DeformablePSROIPoolingOp::format);
 
+// mx_roi.ext.cuda's launcher (the MX_ROI_EXT_CUDA_LAUNCHER section below) on MXNet's
+// stream: the rois' checked copy and the offsets' device check in MXNet's temporary
+// workspace; no host wait.  trans (its shape and dtype checked by GpuCallbacks) is the
+// third input; its gradient the third output.
+struct DeformablePSROIPoolingGpu {
+  typedef DeformablePSROIPoolingOp Op;
+  typedef int (*Workspace)(int, long long, long long, long long, long long, long long,
+                           long long, int, int, unsigned long long*, char*, size_t);
+  typedef int (*Forward)(int, const void*, const void*, const void*, void*, long long,
+                         long long, long long, long long, long long, long long, int, int, int,
+                         int, int, float, float, void*, unsigned long long, void*, char*,
+                         size_t);
+  typedef int (*Backward)(int, const void*, const void*, const void*, const void*, void*, void*,
+                          void*, long long, long long, long long, long long, long long,
+                          long long, int, int, int, int, int, float, float, void*,
+                          unsigned long long, void*, char*, size_t);
+  static constexpr const char* OP = DeformablePSROIPoolingOp::OP;
+
+  // trans's offset classes K (0: no trans)
+  static long long classes(const MXTensor* trans) { return trans ? trans->shape[1] / 2 : 0; }
+
+  static void* tables(const Op::Params& p, const MXTensor& data, long long R,
+                      const MXTensor* trans, bool backward, const OpResource& res,
+                      unsigned long long* bytes) {
+    char err[4096] = "";
+    gpu_call(gpu_entry<Workspace>(OP, "mx_roi_ext_cuda_deformable_psroi_pooling_workspace")(
+                 data.dtype, data.shape[0], data.shape[1], data.shape[2], data.shape[3], R,
+                 classes(trans), (int)p.part(), backward ? 1 : 0, bytes, err, sizeof err),
+             err);
+    return gpu_workspace(OP, res, *bytes);
+  }
+
+  static int forward(const Op::Params& p, const MXTensor& data, const MXTensor& rois,
+                     const MXTensor* trans, MXTensor& out, void* ws, unsigned long long bytes,
+                     void* stream, char* err, size_t len) {
+    return gpu_entry<Forward>(OP, "mx_roi_ext_cuda_deformable_psroi_pooling_forward")(
+        data.dtype, data.data_ptr, rois.data_ptr, trans ? trans->data_ptr : nullptr,
+        out.data_ptr, data.shape[0], data.shape[1], data.shape[2], data.shape[3],
+        rois.shape[0], classes(trans), (int)p.output_dim, (int)p.group_size, (int)p.P,
+        (int)p.part(), (int)p.sample_per_part, (float)p.spatial_scale, (float)p.trans_std, ws,
+        bytes, stream, err, len);
+  }
+
+  static int backward(const Op::Params& p, const MXTensor& grad, const MXTensor& data,
+                      const MXTensor& rois, const MXTensor* trans, MXTensor& in_grad,
+                      MXTensor& rois_grad, MXTensor* trans_grad, void* ws,
+                      unsigned long long bytes, void* stream, char* err, size_t len) {
+    return gpu_entry<Backward>(OP, "mx_roi_ext_cuda_deformable_psroi_pooling_backward")(
+        data.dtype, grad.data_ptr, data.data_ptr, rois.data_ptr,
+        trans ? trans->data_ptr : nullptr, in_grad.data_ptr, rois_grad.data_ptr,
+        trans_grad ? trans_grad->data_ptr : nullptr, data.shape[0], data.shape[1],
+        data.shape[2], data.shape[3], rois.shape[0], classes(trans), (int)p.output_dim,
+        (int)p.group_size, (int)p.P, (int)p.part(), (int)p.sample_per_part,
+        (float)p.spatial_scale, (float)p.trans_std, ws, bytes, stream, err, len);
+  }
+};
+
 }  // namespace mx_roi_op
 
-MX_ROI_EXT_REGISTER(mx_roi_DeformablePSROIPooling, mx_roi_op::DeformablePSROIPoolingOp);
+MX_ROI_EXT_REGISTER(mx_roi_DeformablePSROIPooling, mx_roi_op::DeformablePSROIPoolingOp)
+    .setForward(mx_roi_op::GpuCallbacks<mx_roi_op::DeformablePSROIPoolingGpu>::forward, "gpu")
+    .setBackward(mx_roi_op::GpuCallbacks<mx_roi_op::DeformablePSROIPoolingGpu>::backward,
+                 "gpu");
 #endif  // MX_ROI_EXT_LAUNCHER
+
+#ifdef MX_ROI_EXT_CUDA_LAUNCHER
+// ==== this op on the native GPU path (opt-in; docs/gpu.md) ===============================
+// Compiled only into mx_roi.ext.cuda's launcher library (as roi_align.cu's section): the
+// driver-API launch of this file's kernels (deformable_psroi_pooling.py's
+// native_gpu_kernels, NVRTC's PTX in DEFORMABLE_PSROI_POOLING_IMAGE).  The op kernels read
+// the rois and the offsets themselves: the rois through roi_safe_copy's checked copy in
+// the workspace (a bad roi a padding roi there, in the status word), the offsets as given
+// after their device check (deformable_trans_check / _status: a bad offset in status
+// words 2..4; the kernels' sample test keeps any offset from indexing outside the map),
+// then forward_cuda's / backward_cuda's launches.  Workspace: the rois' copy (R, 5), a
+// 16-byte scratch (the check's first bad index; zeros standing in for absent offsets),
+// then for a float16 backward with offsets their float32 gradient and the data gradient's
+// accumulator (with_accumulator).
+namespace mx_roi_cuda {
+
+inline unsigned long long deform_trans_size(long long R, long long K, int part) {
+  return (unsigned long long)R * 2 * K * part * part;
+}
+
+// Where the call's arrays are in the workspace
+struct DeformWorkspace {
+  CUdeviceptr safe, scratch, trans_acc, acc;
+  unsigned long long bytes;
+
+  DeformWorkspace(int dtype, long long N, long long C, long long H, long long W, long long R,
+                  long long K, int part, bool backward, CUdeviceptr ws = 0) {
+    const unsigned long long safe_bytes = safe_rois_bytes(dtype, R, 5);
+    const unsigned long long tacc_bytes =
+        backward && K > 0 && dtype == DTYPE_FLOAT16 ? aligned16(deform_trans_size(R, K, part) * 4)
+                                                    : 0;
+    safe = ws;
+    scratch = ws + safe_bytes;
+    trans_acc = scratch + 16;
+    acc = trans_acc + tacc_bytes;
+    bytes = R <= 0 ? 0
+            : backward ? with_accumulator(safe_bytes + 16 + tacc_bytes, dtype, N * C * H * W)
+                       : safe_bytes + 16;
+  }
+};
+
+// The entries' checks of what the kernels would index with (DeformablePSROIPooling's
+// out_channels, _check_trans_shape's class rule and backend._check_plane; the callers'
+// parameters validated as DeformablePSROIPoolingParam does)
+inline void deform_check(const std::string& op, long long C, long long H, long long W, long long K,
+                         bool has_trans, int output_dim, int group_size, int pooled, int part,
+                         int sample_per_part) {
+  if (output_dim < 1 || group_size < 1 || pooled < 1 || part < 1 || sample_per_part < 1)
+    throw Error(op + ": output_dim, group_size, pooled_size, part and sample_per_part must "
+                "be positive");
+  const long long need = (long long)output_dim * group_size * group_size;
+  if (C < need)
+    throw Error(op + ": data has " + std::to_string(C) + " channels but output_dim * " +
+                "group_size^2 = " + std::to_string(output_dim) + " * " +
+                std::to_string(group_size) + "^2 = " + std::to_string(need) +
+                " are required");
+  if (H * W >= (1LL << 31))
+    throw Error(op + ": a feature map of " + std::to_string(H) + "x" + std::to_string(W) +
+                " has 2^31 or more elements per channel, more than the CUDA kernels index");
+  if (has_trans && (K < 1 || output_dim % K))
+    throw Error(op + ": trans has K = " + std::to_string(K) + " offset classes but "
+                "output_dim = " + std::to_string(output_dim) + " is not a multiple of K");
+}
+
+// DeformablePSROIPooling._fused in the compute type A: every offset element one item's
+// alone (K = output_dim, part = pooled_size, and the part cells floor(p / P * part) --
+// deform_part's order -- all distinct)
+template <typename A>
+inline bool deform_fused_in(long long K, int output_dim, int pooled, int part) {
+  if (K != output_dim || part != pooled) return false;
+  std::vector<char> seen((size_t)pooled, 0);
+  for (int p = 0; p < pooled; ++p) {
+    const int u = (int)std::floor((A)p / (A)pooled * (A)part);
+    if (u < 0 || u >= pooled || seen[(size_t)u]) return false;
+    seen[(size_t)u] = 1;
+  }
+  return true;
+}
+
+// The rois' checked copy, and with offsets their check, on the call's stream (after the
+// scratch is zeroed)
+inline void deform_prepare(const CallScope& call, const DeformWorkspace& w, CUdeviceptr rois,
+                           CUdeviceptr trans, long long N, long long R, long long K,
+                           int part) {
+  call.zero(w.scratch, 16);
+  Args a;
+  a(rois)(5)(N)(GUARD_BOUND)(call.t.bounded ? 1 : 0)(w.safe)(call.ch.status)(R);
+  call.run(DEFORMABLE_PSROI_POOLING_IMAGE, "roi_safe_copy" + call.ta() + ">", R, a);
+  if (!trans) return;
+  const long long n = (long long)deform_trans_size(R, K, part);
+  Args c;
+  c(trans)(GUARD_BOUND)(call.t.bounded ? 1 : 0)(w.scratch)(n);
+  call.run(DEFORMABLE_PSROI_POOLING_IMAGE, "deformable_trans_check" + call.ta() + ">", n, c);
+  Args s;
+  s(trans)(w.scratch)((int)(2 * K))(part)(call.ch.status)(1LL);
+  call.run(DEFORMABLE_PSROI_POOLING_IMAGE, "deformable_trans_status" + call.ta() + ">", 1, s);
+}
+
+// The kernels' common arguments after (data,) rois, trans: scales, no_trans, K, G, part, S
+inline void deform_common(Args& k, bool has_trans, long long K, float spatial_scale,
+                          float trans_std, int group_size, int part, int sample_per_part) {
+  k((double)spatial_scale)((double)trans_std)(has_trans ? 0 : 1)((int)(has_trans ? K : 1))(
+      group_size)(part)(sample_per_part);
+}
+
+// DeformablePSROIPooling's forward (forward_cuda on the checked rois) on ``stream``
+inline void deformable_psroi_pooling_forward(int dtype, CUdeviceptr data, CUdeviceptr rois,
+                                             CUdeviceptr trans, CUdeviceptr out, long long N,
+                                             long long C, long long H, long long W,
+                                             long long R, long long K, int output_dim,
+                                             int group_size, int pooled, int part,
+                                             int sample_per_part, float spatial_scale,
+                                             float trans_std, CUdeviceptr workspace,
+                                             unsigned long long workspace_bytes,
+                                             CUstream stream) {
+  const CallScope call("DeformablePSROIPooling", dtype, stream);
+  call.report();
+  deform_check(call.op, C, H, W, K, trans != 0, output_dim, group_size, pooled, part,
+               sample_per_part);
+  if (R <= 0) return;  // no roi: nothing to launch (the output is empty)
+  const DeformWorkspace w(dtype, N, C, H, W, R, K, part, false, workspace);
+  need_workspace(call.op, workspace_bytes, w.bytes);
+  deform_prepare(call, w, rois, trans, N, R, K, part);
+  const long long n = R * output_dim * (long long)pooled * pooled;
+  if (N * C * H * W == 0) {  // an empty map: zeros (backend._forward), no kernel on it
+    call.zero(out, (size_t)n * item_size(dtype));
+  } else {
+    Args k;
+    k(data)(w.safe)(trans ? trans : w.scratch);
+    deform_common(k, trans != 0, K, spatial_scale, trans_std, group_size, part,
+                  sample_per_part);
+    k(output_dim)((int)C)((int)H)((int)W)(pooled)(pooled)(out)(n);
+    call.run(DEFORMABLE_PSROI_POOLING_IMAGE,
+             "deformable_psroi_pooling_forward" + call.ta() + ">", n, k);
+  }
+  call.record();
+}
+
+// DeformablePSROIPooling's backward (backward_cuda, req write) on ``stream``: the data
+// gradient (and the rois') zeroed, the checks, the data gradient's pass -- writing the
+// offsets' gradient too where fused -- else deformable_psroi_pooling_backward_trans; float16
+// through float32 results, stored last.  ``trans_grad`` null: the offsets' gradient is not
+// computed.  A bad roi or offset raises nothing here (the next forward reports it).
+inline void deformable_psroi_pooling_backward(
+    int dtype, CUdeviceptr grad, CUdeviceptr data, CUdeviceptr rois, CUdeviceptr trans,
+    CUdeviceptr in_grad, CUdeviceptr rois_grad, CUdeviceptr trans_grad, long long N, long long C,
+    long long H, long long W, long long R, long long K, int output_dim, int group_size,
+    int pooled, int part, int sample_per_part, float spatial_scale, float trans_std,
+    CUdeviceptr workspace, unsigned long long workspace_bytes, CUstream stream) {
+  const CallScope call("DeformablePSROIPooling", dtype, stream);
+  deform_check(call.op, C, H, W, K, trans != 0, output_dim, group_size, pooled, part,
+               sample_per_part);
+  const DeformWorkspace w(dtype, N, C, H, W, R, K, part, true, workspace);
+  need_workspace(call.op, workspace_bytes, w.bytes);
+  if (R <= 0) return call.zero(in_grad, (size_t)(N * C * H * W) * item_size(dtype));
+  const GradTarget target(call, dtype, in_grad, rois_grad, N * C * H * W, R, 5, w.acc);
+  deform_prepare(call, w, rois, trans, N, R, K, part);
+  const bool want_tgrad = trans && trans_grad, half = dtype == DTYPE_FLOAT16;
+  const unsigned long long tsize = want_tgrad ? deform_trans_size(R, K, part) : 0;
+  if (N * C * H * W == 0) {  // an empty map: the offsets' gradient is zeros
+    if (want_tgrad) call.zero(trans_grad, (size_t)tsize * item_size(dtype));
+    return call.record();
+  }
+  const bool fuse = want_tgrad && (dtype == DTYPE_FLOAT64
+                                       ? deform_fused_in<double>(K, output_dim, pooled, part)
+                                       : deform_fused_in<float>(K, output_dim, pooled, part));
+  const CUdeviceptr tgrad = !want_tgrad ? w.scratch : half ? w.trans_acc : trans_grad;
+  const long long n = R * output_dim * (long long)pooled * pooled;
+  Args k;
+  k(grad)(trans ? data : w.scratch)(w.safe)(trans ? trans : w.scratch);
+  deform_common(k, trans != 0, K, spatial_scale, trans_std, group_size, part, sample_per_part);
+  k(output_dim)((int)C)((int)H)((int)W)(pooled)(pooled)(target.bottom)(tgrad)(fuse ? 1 : 0)(1.0)(
+      n);
+  call.run(DEFORMABLE_PSROI_POOLING_IMAGE,
+           "deformable_psroi_pooling_backward" + call.ta() + ", " + call.t.A + ">", n, k);
+  if (want_tgrad && !fuse) {
+    const long long RK = R * K, items = RK * part * (long long)part;  // C = R * K
+    Args t;
+    t(grad)(data)(w.safe)(trans)((double)spatial_scale)((double)trans_std)((int)K)(group_size)(
+        part)(sample_per_part)((int)RK)(output_dim)((int)C)((int)H)((int)W)(pooled)(pooled)(
+        tgrad)(items);
+    call.run(DEFORMABLE_PSROI_POOLING_IMAGE,
+             "deformable_psroi_pooling_backward_trans" + call.ta() + ">", items, t);
+  }
+  if (want_tgrad && half) {
+    Args c;
+    c(w.trans_acc)(trans_grad)((long long)tsize);
+    call.run(EXT_CUDA_CAST_IMAGE, "store_float_as<__half>", (long long)tsize, c);
+  }
+  target.store(call);
+  call.record();
+}
+
+}  // namespace mx_roi_cuda
+
+extern "C" {
+
+// The workspace bytes of a DeformablePSROIPooling forward (``backward`` 0) or backward (1)
+// with K offset classes of part x part cells (K 0: no trans): 0, or 1 with the message.
+int mx_roi_ext_cuda_deformable_psroi_pooling_workspace(int dtype, long long N, long long C,
+                                                       long long H, long long W, long long R,
+                                                       long long K, int part, int backward,
+                                                       unsigned long long* bytes, char* err,
+                                                       size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::types_of("DeformablePSROIPooling", dtype);
+    *bytes = mx_roi_cuda::DeformWorkspace(dtype, N, C, H, W, R, K, part, backward != 0).bytes;
+  });
+}
+
+// DeformablePSROIPooling's forward on ``stream``: data (N, C, H, W), rois (R, 5), trans
+// (R, 2K, part, part) or null (no_trans: K is not read), out (R, output_dim, pooled,
+// pooled), device pointers of ``dtype``; ``workspace``: at least the workspace function's
+// bytes.  No host synchronisation.
+int mx_roi_ext_cuda_deformable_psroi_pooling_forward(
+    int dtype, const void* data, const void* rois, const void* trans, void* out, long long N,
+    long long C, long long H, long long W, long long R, long long K, int output_dim,
+    int group_size, int pooled, int part, int sample_per_part, float spatial_scale,
+    float trans_std, void* workspace, unsigned long long workspace_bytes, void* stream, char* err,
+    size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::deformable_psroi_pooling_forward(
+        dtype, (mx_roi_cuda::CUdeviceptr)data, (mx_roi_cuda::CUdeviceptr)rois,
+        (mx_roi_cuda::CUdeviceptr)trans, (mx_roi_cuda::CUdeviceptr)out, N, C, H, W, R, K,
+        output_dim, group_size, pooled, part, sample_per_part, spatial_scale, trans_std,
+        (mx_roi_cuda::CUdeviceptr)workspace, workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+// DeformablePSROIPooling's backward on ``stream``: grad (R, output_dim, pooled, pooled),
+// data (read with offsets), in_grad written, rois_grad (R, 5) zeroed, trans_grad (R, 2K,
+// part, part) written (null: not computed; absent offsets: none).  No host
+// synchronisation; a bad roi or offset is reported by a later forward.
+int mx_roi_ext_cuda_deformable_psroi_pooling_backward(
+    int dtype, const void* grad, const void* data, const void* rois, const void* trans,
+    void* in_grad, void* rois_grad, void* trans_grad, long long N, long long C, long long H,
+    long long W, long long R, long long K, int output_dim, int group_size, int pooled, int part,
+    int sample_per_part, float spatial_scale, float trans_std, void* workspace,
+    unsigned long long workspace_bytes, void* stream, char* err, size_t err_len) {
+  return mx_roi_cuda::c_entry(err, err_len, [&]() {
+    mx_roi_cuda::deformable_psroi_pooling_backward(
+        dtype, (mx_roi_cuda::CUdeviceptr)grad, (mx_roi_cuda::CUdeviceptr)data,
+        (mx_roi_cuda::CUdeviceptr)rois, (mx_roi_cuda::CUdeviceptr)trans,
+        (mx_roi_cuda::CUdeviceptr)in_grad, (mx_roi_cuda::CUdeviceptr)rois_grad,
+        (mx_roi_cuda::CUdeviceptr)trans_grad, N, C, H, W, R, K, output_dim, group_size, pooled,
+        part, sample_per_part, spatial_scale, trans_std, (mx_roi_cuda::CUdeviceptr)workspace,
+        workspace_bytes, (mx_roi_cuda::CUstream)stream);
+  });
+}
+
+}  // extern "C"
+#endif  // MX_ROI_EXT_CUDA_LAUNCHER

@@ -106,6 +106,14 @@ class DeformablePSROIPooling(RoIOp):
     name = "DeformablePSROIPooling"
     param_cls = DeformablePSROIPoolingParam
     cuda_source = "deformable_psroi_pooling.cu"
+    #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section): the kernels
+    #: read the rois and offsets themselves, so the path runs them on roi_safe_copy's
+    #: checked rois after the offsets' device check
+    native_gpu_kernels = (("roi_safe_copy", ()), ("deformable_trans_check", ()),
+                          ("deformable_trans_status", ()),
+                          ("deformable_psroi_pooling_forward", ()),
+                          ("deformable_psroi_pooling_backward", ("A",)),
+                          ("deformable_psroi_pooling_backward_trans", ()))
     gluon_mode = "deformpool"  # roi_pooler('deformpool', ...); with offsets: block(x, rois, trans)
     inputs = ("data", "rois", "trans")
     builtin_order = ("spatial_scale", "output_dim", "group_size", "pooled_size",

@@ -1617,19 +1617,21 @@ __device__ void geometry_counts(const Params& g, const T* rois, long long R, int
   G[1] = imax(gx, 1);
 }
 
-// The first bad roi of R (rois (R, 5)) for images 0..N-1: 1 = a NaN or infinite value
-// (|x| >= bound counts as infinite where the dtype holds bound), checked over all rows
-// first; 2 = a batch index >= N (N = 0: trunc(b) >= 0); 0 = none.  ``row`` gets the row.
+// Whether value ``x`` fails the finiteness rule of check_rois and of the offsets' check
+// (DeformablePSROIPooling.check_extra_inputs): |x| not below ``bound`` compared in A, the
+// inputs' compute type, as NumPy compares (use_bound: onednn.bounded_dtype), else not finite.
+template <typename T, typename A>
+__device__ __forceinline__ bool value_bad(T x, double bound, bool use_bound) {
+  const double v = (double)Traits<T>::load(x);
+  return use_bound ? !(fabs(v) < (double)(A)bound) : !(v - v == 0);
+}
+
 // Whether roi ``row`` (``columns`` values) has a NaN or infinite value (check_rois' code 1).
 template <typename T, typename A>
 __device__ __forceinline__ bool roi_nonfinite(const T* row, double bound, bool use_bound,
                                               int columns = 5) {
-  typedef Traits<T> Tr;
-  const double b_t = (double)(A)bound;  // the bound in the rois' type, as NumPy compares
-  for (int k = 0; k < columns; ++k) {
-    const double v = (double)Tr::load(row[k]);
-    if (use_bound ? !(fabs(v) < b_t) : !(v - v == 0)) return true;
-  }
+  for (int k = 0; k < columns; ++k)
+    if (value_bad<T, A>(row[k], bound, use_bound)) return true;
   return false;
 }
 
@@ -1640,6 +1642,9 @@ __device__ __forceinline__ bool roi_batch_out(const T* row, long long N) {
   return N > 0 ? b >= (double)N : trunc(b) >= (double)N;
 }
 
+// The first bad roi of R (rois (R, 5)) for images 0..N-1: 1 = a NaN or infinite value
+// (|x| >= bound counts as infinite where the dtype holds bound), checked over all rows
+// first; 2 = a batch index >= N (N = 0: trunc(b) >= 0); 0 = none.  ``row`` gets the row.
 template <typename T, typename A>
 __device__ int check_rois(const T* rois, long long R, long long N, double bound, bool use_bound,
                           long long* row) {

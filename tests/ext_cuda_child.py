@@ -18,7 +18,8 @@ STREAM, OTHER_STREAM = 0x5100, 0x5200
 N, C, H, W, R, P = 2, 3, 19, 25, 4, 7
 buffers = {name: np.full(n, 0xCD, np.uint8) for name, n in
            (("data", 1 << 18), ("rois", 1 << 10), ("out", 1 << 16), ("ws", 1 << 20),
-            ("grad", 1 << 16), ("in_grad", 1 << 18), ("rois_grad", 1 << 10))}
+            ("grad", 1 << 16), ("in_grad", 1 << 18), ("rois_grad", 1 << 10),
+            ("trans", 1 << 17), ("trans_grad", 1 << 17))}
 ptr = {k: v.ctypes.data for k, v in buffers.items()}
 steps = {}
 
@@ -61,9 +62,15 @@ def status_ptr(stream_steps):
     return int(line.split()[2], 16)
 
 
-def plant(address, word0, word1=0):
-    """What the geometry kernel would leave in the status word for a bad roi."""
-    (ctypes.c_uint64 * 2).from_address(address)[:] = [word0, word1]
+def plant(address, word0, word1=0, trans=None):
+    """What the geometry kernel would leave in the status word for a bad roi (and
+    ``trans``: (r, channel, u, v, value), what deformable_trans_status leaves in words
+    2..4 for a bad offset)."""
+    words = [0, 0, 0]
+    if trans:
+        r, c, u, v, value = trans
+        words = [r + 1, c << 32 | u << 16 | v, int(np.float64(value).view(np.uint64))]
+    (ctypes.c_uint64 * 5).from_address(address)[:] = [word0, word1] + words
 
 
 step("first", forward())
@@ -245,6 +252,67 @@ step("prp_no_rois", prroi(R=0))
 step("prp_bwd_no_rois", prroi("backward", R=0))
 step("prp_small_workspace", prroi("backward", "float16", ws=cuda.prroi_pool_workspace(
     "float16", (N, C, H, W), R, True) - 1))
+# ---- DeformablePSROIPooling (the checked rois and the offsets' device check first) ----
+DP = dict(output_dim=2, group_size=2, pooled_size=P, part_size=3, sample_per_part=2,
+          trans_std=0.1, spatial_scale=0.5)
+DP_CIN, DP_K = 8, 2                             # output_dim * group_size^2; offset classes
+
+
+def deform(direction="forward", dtype="float32", R=R, ws=None, trans=True, K=DP_K,
+           channels=DP_CIN, hw=(H, W), trans_grad=True, **kw):
+    shape = (N, channels) + hw
+    args = dict(DP, **kw)
+    back = direction == "backward"
+    part = args["part_size"] or args["pooled_size"]
+    need = cuda.deformable_psroi_pooling_workspace(dtype, shape, R, K if trans else 0, part,
+                                                   back)
+    common = dict(workspace=ptr["ws"], workspace_bytes=need if ws is None else ws,
+                  stream=STREAM, **args)
+    t = ptr["trans"] if trans else 0
+    if not back:
+        return lambda: cuda.deformable_psroi_pooling_forward(
+            dtype, ptr["data"], ptr["rois"], t, ptr["out"], shape, R, K, **common)
+    return lambda: cuda.deformable_psroi_pooling_backward(
+        dtype, ptr["grad"], ptr["data"], ptr["rois"], t, ptr["in_grad"], shape, R, K,
+        rois_grad=ptr["rois_grad"], trans_grad=ptr["trans_grad"] if trans_grad else 0,
+        **common)
+
+
+step("dp_first", deform())
+dp_status = status_ptr(steps["dp_first"])
+step("dp_fwd_f64", deform(dtype="float64"))
+step("dp_fwd_f16", deform(dtype="float16"))
+step("dp_no_trans", deform(trans=False))
+step("dp_bwd", deform("backward"))
+step("dp_bwd_f64", deform("backward", "float64"))
+step("dp_bwd_f16", deform("backward", "float16"))
+step("dp_bwd_no_trans", deform("backward", trans=False))
+step("dp_bwd_no_trans_grad", deform("backward", trans_grad=False))
+# the offsets' gradient fused into the data gradient's pass (K = output_dim, part = pooled
+# and distinct part cells in the compute type): 7 both; 26 float32 only, 29 float64 only
+for size in (7, 26, 29):
+    for dt in ("float32", "float64", "float16"):
+        step(f"dp_bwd_fuse{size}_{dt}", deform("backward", dt, K=2, pooled_size=size,
+                                               part_size=0))
+plant(dp_status, 0, 0, (3, 1, 2, 0, 3.1e38))    # the offsets' check finds trans[3, 1, 2, 0]
+step("dp_bad_trans", deform("backward"))
+step("dp_trans_reported", deform())
+plant(dp_status, 0, 0, (0, 3, 0, 2, float("nan")))
+step("dp_bad_trans_busy", deform(), ready=False)
+step("dp_trans_nan_reported", deform())
+plant(dp_status, ~1 & (2 ** 64 - 1), 0, (2, 0, 1, 1, float("-inf")))  # a roi and an offset
+step("dp_roi_first", deform())
+step("dp_after_roi", deform())
+step("dp_no_rois", deform(R=0))
+step("dp_bwd_no_rois", deform("backward", R=0))
+step("dp_channels", deform(channels=DP_CIN - 1))
+step("dp_bwd_channels", deform("backward", channels=DP_CIN - 1))
+step("dp_bad_K", deform(K=3))
+step("dp_huge_plane", deform(hw=(1 << 16, 1 << 15), ws=1 << 20))
+step("dp_empty_map", deform(hw=(0, W)))
+step("dp_bwd_empty_map", deform("backward", hw=(0, W)))
+step("dp_small_workspace", deform("backward", "float16", ws=cuda.deformable_psroi_pooling_workspace(
+    "float16", (N, DP_CIN, H, W), R, DP_K, 3, True) - 1))
 fake.fake_set_context(0)
 step("no_context", forward())
 fake.fake_set_context(1)
@@ -286,14 +354,17 @@ def gpu_malloc(state, size):
 
 
 def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C, C),
-             columns=5):
+             columns=5, extra=None, extra_dtype=None):
     """_opCallFCompute(fp), all "gpu" tensors of MXNet dtype code ``dtype``: the forward on
     (data, rois) -> out, the backward on (out-grad, data, rois) -> (data's gradient, rois'
     gradient), as MXNet hands them to a stateless op; ``channels``: the data's and the
-    output's; (rc, last message)."""
+    output's; ``extra``: a third input's shape (DeformablePSROIPooling's trans: an input
+    after the rois and its gradient after theirs), of ``extra_dtype`` where given;
+    (rc, last message)."""
     keys = (ctypes.c_char_p * len(attrs))(*[k.encode() for k in attrs])
     vals = (ctypes.c_char_p * len(attrs))(*[str(v).encode() for v in attrs.values()])
-    P_, Q_ = attrs["pooled_size"]
+    pooled = attrs["pooled_size"]
+    P_, Q_ = (pooled, pooled) if isinstance(pooled, int) else pooled
     (Cd, Co) = channels
     data, rois, out = ((N, Cd, H, W), ptr["data"]), ((R_, columns), ptr["rois"]), \
         ((R_, Co, P_, Q_), ptr["out"])
@@ -302,17 +373,23 @@ def fcompute(fp, attrs, stream, direction="forward", R_=R, dtype=0, channels=(C,
     else:
         ins = [((R_, Co, P_, Q_), ptr["grad"]), data, rois]
         outs = [((N, Cd, H, W), ptr["in_grad"]), ((R_, columns), ptr["rois_grad"])]
+    kinds = [dtype] * len(ins)
+    if extra is not None:
+        ins.append((extra, ptr["trans"]))
+        kinds.append(dtype if extra_dtype is None else extra_dtype)
+        if direction == "backward":
+            outs.append((extra, ptr["trans_grad"]))
 
-    def arrays(tensors):
+    def arrays(tensors, codes):
         shapes = [(ctypes.c_int64 * len(s))(*s) for s, _ in tensors]
         n = len(tensors)
         return (shapes, (ctypes.POINTER(ctypes.c_int64) * n)(
                     *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]),
                 (ctypes.c_int * n)(*[len(s) for s, _ in tensors]),
-                (V * n)(*[p for _, p in tensors]), (ctypes.c_int * n)(*[dtype] * n),
+                (V * n)(*[p for _, p in tensors]), (ctypes.c_int * n)(*codes),
                 (ctypes.c_size_t * n)(), (ctypes.c_char_p * n)(*[b"gpu"] * n),
                 (ctypes.c_int * n)())
-    i, o = arrays(ins), arrays(outs)
+    i, o = arrays(ins, kinds), arrays(outs, [dtype] * len(outs))
     ni, no = len(ins), len(outs)
     rc = extlib._opCallFCompute(
         V(fp), keys, vals, len(attrs), *i[1:], ni, *o[1:], no, V(), V(), gpu_malloc, V(),
@@ -334,12 +411,12 @@ ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5, "sample_ratio": 2, "aligne
 
 
 def mx_step(name, attrs, stream=MX_STREAM, direction="forward", dtype=0, channels=(C, C),
-            columns=5):
+            columns=5, **extra):
     fake.fake_clear()
     fake.fake_set_ready(1)
     allocs = len(gpu_allocs)
     rc, msg = fcompute(fns[(direction, "gpu")], attrs, stream, direction, dtype=dtype,
-                       channels=channels, columns=columns)
+                       channels=channels, columns=columns, **extra)
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "rc": rc,
                    "error": msg if rc != 1 else None,  # lib_api: MX_SUCCESS 1, MX_FAIL 0
                    # MXNet's workspace of the call (its address and size), if it asked
@@ -390,6 +467,23 @@ PRROI_ATTRS = {"pooled_size": (P, P), "spatial_scale": 0.5}
 mx_step("mx_prp_forward", PRROI_ATTRS)
 mx_step("mx_prp_backward", PRROI_ATTRS, direction="backward")
 mx_step("mx_prp_backward_f16", PRROI_ATTRS, direction="backward", dtype=2)
+fns = op_functions(b"mx_roi_DeformablePSROIPooling")
+ps_contexts["DeformablePSROIPooling"] = sorted("/".join(k) for k in fns)
+DP_ATTRS = {"pooled_size": P, "spatial_scale": 0.5, "output_dim": 2, "group_size": 2,
+            "part_size": 3, "sample_per_part": 2, "trans_std": 0.1}
+DP_TRANS = (R, 2 * DP_K, 3, 3)
+mx_step("mx_dp_forward", DP_ATTRS, channels=(DP_CIN, 2), extra=DP_TRANS)
+mx_step("mx_dp_backward", DP_ATTRS, direction="backward", channels=(DP_CIN, 2),
+        extra=DP_TRANS)
+mx_step("mx_dp_backward_f16", DP_ATTRS, direction="backward", dtype=2, channels=(DP_CIN, 2),
+        extra=DP_TRANS)
+mx_step("mx_dp_no_trans", dict(DP_ATTRS, no_trans=True), channels=(DP_CIN, 2))
+mx_step("mx_dp_bwd_no_trans", dict(DP_ATTRS, no_trans=True), direction="backward",
+        channels=(DP_CIN, 2))
+mx_step("mx_dp_trans_shape", DP_ATTRS, channels=(DP_CIN, 2), extra=(R, 4, 3, 2))
+mx_step("mx_dp_trans_dtype", DP_ATTRS, channels=(DP_CIN, 2), extra=DP_TRANS, extra_dtype=1)
+mx_step("mx_dp_deterministic", dict(DP_ATTRS, deterministic=True), direction="backward",
+        channels=(DP_CIN, 2), extra=DP_TRANS)
 print(json.dumps({"steps": steps, "ptr": ptr, "status": status,
                   "image": fake.fake_image().decode(), "arch": cuda.ptx_arch(),
                   "mx_contexts": mx_contexts, "pool_contexts": pool_contexts,

@@ -136,7 +136,8 @@ def parse_launch(line, ptx):
 #: a launched kernel's source by its name's start (any other: roi_align.cu)
 SOURCE_OF = (("psroi_pooling", "psroi_pooling.cu"), ("psroi_align", "psroi_align.cu"),
              ("rroi_align", "rroi_align.cu"), ("prroi_pool", "prroi_pool.cu"),
-             ("roi_pooling", "roi_pooling.cu"), ("roi_bins", "roi_pooling.cu"))
+             ("roi_pooling", "roi_pooling.cu"), ("roi_bins", "roi_pooling.cu"),
+             ("deformable", "deformable_psroi_pooling.cu"))
 
 
 def source_of(kernel):
@@ -244,6 +245,14 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
     if direction == "backward":
         # float16: a float32 temporary, which the launcher keeps after the rest
         roles[id(rec.bottom)] = ("ws", used) if dtype == "float16" else "in_grad"
+    result = _named(rec, roles, base, end)
+    stores = [] if rois_acc is None else [(rois_acc, R_ * 5, "rois_grad")]
+    return result, used, stores
+
+
+def _named(rec, roles, base=None, end=None):
+    """rec's launches with each array argument named by ``roles`` (or its workspace offset
+    from ``base``; else "other")."""
     result = []
     for kernel, n, args in rec.calls:
         named = {}
@@ -251,24 +260,86 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
             if isinstance(v, np.ndarray):
                 if id(v) in roles:
                     named[k] = roles[id(v)]
-                elif base <= v.ctypes.data < end:
+                elif base is not None and base <= v.ctypes.data < end:
                     named[k] = ("ws", v.ctypes.data - base)
                 else:
                     named[k] = "other"
             else:
                 named[k] = v
         result.append((kernel, n, named))
-    return result, used, rois_acc
+    return result
+
+
+DP = dict(output_dim=2, group_size=2, pooled_size=P, part_size=3, sample_per_part=2,
+          trans_std=0.1, spatial_scale=0.5)
+DP_CIN, DP_K = 8, 2  # the child's data channels (output_dim * group_size^2) and classes
+
+
+def deformable_binding(dtype, params, direction="forward", K=DP_K, trans=True):
+    """DeformablePSROIPooling's launches as the native path must make them: its own checks
+    -- roi_safe_copy into the workspace, then (with offsets) deformable_trans_check into
+    the scratch after it and deformable_trans_status into the status words -- then what
+    the CuPy path's forward_cuda / backward_cuda bind on the checked rois (req write; a
+    zero stand-in: the scratch; float16: the offsets' float32 gradient after the scratch,
+    stored before the data's).  (launches, workspace bytes before the data's float16
+    accumulator, [(offset, size, target) of the stores before the data's])."""
+    from mx_roi.operators.deformable_psroi_pooling import DeformableCall
+    cls = get_op("DeformablePSROIPooling")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()},
+                                       no_trans=str(not trans)))
+    part = op.param.part
+    rois, data = np.zeros((R, 5), dtype), np.zeros((N, DP_CIN, H, W), dtype)
+    tr = np.zeros((R, 2 * K, part, part), dtype) if trans else None
+    safe, status, first = np.empty_like(rois), np.empty(5, np.uint64), np.empty(2, np.uint64)
+    scratch = -(-rois.nbytes // 16) * 16
+    roles = {id(rois): "rois", id(data): "data", id(safe): ("ws", 0), id(status): "status",
+             id(first): ("ws", scratch), id(tr): "trans"}
+    rec = Recorder(dtype)
+    bounds = dict(bound=GUARD_BOUND, use_bound=int(bounded_dtype(dtype)))
+    rec.forward("roi_safe_copy", R, rois=rois, columns=5, N=N, safe=safe, status=status,
+                **bounds)
+    if trans:
+        rec.forward("deformable_trans_check", tr.size, trans=tr, first=first, **bounds)
+        rec.forward("deformable_trans_status", 1, trans=tr, first=first, channels=2 * K,
+                    part=part, status=status)
+    call = DeformableCall(safe, tr)
+    used, stores = scratch + 16, []
+    if direction == "forward":
+        out, _ = op.forward_cuda(rec, call, data)
+        roles[id(out)] = "out"
+    else:
+        rec.data = data
+        grad = np.zeros(op.out_shape(data.shape, rois.shape), dtype)
+        roles[id(grad)] = "grad"
+        op.backward_cuda(rec, call, grad, data.shape, None)
+        for made in rec.made:  # the offsets' gradient (a (1,) stand-in without offsets)
+            if not trans:
+                roles[id(made)] = ("ws", scratch)
+            elif dtype == "float16":
+                roles[id(made)] = ("ws", used)
+                stores.append((used, made.size, "trans_grad"))
+                used += -(-made.size * 4 // 16) * 16
+            else:
+                roles[id(made)] = "trans_grad"
+        roles[id(rec.bottom)] = ("ws", used) if dtype == "float16" else "in_grad"
+    result = _named(rec, roles)
+    for _, _, named in result:  # the CuPy path's zero stand-ins for absent offsets / data
+        for k, v in named.items():
+            if v == "other":
+                named[k] = ("ws", scratch)
+    return result, used, stores
 
 
 def c_binding(values, run, ws_bytes, ws, status):
     ptr = run["ptr"]
     roles = {ptr["rois"]: "rois", ptr["data"]: "data", ptr["out"]: "out", status: "status",
-             ptr["grad"]: "grad", ptr["in_grad"]: "in_grad", ptr["rois_grad"]: "rois_grad"}
+             ptr["grad"]: "grad", ptr["in_grad"]: "in_grad", ptr["rois_grad"]: "rois_grad",
+             ptr["trans"]: "trans", ptr["trans_grad"]: "trans_grad"}
     named = {}
     for k, v in values.items():
         if k in ("rois", "data", "out", "status", "argmax", "grad", "bottom",
-                 "channel_map", "safe", "rois_grad") or k in TABLES:
+                 "channel_map", "safe", "rois_grad", "trans", "trans_grad",
+                 "first") or k in TABLES:
             if v in roles:
                 named[k] = roles[v]
             elif ws <= v < ws + ws_bytes:
@@ -311,14 +382,14 @@ BACKWARD_CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
 
 
 def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAlign",
-                    first=None, hw=(H, W)):
+                    first=None, hw=(H, W), binding=None):
     """Each launch binds, parameter by parameter, what the CuPy path's device geometry and
     the op's forward_cuda / backward_cuda bind (table pointers at the same workspace
     offsets, the status word, scalars of the same value and width); grid and block as
     launch_config; every launch on the caller's stream.  ``first``: the step that made
-    the channel (its status word)."""
-    expected, ws_bytes, rois_acc = python_binding(dtype, R_, C_, params, direction, op_name,
-                                                  hw)
+    the channel (its status word); ``binding``: python_binding's answer made otherwise."""
+    expected, ws_bytes, early = binding or python_binding(dtype, R_, C_, params, direction,
+                                                          op_name, hw)
     ptx = ptx_params(run["image"])
     log = run["steps"][step]["log"]
     got = [parse_launch(line, ptx) for line in launches(run["steps"][step])]
@@ -336,12 +407,10 @@ def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAli
         got = [g for g in got if not g[0].startswith("store_float_as<")]
         assert got and stores[-1] == launches_of[len(launches_of) - 1]
         _check_store_to_half(run, stores[-1], ws + ws_bytes, size, want_stream)
-        if rois_acc is not None:  # the rois' gradient's float32 result, stored first
-            assert len(stores) == 2
-            _check_store_to_half(run, stores[0], ws + rois_acc, R_ * 5, want_stream,
-                                 "rois_grad")
-        else:
-            assert len(stores) == 1
+        # another gradient's float32 result (PrRoIPool's rois', the offsets'), stored first
+        assert len(stores) == 1 + len(early)
+        for store, (offset, count, target) in zip(stores, early):
+            _check_store_to_half(run, store, ws + offset, count, want_stream, target)
         ws_bytes += -(-size * 4 // 16) * 16
     assert [g[0].split("<")[0] for g in got] == [e[0] for e in expected]
     t = {"float32": "float, float", "float64": "double, double", "float16": "__half, float"}
@@ -431,7 +500,7 @@ def test_roi_pooling_status_zeroing_and_workspace(run):
     assert s["pool_reported"]["error"] == ("ROIPooling: rois[1] has a NaN or infinite value; "
                                            "coordinates must be finite" + WHERE)
     assert s["pool_reported"]["log"] == ["cuCtxGetCurrent", "cuEventQuery e7 ready",
-                                         f"cuMemsetD8Async {word:x} 0 16 stream {STREAM:x}"]
+                                         f"cuMemsetD8Async {word:x} 0 40 stream {STREAM:x}"]
     log = s["pool_bwd"]["log"]
     first_launch = next(i for i, x in enumerate(log) if x.startswith("cuLaunchKernel"))
     assert [x for x in log[:first_launch] if x.startswith("cuMemsetD8Async")] == [
@@ -670,6 +739,143 @@ def test_prroi_pool_status_rois_gradient_and_workspace(run):
         cuda.prroi_pool_workspace("float32", shape, R, True), need]
 
 
+DP_CASES = {  # child step -> (direction, dtype, parameters, K, offsets)
+    "dp_first": ("forward", "float32", DP, DP_K, True),
+    "dp_fwd_f64": ("forward", "float64", DP, DP_K, True),
+    "dp_fwd_f16": ("forward", "float16", DP, DP_K, True),
+    "dp_no_trans": ("forward", "float32", DP, DP_K, False),
+    "dp_bwd": ("backward", "float32", DP, DP_K, True),
+    "dp_bwd_f64": ("backward", "float64", DP, DP_K, True),
+    "dp_bwd_f16": ("backward", "float16", DP, DP_K, True),
+    "dp_bwd_no_trans": ("backward", "float32", DP, DP_K, False),
+    **{f"dp_bwd_fuse{size}_{dt}": ("backward", dt, dict(DP, pooled_size=size, part_size=0),
+                                   2, True)
+       for size in (7, 26, 29) for dt in ("float32", "float64", "float16")},
+    "mx_dp_forward": ("forward", "float32", DP, DP_K, True),
+    "mx_dp_backward": ("backward", "float32", DP, DP_K, True),
+    "mx_dp_backward_f16": ("backward", "float16", DP, DP_K, True),
+    "mx_dp_no_trans": ("forward", "float32", DP, DP_K, False),
+    "mx_dp_bwd_no_trans": ("backward", "float32", DP, DP_K, False),
+}
+
+
+@pytest.mark.parametrize("step", sorted(DP_CASES))
+def test_deformable_launch_arguments_are_the_cupy_paths(run, step):
+    """DeformablePSROIPooling on the native GPU path: roi_safe_copy, with offsets their
+    device check (deformable_trans_check into the scratch word after the copy,
+    deformable_trans_status into the channel's status words), then the op kernels as the
+    CuPy path binds them on the checked rois; the backward's offsets' gradient fused into
+    the data gradient's pass exactly where the CuPy path fuses it (``_fused``: pooled 26
+    in float32 and float16's float32, 29 in float64), else
+    deformable_psroi_pooling_backward_trans; float16 through float32 results, the
+    offsets' stored first."""
+    direction, dtype, params, K, trans = DP_CASES[step]
+    binding = deformable_binding(dtype, params, direction, K, trans)
+    got = _check_launches(run, step, direction, dtype, R, DP_CIN, params,
+                          first="mx_dp_forward" if step.startswith("mx_") else "dp_first",
+                          binding=binding)
+    names = [g[0].split("<")[0] for g in got if not g[0].startswith("store_float_as")]
+    fused = {"dp_bwd_fuse7_float32", "dp_bwd_fuse7_float64", "dp_bwd_fuse7_float16",
+             "dp_bwd_fuse26_float32", "dp_bwd_fuse26_float16", "dp_bwd_fuse29_float64"}
+    want = ["roi_safe_copy"] + (["deformable_trans_check", "deformable_trans_status"]
+                                if trans else [])
+    if direction == "forward":
+        want.append("deformable_psroi_pooling_forward")
+    else:
+        want.append("deformable_psroi_pooling_backward")
+        if trans and step not in fused:
+            want.append("deformable_psroi_pooling_backward_trans")
+    assert names == want
+
+
+def test_deformable_status_offsets_and_workspace(run):
+    """DeformablePSROIPooling's own channel: a bad offset found by a backward's device
+    check (status words 2..4) raised by the next forward once that call has finished --
+    the element and value as check_extra_inputs names them (3.1e+38, nan) --, nothing
+    launched by the reporting call, the five words reset; a bad roi is reported before a
+    bad offset of the same calls (the Custom door's order), and the report clears both.
+    Refused before anything is queued: too few data channels, K not dividing output_dim,
+    a plane over 2^31 elements, a short workspace.  No roi: nothing launched (the backward
+    zeroes the data gradient); an empty map: the checks, then zeros.  Without an offsets'
+    gradient pointer the backward skips it.  MXNet's callbacks check trans's shape and
+    dtype first and take the workspace of the entries' size."""
+    from mx_roi.ext import cuda
+    s, p = run["steps"], run["ptr"]
+    status = next(int(x.split()[2], 16) for x in s["dp_first"]["log"]
+                  if x.startswith("cuMemAlloc_v2"))
+    reset = f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}"
+    tail = ("; offsets must be finite (found on the GPU by the device check of an earlier "
+            "call of this op on this stream, which ran with the offsets as given: a bin "
+            "whose offset is not finite pools no sample (0); the native GPU path reports a "
+            "bad offset at the next call after that call has finished)")
+    assert s["dp_bad_trans"]["error"] is None and len(launches(s["dp_bad_trans"])) == 5
+    assert s["dp_trans_reported"]["error"] == (
+        "DeformablePSROIPooling: trans[3, 1, 2, 0] is 3.1e+38" + tail)
+    assert s["dp_trans_reported"]["log"] == ["cuCtxGetCurrent", "cuEventQuery e7 ready", reset]
+    assert s["dp_bad_trans_busy"]["error"] is None
+    assert s["dp_trans_nan_reported"]["error"] == (
+        "DeformablePSROIPooling: trans[0, 3, 0, 2] is nan" + tail)
+    assert s["dp_after_roi"]["error"] == (
+        "DeformablePSROIPooling: rois[1] has a NaN or infinite value; coordinates must be "
+        "finite" + WHERE)
+    assert s["dp_after_roi"]["log"][-1] == reset
+    assert s["dp_no_rois"]["error"] is None and not launches(s["dp_no_rois"])
+    assert s["dp_bwd_no_rois"]["log"] == [
+        "cuCtxGetCurrent",
+        f"cuMemsetD8Async {p['in_grad']:x} 0 {N * DP_CIN * H * W * 4} stream {STREAM:x}"]
+    channels = ("DeformablePSROIPooling: data has 7 channels but output_dim * group_size^2 "
+                "= 2 * 2^2 = 8 are required")
+    refused = {"dp_channels": channels, "dp_bwd_channels": channels,
+               "dp_bad_K": "DeformablePSROIPooling: trans has K = 3 offset classes but "
+                           "output_dim = 2 is not a multiple of K",
+               "dp_huge_plane": "DeformablePSROIPooling: a feature map of 65536x32768 has "
+                                "2^31 or more elements per channel, more than the CUDA "
+                                "kernels index"}
+    need = cuda.deformable_psroi_pooling_workspace("float16", (N, DP_CIN, H, W), R, DP_K, 3,
+                                                   True)
+    # the checked copy (4 x 5 halves: 48), the scratch (16), the offsets' float32
+    # gradient (4 x 4 x 3 x 3), the data's float32 accumulator
+    assert need == 48 + 16 + 576 + N * DP_CIN * H * W * 4
+    refused["dp_small_workspace"] = (f"DeformablePSROIPooling: the workspace holds "
+                                     f"{need - 1} bytes but the call needs {need}")
+    for step, message in refused.items():
+        assert s[step]["error"] == message, step
+        assert not launches(s[step]) and not [x for x in s[step]["log"]
+                                              if x.startswith("cuMemset")], step
+    item = R * DP["output_dim"] * P * P * 4
+    assert [x.split("<")[0].split()[1][:30] for x in launches(s["dp_empty_map"])] == [
+        x.split()[1][:30] for x in launches(s["dp_first"])[:3]]
+    assert f"cuMemsetD8Async {p['out']:x} 0 {item} stream {STREAM:x}" in s["dp_empty_map"]["log"]
+    assert len(launches(s["dp_bwd_empty_map"])) == 3 and (
+        f"cuMemsetD8Async {p['trans_grad']:x} 0 {R * 4 * 9 * 4} stream {STREAM:x}"
+        in s["dp_bwd_empty_map"]["log"])
+    got = [parse_launch(x, ptx_params(run["image"])) for x in
+           launches(s["dp_bwd_no_trans_grad"])]
+    assert [g[0].split("<")[0] for g in got] == [
+        "roi_safe_copy", "deformable_trans_check", "deformable_trans_status",
+        "deformable_psroi_pooling_backward"]
+    scratch = p["ws"] + 80  # after the float32 copy (4 x 5 x 4 bytes)
+    assert got[-1][5]["fuse_trans"] == 0 and got[-1][5]["trans_grad"] == scratch
+    assert run["ps_contexts"]["DeformablePSROIPooling"] == [
+        "backward/cpu", "backward/gpu", "forward/cpu", "forward/gpu"]
+    mx = [s[f"mx_dp_{k}"] for k in ("forward", "backward", "backward_f16")]
+    assert [x["rc"] for x in mx] == [1, 1, 1]
+    assert [x["ws"][0][1] for x in mx] == [
+        cuda.deformable_psroi_pooling_workspace("float32", (N, DP_CIN, H, W), R, DP_K, 3),
+        cuda.deformable_psroi_pooling_workspace("float32", (N, DP_CIN, H, W), R, DP_K, 3,
+                                                True), need]
+    for step, message in (
+            ("mx_dp_trans_shape", "DeformablePSROIPooling: trans must have shape (R, 2 * K, "
+                                  "part_size, part_size) = (4, 2 * K, 3, 3) with K >= 1 "
+                                  "offset classes, got (4, 4, 3, 2)"),
+            ("mx_dp_trans_dtype", "DeformablePSROIPooling: data and trans must have the "
+                                  "same dtype, got data float32 and trans float64"),
+            ("mx_dp_deterministic", "DeformablePSROIPooling: deterministic=True: the native "
+                                    "GPU path has no deterministic backward yet; use the "
+                                    "Custom door on GPU contexts for it")):
+        assert s[step]["rc"] == 0 and s[step]["log"] == [] and s[step]["error"] == message
+
+
 def test_backward_zeroes_the_gradients_first(run):
     """Before any launch, on the caller's stream: the accumulator's bytes zeroed (req
     write; the kernels add into it) -- MXNet's data gradient, or for float16 the float32
@@ -717,7 +923,7 @@ def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
                                               "coordinates must be finite" + WHERE)
     assert s["bwd_bad_reported"]["log"] == [
         "cuCtxGetCurrent", "cuEventQuery e7 ready",
-        f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}"]
+        f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}"]
     from mx_roi.ext import cuda
     need = cuda.roi_align_backward_workspace("float16", (N, C, H, W), R, P)
     assert s["bwd_small_workspace"]["error"] == (
@@ -743,8 +949,8 @@ def test_valid_calls_make_exactly_these_driver_calls(run):
         "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
     status = run["status"]
     first = steps["first"]["log"]
-    assert f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}" in first
-    assert any(line.startswith(f"cuMemcpyDtoHAsync_v2 ") and f" {status:x} 16 stream "
+    assert f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}" in first
+    assert any(line.startswith(f"cuMemcpyDtoHAsync_v2 ") and f" {status:x} 40 stream "
                f"{STREAM:x}" in line for line in first)
     for name, step in steps.items():
         if step["error"] is None:  # every valid call: no wait of any kind
@@ -761,16 +967,16 @@ def test_one_module_load_and_the_ptx_image(run):
              if line.startswith("cuModuleLoadData")]
     # one module per image and context (roi_align.cu's; the cast kernel's at the first
     # float16 backward; roi_pooling.cu's, psroi_pooling.cu's, psroi_align.cu's,
-    # rroi_align.cu's, prroi_pool.cu's), one function lookup per kernel and module, of
-    # kernels the run launched
-    assert len(loads) == len(set(loads)) == 7
+    # rroi_align.cu's, prroi_pool.cu's, deformable_psroi_pooling.cu's), one function lookup
+    # per kernel and module, of kernels the run launched
+    assert len(loads) == len(set(loads)) == 8
     lookups = [tuple(line.split()[1:4:2]) for s in run["steps"].values() for line in s["log"]
                if line.startswith("cuModuleGetFunction")]
     assert len(lookups) == len(set(lookups))
     launched = {line.split()[1] for s in run["steps"].values() for line in launches(s)}
     assert {name for name, _ in lookups} == launched and {m for _, m in lookups} == set(loads)
     image = run["image"]  # (every image)
-    assert image.count(f".target sm_{run['arch']}") == 7 and run["arch"] == min(
+    assert image.count(f".target sm_{run['arch']}") == 8 and run["arch"] == min(
         a for a in nvrtc.supported_archs() if a >= 52)
     from mx_roi.ext import cuda
     entries = re.findall(r"\.entry\s+(\w+)", image)  # (each image's own)
@@ -782,7 +988,7 @@ def test_one_module_load_and_the_ptx_image(run):
 def test_status_word_rule(run):
     s = run["steps"]
     status = run["status"]
-    reset = f"cuMemsetD8Async {status:x} 0 16 stream {STREAM:x}"
+    reset = f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}"
     # the bad call and a call while it still runs: no error, no wait, kernels queued
     assert s["bad"]["error"] is None and s["busy"]["error"] is None
     assert "cuEventQuery e7 busy" in s["busy"]["log"] and len(launches(s["busy"])) == 2
@@ -907,7 +1113,7 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     assert cuda.gpu_ops() == {
         get_op(n).cuda_source: get_op(n).native_gpu_kernels
         for n in ("ROIAlign", "ROIPooling", "PSROIPooling", "PSROIAlign", "RROIAlign",
-                  "PrRoIPool")}
+                  "PrRoIPool", "DeformablePSROIPooling")}
     text = cuda.section("roi_align.cu")
     assert text.startswith("#ifdef MX_ROI_EXT_CUDA_LAUNCHER\n")
     assert text.endswith("#endif  // MX_ROI_EXT_CUDA_LAUNCHER\n")
@@ -920,8 +1126,10 @@ def test_an_ops_gpu_entries_live_in_its_own_files(monkeypatch):
     for name in ("roi_align", "roialign", "roi_pooling", "roipooling"):
         assert name not in shared.lower()
     assert cuda.image_name("roi_align.cu") == "ROI_ALIGN_IMAGE"
-    monkeypatch.setattr(get_op("DeformablePSROIPooling"), "native_gpu_kernels",
-                        (("deformable_psroi_pooling_forward", ()),))
+    read = S.read_source
+    monkeypatch.setattr(S, "read_source", lambda f: read(f).replace(
+        "#ifdef MX_ROI_EXT_CUDA_LAUNCHER", "#ifdef SOMETHING_ELSE")
+        if f == "deformable_psroi_pooling.cu" else read(f))
     with pytest.raises(ExtLibraryError, match=r"^DeformablePSROIPooling declares "
                                               r"native_gpu_kernels but "
                                               r"deformable_psroi_pooling.cu has no "

@@ -14,9 +14,10 @@ ROIAlign's backward (every dtype), every mode, against ``emulated-cuda``'s gradi
 (the max modes rescanning, as the launcher does): equal to rounding, not bit for bit --
 the GPU's atomic adds meet in any order -- over a gradient pre-filled with NaN; the rois'
 gradient zeros; a bad roi raises nothing in the backward and is reported by the next
-forward.  ROIPooling's, PSROIPooling's, PSROIAlign's, RROIAlign's and PrRoIPool's forward
-bit for bit and their backward to rounding (PrRoIPool: the rois' gradient too), every
-dtype (RROIAlign: a NaN roi reported by the next call)."""
+forward.  ROIPooling's, PSROIPooling's, PSROIAlign's, RROIAlign's, PrRoIPool's and
+DeformablePSROIPooling's forward bit for bit and their backward to rounding (PrRoIPool:
+the rois' gradient too; DeformablePSROIPooling: the offsets', fused or not), every dtype
+(RROIAlign: a NaN roi reported by the next call; DeformablePSROIPooling: a NaN offset)."""
 import numpy as np
 import pytest
 
@@ -71,13 +72,13 @@ def native_gpu(data, rois, params, stream):
     return out, (x, r, ws)
 
 
-def expect_emulation(op, data, rois, out_grad, out, grads, rescan=False):
-    """The launcher's ``out`` bit for bit and its ``grads`` (CuPy arrays: the data's, then
-    the rois' where the op has one) to rounding -- the atomic adds meet in any order --
-    against ``emulated-cuda`` on the host."""
+def expect_emulation(op, data, rois, out_grad, out, grads, rescan=False, extra=()):
+    """The launcher's ``out`` bit for bit and its ``grads`` (CuPy arrays: the data's, each
+    ``extra`` input's, then the rois' where the op has one) to rounding -- the atomic adds
+    meet in any order -- against ``emulated-cuda`` on the host."""
     import cupy
     want_out, want_grads = host_run(get("emulated-cuda"), op, data, rois, out_grad, mx.cpu(),
-                                    rescan=rescan)
+                                    rescan=rescan, extra=extra)
     np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8),
                                   np.asarray(want_out).view(np.uint8))
     tol = {np.float32: 1e-5, np.float64: 1e-12, np.float16: 2e-3}[np.dtype(data.dtype).type]
@@ -432,3 +433,92 @@ def test_prroi_pool_forward_bits_and_gradients_match_emulation(dtype):
                                  **common)
     stream.synchronize()
     expect_emulation(op, data, rois, out_grad, out, [dx, drois])
+
+
+# ---- DeformablePSROIPooling (the checked rois and the offsets' device check first) --------
+DEFORM = {
+    "separate": (dict(spatial_scale=0.5, output_dim=2, group_size=2, pooled_size=3,
+                      part_size=2, sample_per_part=2, trans_std=0.2), 1),
+    "fused": (dict(spatial_scale=0.5, output_dim=2, group_size=1, pooled_size=3,
+                   sample_per_part=2, trans_std=0.1), 2),
+    "no_trans": (dict(spatial_scale=0.5, output_dim=2, group_size=2, pooled_size=3,
+                      no_trans=True), 0),
+}
+
+
+def native_gpu_deform(params, K, data, rois, trans, stream, out_grad=None):
+    """DeformablePSROIPooling's forward (and with ``out_grad`` backward) through the
+    launcher on ``stream``; (out, data gradient, offsets' gradient or None)."""
+    import cupy
+    from mx_roi.ext import cuda
+    R, P = rois.shape[0], params["pooled_size"]
+    part = params.get("part_size", 0) or P
+    args = {k: v for k, v in params.items() if k != "no_trans"}
+    with stream:
+        x, r = cupy.asarray(data), cupy.asarray(rois)
+        t = cupy.asarray(trans) if trans is not None else None
+        out = cupy.full((R, params["output_dim"], P, P), np.nan, data.dtype)
+        dx = cupy.full(data.shape, np.nan, data.dtype)
+        dt = cupy.full(trans.shape, np.nan, data.dtype) if trans is not None else None
+        ws = cupy.empty(max(cuda.deformable_psroi_pooling_workspace(
+            data.dtype, data.shape, R, K, part, True), 16), cupy.uint8)
+        stream.synchronize()
+        common = dict(workspace=ws.data.ptr, workspace_bytes=ws.nbytes, stream=stream.ptr,
+                      **args)
+        tp = t.data.ptr if t is not None else 0
+        cuda.deformable_psroi_pooling_forward(data.dtype, x.data.ptr, r.data.ptr, tp,
+                                              out.data.ptr, data.shape, R, K, **common)
+        if out_grad is not None:
+            g = cupy.asarray(out_grad)
+            cuda.deformable_psroi_pooling_backward(
+                data.dtype, g.data.ptr, x.data.ptr, r.data.ptr, tp, dx.data.ptr, data.shape,
+                R, K, trans_grad=dt.data.ptr if dt is not None else 0, **common)
+    stream.synchronize()
+    return out, dx, dt
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("case", sorted(DEFORM))
+def test_deformable_forward_bits_and_gradients_match_emulation(case, dtype):
+    """DeformablePSROIPooling's forward bit for bit, its data gradient and offsets'
+    gradient (fused into the data pass or not) to rounding, against ``emulated-cuda``."""
+    import cupy
+    params, K = DEFORM[case]
+    cls = get_op("DeformablePSROIPooling")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((N, op.param.in_channels, H, W)).astype(dtype)
+    _, rois = problem(dtype)
+    part = op.param.part
+    trans = rng.uniform(-1, 1, (rois.shape[0], 2 * K, part, part)).astype(dtype) if K else None
+    out_grad = rng.standard_normal(op.out_shape(data.shape, rois.shape)).astype(dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out, dx, dt = native_gpu_deform(params, K, data, rois, trans, stream, out_grad)
+    expect_emulation(op, data, rois, out_grad, out, [dx] + ([dt] if K else []),
+                     extra=[trans] if K else [])
+
+
+def test_deformable_nan_offset_reported_by_the_next_call():
+    """A NaN offset: the call runs (its bin pools nothing), the next call after the
+    stream finished raises check_extra_inputs' element and value, the one after works."""
+    import cupy
+    from mx_roi.ext import cuda
+    params, K = DEFORM["separate"]
+    rng = np.random.default_rng(6)
+    data = rng.standard_normal((N, 8, H, W)).astype(np.float32)
+    _, rois = problem(np.float32)
+    trans = rng.uniform(-1, 1, (rois.shape[0], 2, 2, 2)).astype(np.float32)
+    bad = trans.copy()
+    bad[4, 1, 0, 1] = np.nan
+    stream = cupy.cuda.Stream(non_blocking=True)
+    native_gpu_deform(params, K, data, rois, bad, stream)
+    with pytest.raises(cuda.CudaLaunchError, match=r"^DeformablePSROIPooling: trans\[4, 1, "
+                                                   r"0, 1\] is nan; offsets must be finite"):
+        native_gpu_deform(params, K, data, rois, trans, stream)
+    out, _, _ = native_gpu_deform(params, K, data, rois, trans, stream)
+    cls = get_op("DeformablePSROIPooling")
+    op = cls(cls.param_cls.from_kwargs(**{k: str(v) for k, v in params.items()}))
+    want, _ = host_run(get("emulated-cuda"), op, data, rois,
+                       np.ones(op.out_shape(data.shape, rois.shape), np.float32), mx.cpu(),
+                       extra=[trans])
+    np.testing.assert_array_equal(cupy.asnumpy(out), np.asarray(want))

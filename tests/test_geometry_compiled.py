@@ -350,6 +350,73 @@ def test_rroi_safe_rois_kernel(ratio, dtype, kind):
     assert seen == ({"ok", "bad", "over", "edge"} if ratio <= 0 else {"ok", "bad", "edge"})
 
 
+def _trans_status_message(op, status):
+    """The offsets' message ext_cuda.h's status_error gives for status words 2..4."""
+    at, value = int(status[2]) - 1, float(status[4:5].view(np.float64)[0])
+    w3 = int(status[3])
+    return (f"{op.name}: trans{[at, w3 >> 32, w3 >> 16 & 0xffff, w3 & 0xffff]} is "
+            f"{value!r}; offsets must be finite")
+
+
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_deformable_trans_check_kernels(dtype, kind):
+    """``deformable_trans_check`` then ``deformable_trans_status`` (the native GPU path's
+    check of DeformablePSROIPooling's offsets, which the kernels read as given) name in
+    status words 2..4 the element and value ``check_extra_inputs`` names: the first bad
+    one in C order, for NaN, +-inf, |x| at, just below and just above the guard bound
+    (float16: finite is fine), on random (R, 2K, part, part) shapes; nothing for good
+    offsets; an earlier call's offset (word 2 set) is kept, words 0 and 1 are never
+    touched."""
+    from mx_roi.cuda.backend import Launch
+    from mx_roi.onednn import GUARD_BOUND, bounded_dtype
+    cls = get_op("DeformablePSROIPooling")
+    launch = Launch.on_host(cls.cuda_source, kind, dtype)
+    rng = np.random.default_rng([DTYPES.index(dtype), 17])
+    specials = [np.nan, np.inf, -np.inf, 2.5, -0.0]
+    if float(np.finfo(dtype).max) > GUARD_BOUND:
+        below = float(np.nextafter(dtype(GUARD_BOUND), dtype(0)))
+        specials += [GUARD_BOUND, -GUARD_BOUND, below, -below,
+                     float(np.nextafter(dtype(GUARD_BOUND), dtype(np.inf)))]
+    else:
+        specials += [float(np.finfo(dtype).max), -float(np.finfo(dtype).max)]
+    seen, last = set(), False
+    for case in range(300):
+        part, K, R = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        op = cls(cls.param_cls.from_kwargs(spatial_scale="0.5", output_dim=str(2 * K),
+                                           group_size="1", pooled_size=str(part),
+                                           trans_std="0.1"))
+        trans = rng.uniform(-3, 3, (R, 2 * K, part, part)).astype(dtype)
+        flat = trans.reshape(-1)
+        for _ in range(int(rng.integers(0, 3))):
+            i = int(rng.integers(flat.size))
+            flat[i] = rng.choice(specials)
+            last |= i == flat.size - 1
+        first = np.zeros(1, np.uint64)
+        launch.forward("deformable_trans_check", trans.size, trans=trans,
+                       bound=float(GUARD_BOUND), use_bound=int(bounded_dtype(dtype)),
+                       first=first)
+        earlier = case % 7 == 0  # an earlier call's bad offset, not yet reported
+        status = np.array([11, 12, 5 if earlier else 0, 13, 14], np.uint64)
+        launch.forward("deformable_trans_status", 1, trans=trans, first=first,
+                       channels=2 * K, part=part, status=status)
+        try:
+            op.check_extra_inputs((1, 2 * K, 4, 4), trans.dtype, np.zeros((R, 5), dtype),
+                                  [trans], np)
+            want = None
+        except ValueError as exc:
+            want = str(exc)
+        assert list(status[:2]) == [11, 12]
+        if earlier:
+            assert list(status[2:]) == [5, 13, 14]
+        elif want is None:
+            assert first[0] == 0 and list(status[2:]) == [0, 13, 14], (trans, status)
+        else:
+            assert _trans_status_message(op, status) == want, (trans, status)
+        seen.add("earlier" if earlier else "bad" if want else "ok")
+    assert seen == {"ok", "bad", "earlier"} and last
+
+
 # ---- end to end: the host backends run on the compiled tables, with today's bits -------
 
 def _garbage(shape, dtype):

@@ -40,7 +40,7 @@ __all__ = ["ExtLibraryError", "library_path", "load", "load_if_cached", "loaded_
 #: the macro of an op's extension section in its ``.cu`` file
 LAUNCHER_MACRO = "MX_ROI_EXT_LAUNCHER"
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_OWN_FILES = ("ext_main.cc", "ext_common.h", "ext_launch.h")
+_OWN_FILES = ("ext_main.cc", "ext_common.h", "ext_launch.h", "py_repr.h")
 #: -Bsymbolic: the library's own lib_api.cc symbols bind inside it.  A C/C++ program that
 #: links libmxnet.so (or dlopens it RTLD_GLOBAL) exports libmxnet's copies of the same
 #: mxnet::ext functions, and without it those would be called from our registration code

@@ -48,11 +48,13 @@ __all__ = ["library_path", "enable", "kernel_expressions", "ptx_arch", "roi_alig
            "psroi_align_workspace", "psroi_align_forward", "psroi_align_backward",
            "rroi_align_workspace", "rroi_align_forward", "rroi_align_backward",
            "prroi_pool_workspace", "prroi_pool_forward", "prroi_pool_backward",
+           "deformable_psroi_pooling_workspace", "deformable_psroi_pooling_forward",
+           "deformable_psroi_pooling_backward",
            "check", "DTYPE_CODES",
            "CudaLaunchError"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_OWN_FILES = ("ext_cuda.h", "ext_cuda_ops.cc", "ext_cuda_cast.cu")
+_OWN_FILES = ("ext_cuda.h", "ext_cuda_ops.cc", "ext_cuda_cast.cu", "py_repr.h")
 #: an op's .cu file holds its native GPU entries in this section (the launcher build takes
 #: the text from ``#ifdef`` to the matching ``#endif  // ...`` line)
 SECTION_MACRO = "MX_ROI_EXT_CUDA_LAUNCHER"
@@ -204,10 +206,9 @@ def library_path() -> str:
 def enable() -> str:
     """Opt in to the native GPU path in this process: load the extension library into
     MXNet (:func:`mx_roi.ext.load`) and hand it this launcher library, so that the
-    ``"gpu"`` forward and backward of the ops with a native GPU path (:func:`gpu_ops`:
-    ``mx_roi_ROIAlign``, ``mx_roi_ROIPooling``, ``mx_roi_PSROIPooling``,
-    ``mx_roi_PSROIAlign``, ``mx_roi_RROIAlign``, ``mx_roi_PrRoIPool``) run (on an MXNet
-    CUDA build; GPU contexts of ``mx_roi.nd`` / ``sym`` / Gluon keep the Custom door).
+    ``"gpu"`` forward and backward of the ops with a native GPU path (:func:`gpu_ops`: all
+    seven ``mx_roi_<Op>``) run (on an MXNet CUDA build; GPU contexts of ``mx_roi.nd`` /
+    ``sym`` / Gluon keep the Custom door).
     Returns the launcher's path."""
     from . import load
     path = library_path()
@@ -285,6 +286,14 @@ def _lib():
         lib.mx_roi_ext_cuda_prroi_pool_forward.argtypes = pr + tail
         lib.mx_roi_ext_cuda_prroi_pool_backward.argtypes = pr[:4] + [c.c_void_p] * 2 + \
             pr[4:] + tail
+        dp = [c.c_longlong] * 6 + [c.c_int] * 5 + [c.c_float] * 2  # N .. K, output_dim ..
+        lib.mx_roi_ext_cuda_deformable_psroi_pooling_workspace.argtypes = [c.c_int] + [
+            c.c_longlong] * 6 + [c.c_int] * 2 + [c.POINTER(c.c_ulonglong), c.c_char_p,
+                                                  c.c_size_t]
+        lib.mx_roi_ext_cuda_deformable_psroi_pooling_forward.argtypes = [c.c_int] + [
+            c.c_void_p] * 4 + dp + tail
+        lib.mx_roi_ext_cuda_deformable_psroi_pooling_backward.argtypes = [c.c_int] + [
+            c.c_void_p] * 7 + dp + tail
         lib.mx_roi_ext_cuda_check.argtypes = [c.c_char_p, c.c_void_p, c.c_int, c.c_char_p,
                                               c.c_size_t]
         lib._mx_roi_typed = True
@@ -612,6 +621,71 @@ def prroi_pool_backward(dtype, grad: int, data: int, rois: int, in_grad: int, da
         DTYPE_CODES[np.dtype(dtype)], grad, data, rois, in_grad, rois_grad, N, C, H, W,
         int(R), P, Q, float(np.float32(spatial_scale)), workspace, int(workspace_bytes),
         stream, err, len(err)), err)
+
+
+def _deformable(output_dim, group_size, pooled_size, part_size, sample_per_part,
+                spatial_scale, trans_std) -> tuple:
+    """The entries' parameter arguments (DeformablePSROIPoolingParam's meaning: part_size
+    0 = pooled_size; the scales as float32)."""
+    return (int(output_dim), int(group_size), int(pooled_size),
+            int(part_size) or int(pooled_size), int(sample_per_part),
+            float(np.float32(spatial_scale)), float(np.float32(trans_std)))
+
+
+def deformable_psroi_pooling_workspace(dtype, data_shape, R: int, K: int, part: int,
+                                       backward: bool = False) -> int:
+    """Bytes of device memory a DeformablePSROIPooling forward (or ``backward``) needs with
+    ``K`` offset classes of ``part`` x ``part`` cells (K = 0: no offsets): the rois'
+    checked copy, a 16-byte scratch and, for a float16 backward, float32 results of the
+    gradients (0 for R = 0)."""
+    N, C, H, W = (int(v) for v in data_shape)
+    out, err = ctypes.c_ulonglong(), ctypes.create_string_buffer(1024)
+    _raise(_lib().mx_roi_ext_cuda_deformable_psroi_pooling_workspace(
+        DTYPE_CODES[np.dtype(dtype)], N, C, H, W, int(R), int(K), int(part),
+        int(bool(backward)), ctypes.byref(out), err, len(err)), err)
+    return out.value
+
+
+def deformable_psroi_pooling_forward(dtype, data: int, rois: int, trans: int, out: int,
+                                     data_shape, R: int, K: int, output_dim: int,
+                                     group_size: int, pooled_size: int, spatial_scale: float,
+                                     part_size: int = 0, sample_per_part: int = 1,
+                                     trans_std: float = 0.0, workspace: int = 0,
+                                     workspace_bytes: int = 0, stream: int = 0) -> None:
+    """Queue DeformablePSROIPooling's forward on ``stream``: ``trans`` (R, 2K, part, part)
+    or 0 (no offsets; ``K`` then unread); the rois checked and the offsets' device check
+    in the workspace (:func:`deformable_psroi_pooling_workspace` bytes); a bad offset is
+    reported, as a bad roi, by a later call.  Otherwise as :func:`roi_align_forward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_deformable_psroi_pooling_forward(
+        DTYPE_CODES[np.dtype(dtype)], data, rois, trans, out, N, C, H, W, int(R), int(K),
+        *_deformable(output_dim, group_size, pooled_size, part_size, sample_per_part,
+                     spatial_scale, trans_std), workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
+
+
+def deformable_psroi_pooling_backward(dtype, grad: int, data: int, rois: int, trans: int,
+                                      in_grad: int, data_shape, R: int, K: int,
+                                      output_dim: int, group_size: int, pooled_size: int,
+                                      spatial_scale: float, part_size: int = 0,
+                                      sample_per_part: int = 1, trans_std: float = 0.0,
+                                      workspace: int = 0, workspace_bytes: int = 0,
+                                      stream: int = 0, rois_grad: int = 0,
+                                      trans_grad: int = 0) -> None:
+    """Queue DeformablePSROIPooling's backward on ``stream``: ``in_grad`` written,
+    ``rois_grad`` (R, 5) zeroed where given, ``trans_grad`` (R, 2K, part, part) written
+    where given with offsets (``data`` is read for it); the workspace:
+    :func:`deformable_psroi_pooling_workspace` with ``backward``.  Otherwise as
+    :func:`roi_align_backward`."""
+    N, C, H, W = (int(v) for v in data_shape)
+    err = ctypes.create_string_buffer(4096)
+    _raise(_lib().mx_roi_ext_cuda_deformable_psroi_pooling_backward(
+        DTYPE_CODES[np.dtype(dtype)], grad, data, rois, trans, in_grad, rois_grad, trans_grad,
+        N, C, H, W, int(R), int(K),
+        *_deformable(output_dim, group_size, pooled_size, part_size, sample_per_part,
+                     spatial_scale, trans_std), workspace, int(workspace_bytes), stream, err,
+        len(err)), err)
 
 
 def check(op: str, stream: int = 0, wait: bool = True) -> None:

@@ -31,6 +31,7 @@
 #endif
 
 #include "mxnet/lib_api.h"
+#include "py_repr.h"
 #include "ext_unicode.h"  // (generated at build time: mx_roi/ext/unicode_table.py)
 
 namespace mx_roi_ext {
@@ -109,44 +110,7 @@ struct OpError : std::runtime_error {
   return MX_SUCCESS;
 
 // ---- Python's repr ---------------------------------------------------------------------
-// repr(float): the shortest decimal that reads back, fixed notation for exponents in
-// [-4, 16), else d.ddde+XX (Python's float_repr_style 'short').
-inline std::string py_float_repr(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::snprintf(buf, sizeof buf, "%.*e", prec - 1, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  std::string s(buf);
-  bool neg = s[0] == '-';
-  if (neg) s = s.substr(1);
-  const size_t epos = s.find('e');
-  const int e = std::atoi(s.c_str() + epos + 1);
-  std::string digits;
-  for (size_t i = 0; i < epos; ++i)
-    if (s[i] != '.') digits += s[i];
-  while (digits.size() > 1 && digits.back() == '0') digits.pop_back();
-  std::string out;
-  if (e >= -4 && e < 16) {
-    if (e >= 0) {
-      std::string ip = digits.substr(0, std::min(digits.size(), (size_t)e + 1));
-      while ((int)ip.size() < e + 1) ip += '0';
-      std::string fp = digits.size() > (size_t)e + 1 ? digits.substr(e + 1) : "0";
-      out = ip + "." + fp;
-    } else {
-      out = "0." + std::string(-e - 1, '0') + digits;
-    }
-  } else {
-    out = digits.substr(0, 1);
-    if (digits.size() > 1) out += "." + digits.substr(1);
-    char eb[16];
-    std::snprintf(eb, sizeof eb, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
-    out += eb;
-  }
-  return neg ? "-" + out : out;
-}
+using ::mx_roi_repr::py_float_repr;  // (py_repr.h: the native GPU launcher's messages use it too)
 
 // ---- Unicode (MXNet hands every value over as UTF-8) ---------------------------------------
 inline std::vector<unsigned> utf8_decode(const std::string& s) {

@@ -9,9 +9,10 @@
 // compiles it for the device at the first call in a context (cuModuleLoadData).
 //
 // The status-word rule (a bad roi on the GPU):
-//   * each channel -- (CUDA context, stream, op) -- owns a two-word status in device memory
+//   * each channel -- (CUDA context, stream, op) -- owns a status in device memory
 //     (roi_common.cuh's roi_status: word 0 the first bad roi, word 1 a box needing more
-//     sample points than the device tables hold), a pinned host copy and an event;
+//     sample points than the device tables hold; words 2..4 DeformablePSROIPooling's first
+//     bad offset, STATUS_WORDS), a pinned host copy and an event;
 //   * a call queues the geometry kernel, which marks a bad roi's row as padding (the op
 //     kernels read no data for it: its output is zeros) and records it in the word with
 //     atomicMax, so the word stays set until it is reported ("sticky": a later call that
@@ -30,6 +31,7 @@
 
 #include <dlfcn.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -40,6 +42,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "py_repr.h"
 
 namespace mx_roi_cuda {
 
@@ -61,6 +65,11 @@ const long long MAX_GRID = 65535;
 
 // roi_common.cuh STATUS_BATCH_KEY
 const unsigned long long STATUS_BATCH_KEY = 1ULL << 62;
+// The status words of a channel: 0 and 1 the rois' (roi_common.cuh roi_status), 2..4 the
+// first bad offset of DeformablePSROIPooling (deformable_trans_status: roi + 1, channel << 32
+// | u << 16 | v, the value's double)
+const int STATUS_WORDS = 5;
+const size_t STATUS_BYTES = STATUS_WORDS * sizeof(unsigned long long);
 
 // A launcher error: the message names the op and the problem (first line).
 struct Error : std::runtime_error {
@@ -229,7 +238,7 @@ inline void launch(const std::string& op, CUfunction fn, long long n, CUstream s
 
 // ---- the status word of a channel (see the top of this file) ------------------------------
 struct Channel {
-  CUdeviceptr status = 0;                 // 2 x uint64 in device memory
+  CUdeviceptr status = 0;                 // STATUS_WORDS x uint64 in device memory
   unsigned long long* pinned = nullptr;   // its pinned host copy
   CUevent done = nullptr;                 // recorded after the copy of the latest call
   bool recorded = false;
@@ -245,29 +254,28 @@ inline Channel& channel(const std::string& op, CUcontext ctx, CUstream stream) {
   if (!ch) {
     std::unique_ptr<Channel> c(new Channel());
     const Driver& d = driver();
-    check(op, d.cuMemAlloc(&c->status, 2 * sizeof(unsigned long long)), "cuMemAlloc");
-    check(op, d.cuMemHostAlloc((void**)&c->pinned, 2 * sizeof(unsigned long long), 0),
-          "cuMemHostAlloc");
-    c->pinned[0] = c->pinned[1] = 0;
+    check(op, d.cuMemAlloc(&c->status, STATUS_BYTES), "cuMemAlloc");
+    check(op, d.cuMemHostAlloc((void**)&c->pinned, STATUS_BYTES, 0), "cuMemHostAlloc");
+    std::memset(c->pinned, 0, STATUS_BYTES);
     check(op, d.cuEventCreate(&c->done, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    check(op, d.cuMemsetD8Async(c->status, 0, 2 * sizeof(unsigned long long), stream),
-          "cuMemsetD8Async");
+    check(op, d.cuMemsetD8Async(c->status, 0, STATUS_BYTES, stream), "cuMemsetD8Async");
     ch = std::move(c);
   }
   return *ch;
 }
 
-// The message of a reported status (word 0: the first bad roi by check_rois' rule; word 1:
-// 1 a box the device tables could not hold, 2 a box over the adaptive grid's samples-per-
-// bin bound of an op whose kernels derive their samples from the rois).
-inline std::string status_error(const std::string& op, unsigned long long word0,
-                                unsigned long long word1) {
-  const std::string where =
-      " (found on the GPU by the device check of an earlier call of this op on this "
-      "stream, which treated the roi as padding: its output rows are zeros; the native GPU "
-      "path reports a bad roi at the next call after that call has finished)";
-  if (word0) {
-    const unsigned long long key = ~word0;
+// The message of a reported status ``w`` (word 0: the first bad roi by check_rois' rule;
+// word 1: 1 a box the device tables could not hold, 2 a box over the adaptive grid's
+// samples-per-bin bound of an op whose kernels derive their samples from the rois; words
+// 2..4: a bad offset, reported after the rois as the Custom door checks them).
+inline std::string status_error(const std::string& op, const unsigned long long* w) {
+  const std::string found =
+      " (found on the GPU by the device check of an earlier call of this op on this stream, ";
+  const std::string when = " at the next call after that call has finished)";
+  const std::string where = found + "which treated the roi as padding: its output rows are "
+                            "zeros; the native GPU path reports a bad roi" + when;
+  if (w[0]) {
+    const unsigned long long key = ~w[0];
     if (key >= STATUS_BATCH_KEY)
       return op + ": rois[" + std::to_string(key - STATUS_BATCH_KEY) +
              "] has a batch index beyond the images of data (valid: 0..N-1; a negative "
@@ -275,12 +283,20 @@ inline std::string status_error(const std::string& op, unsigned long long word0,
     return op + ": rois[" + std::to_string(key) +
            "] has a NaN or infinite value; coordinates must be finite" + where;
   }
-  if (word1 == 2)
+  if (w[1] == 2)
     return op + ": rois: a box needs more than 1048576 samples per bin with sampling_ratio "
                 "<= 0; check the box size and spatial_scale, or set sampling_ratio" + where;
-  return op + ": rois: a box needs more sample points per bin side than the device tables "
-              "hold (a box far larger than the feature map); check the coordinates and "
-              "spatial_scale, or run such boxes through the Custom door" + where;
+  if (w[1])
+    return op + ": rois: a box needs more sample points per bin side than the device tables "
+                "hold (a box far larger than the feature map); check the coordinates and "
+                "spatial_scale, or run such boxes through the Custom door" + where;
+  double value;
+  std::memcpy(&value, &w[4], sizeof value);
+  return op + ": trans[" + std::to_string(w[2] - 1) + ", " + std::to_string(w[3] >> 32) + ", " +
+         std::to_string(w[3] >> 16 & 0xffff) + ", " + std::to_string(w[3] & 0xffff) + "] is " +
+         ::mx_roi_repr::py_float_repr(value) + "; offsets must be finite" + found +
+         "which ran with the offsets as given: a bin whose offset is not finite pools no "
+         "sample (0); the native GPU path reports a bad offset" + when;
 }
 
 // The report of the channel's previous calls: throws the status error if the latest
@@ -298,19 +314,19 @@ inline void report(const std::string& op, Channel& ch, CUstream stream, bool wai
     if (rc == CUDA_ERROR_NOT_READY) return;  // not finished: checked by a later call
     check(op, rc, "cuEventQuery");
   }
-  const unsigned long long w0 = ch.pinned[0], w1 = ch.pinned[1];
-  if (!w0 && !w1) return;
-  ch.pinned[0] = ch.pinned[1] = 0;
+  unsigned long long w[STATUS_WORDS];
+  std::memcpy(w, ch.pinned, STATUS_BYTES);
+  if (!w[0] && !w[1] && !w[2]) return;
+  std::memset(ch.pinned, 0, STATUS_BYTES);
   ch.recorded = false;
-  check(op, d.cuMemsetD8Async(ch.status, 0, 2 * sizeof(unsigned long long), stream),
-        "cuMemsetD8Async");
-  throw Error(status_error(op, w0, w1));
+  check(op, d.cuMemsetD8Async(ch.status, 0, STATUS_BYTES, stream), "cuMemsetD8Async");
+  throw Error(status_error(op, w));
 }
 
 // After a call's kernels: the word into the pinned copy, then the event (both queued).
 inline void record(const std::string& op, Channel& ch, CUstream stream) {
   const Driver& d = driver();
-  check(op, d.cuMemcpyDtoHAsync(ch.pinned, ch.status, 2 * sizeof(unsigned long long), stream),
+  check(op, d.cuMemcpyDtoHAsync(ch.pinned, ch.status, STATUS_BYTES, stream),
         "cuMemcpyDtoHAsync");
   check(op, d.cuEventRecord(ch.done, stream), "cuEventRecord");
   ch.recorded = true;

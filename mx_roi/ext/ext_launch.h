@@ -493,6 +493,7 @@ struct ExtraInput : std::false_type {
   static std::string name() { return ""; }
   static void check_shape(const typename Op::Params&,
                           const std::vector<std::vector<unsigned int>>&) {}
+  static void check_tensor(const typename Op::Params&, const std::vector<int64_t>&, long long) {}
 };
 
 template <typename Op>
@@ -504,6 +505,11 @@ struct ExtraInput<Op, decltype((void)Op::num_inputs(std::declval<const typename 
   static void check_shape(const typename Op::Params& p,
                           const std::vector<std::vector<unsigned int>>& in) {
     if (in.size() > 2 && !in[2].empty()) Op::check_extra_shape(p, in[2], in[1][0]);
+  }
+  // a given array's shape (R rois)
+  static void check_tensor(const typename Op::Params& p, const std::vector<int64_t>& shape,
+                           long long R) {
+    Op::check_extra_shape(p, shape, R);
   }
 };
 
@@ -546,6 +552,15 @@ inline void check_dtypes(const std::string& op, int data, int rois) {
   if (data != kFloat32 && data != kFloat64 && data != kFloat16)
     throw OpError(op + ": dtype " + dtype_name(data) +
                   " is not supported (float16, float32, float64)");
+}
+
+// An extra input's dtype: the data's (registry's infer_type message)
+template <typename Op>
+void check_extra_dtype(int data, int extra) {
+  if (extra == data) return;
+  const std::string n = ExtraInput<Op>::name();
+  throw OpError(std::string(Op::OP) + ": data and " + n + " must have the same dtype, got "
+                "data " + dtype_name(data) + " and " + n + " " + dtype_name(extra));
 }
 
 template <typename P, typename = void>
@@ -626,11 +641,7 @@ struct Callbacks {
       for (size_t i = 2; i < in_types->size(); ++i) {  // an extra input (ExtraInput)
         int& e = (*in_types)[i];
         if (e < 0 || e == kUNSET) e = d;
-        if (e != d) {
-          const std::string n = ExtraInput<Op>::name();  // registry's infer_type message
-          throw OpError(std::string(Op::OP) + ": data and " + n + " must have the same dtype, "
-                        "got data " + dtype_name(d) + " and " + n + " " + dtype_name(e));
-        }
+        check_extra_dtype<Op>(d, e);
       }
       (*out_types)[0] = d;
     })
@@ -886,11 +897,17 @@ inline void gpu_call(int failed, const char* err) {
 // ws, bytes, stream, err, len)`` / ``G::backward(p, grad, data, rois, in_grad, rois_grad,
 // ws, bytes, stream, err, len)``, which call the op's launcher entries (0 or 1 and the
 // message).  The backward's inputs: out-grad, data, rois; outputs: their gradients, as the
-// CPU backward's.  A bad roi is not the backward's error (the launcher reports it at the
-// next forward); deterministic=True (the cuda backend's fixed-point backward) is refused.
+// CPU backward's.  An op with a third input (ExtraInput: DeformablePSROIPooling's trans)
+// gets it after the rois in each of the three -- ``G::tables(p, data, R, extra, ...)``,
+// ``G::forward(p, data, rois, extra, out, ...)``, ``G::backward(p, grad, data, rois,
+// extra, in_grad, rois_grad, extra_grad, ...)`` -- null where the parameters take none;
+// its shape and dtype checked here as on the CPU.  A bad roi (or offset) is not the
+// backward's error (the launcher reports it at the next forward); deterministic=True (the
+// cuda backend's fixed-point backward) is refused.
 template <typename G>
 struct GpuCallbacks {
   typedef typename G::Op Op;
+  typedef ExtraInput<Op> Extra;
 
   static MXReturnValue forward(const std::unordered_map<std::string, std::string>& attrs,
                                std::vector<MXTensor>* inputs, std::vector<MXTensor>* outputs,
@@ -899,11 +916,9 @@ struct GpuCallbacks {
       const typename Op::Params p = Callbacks<Op>::params(attrs);
       const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
       Callbacks<Op>::check(data, rois);
-      unsigned long long bytes = 0;
-      void* ws = G::tables(p, data, rois.shape[0], false, res, &bytes);
+      const MXTensor* extra = extra_input(p, *inputs, 2, data, rois);
       char err[4096] = "";
-      gpu_call(G::forward(p, data, rois, (*outputs)[0], ws, bytes, res.get_cuda_stream(), err,
-                          sizeof err),
+      gpu_call(run_forward(Extra(), p, data, rois, extra, (*outputs)[0], res, err, sizeof err),
                err);
     })
   }
@@ -915,17 +930,69 @@ struct GpuCallbacks {
       const typename Op::Params p = Callbacks<Op>::params(attrs);
       const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
       Callbacks<Op>::check(data, rois);
+      const MXTensor* extra = extra_input(p, *inputs, 3, data, rois);
       if (p.deterministic)  // (the CuPy path's fixed-point accumulation: not here yet)
         throw OpError(std::string(G::OP) +
                       ": deterministic=True: the native GPU path has no deterministic "
                       "backward yet; use the Custom door on GPU contexts for it");
-      unsigned long long bytes = 0;
-      void* ws = G::tables(p, data, rois.shape[0], true, res, &bytes);
       char err[4096] = "";
-      gpu_call(G::backward(p, grad, data, rois, (*outputs)[0], (*outputs)[1], ws, bytes,
-                           res.get_cuda_stream(), err, sizeof err),
+      gpu_call(run_backward(Extra(), p, grad, data, rois, extra, *outputs, res, err, sizeof err),
                err);
     })
+  }
+
+ private:
+  // The op's third input (``inputs[at]``) where its parameters take one, its shape and
+  // dtype checked; else null
+  static const MXTensor* extra_input(const typename Op::Params& p,
+                                     const std::vector<MXTensor>& inputs, size_t at,
+                                     const MXTensor& data, const MXTensor& rois) {
+    if (Extra::count(p) < 3) return nullptr;
+    if (inputs.size() <= at)
+      throw OpError(std::string(G::OP) + ": the " + Extra::name() + " input is missing");
+    const MXTensor& e = inputs[at];
+    check_extra_dtype<Op>(data.dtype, e.dtype);
+    Extra::check_tensor(p, e.shape, rois.shape[0]);
+    return &e;
+  }
+
+  static int run_forward(std::false_type, const typename Op::Params& p, const MXTensor& data,
+                         const MXTensor& rois, const MXTensor*, MXTensor& out,
+                         const OpResource& res, char* err, size_t len) {
+    unsigned long long bytes = 0;
+    void* ws = G::tables(p, data, rois.shape[0], false, res, &bytes);
+    return G::forward(p, data, rois, out, ws, bytes, res.get_cuda_stream(), err, len);
+  }
+
+  template <typename E = Extra>
+  static int run_forward(std::true_type, const typename Op::Params& p, const MXTensor& data,
+                         const MXTensor& rois, const MXTensor* extra, MXTensor& out,
+                         const OpResource& res, char* err, size_t len) {
+    unsigned long long bytes = 0;
+    void* ws = G::tables(p, data, rois.shape[0], extra, false, res, &bytes);
+    return G::forward(p, data, rois, extra, out, ws, bytes, res.get_cuda_stream(), err, len);
+  }
+
+  static int run_backward(std::false_type, const typename Op::Params& p, const MXTensor& grad,
+                          const MXTensor& data, const MXTensor& rois, const MXTensor*,
+                          std::vector<MXTensor>& outputs, const OpResource& res, char* err,
+                          size_t len) {
+    unsigned long long bytes = 0;
+    void* ws = G::tables(p, data, rois.shape[0], true, res, &bytes);
+    return G::backward(p, grad, data, rois, outputs[0], outputs[1], ws, bytes,
+                       res.get_cuda_stream(), err, len);
+  }
+
+  template <typename E = Extra>
+  static int run_backward(std::true_type, const typename Op::Params& p, const MXTensor& grad,
+                          const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
+                          std::vector<MXTensor>& outputs, const OpResource& res, char* err,
+                          size_t len) {
+    unsigned long long bytes = 0;
+    void* ws = G::tables(p, data, rois.shape[0], extra, true, res, &bytes);
+    return G::backward(p, grad, data, rois, extra, outputs[0], outputs[1],
+                       extra && outputs.size() > 2 ? &outputs[2] : nullptr, ws, bytes,
+                       res.get_cuda_stream(), err, len);
   }
 };
 
