@@ -128,8 +128,7 @@ def _plan():
     include, lib_api, mx_version, lib_version = mxnet_extension_files()
     flags = loader._host_flags(True)
     files = {name: _read(os.path.join(_HERE, name)) for name in _OWN_FILES}
-    from .unicode_table import header  # (Python's Unicode tables, for the C++ parser)
-    files["ext_unicode.h"] = header()
+    from . import unicode_table  # (Python's Unicode tables, for the C++ parser)
     files["lib_api.cc"] = _per_thread_errors(_read(lib_api))
     ops = op_sources()
     for f in ops:
@@ -139,7 +138,7 @@ def _plan():
                         _read(os.path.abspath(__file__)),
                         _read(os.path.join(include, "mxnet", "lib_api.h")), _read(lib_api),
                         loader._compiler_id(cxx), " ".join(flags + LINK_FLAGS), mx_version, str(lib_version),
-                        sys.platform)
+                        sys.platform, unicode_table.key())
     # the library says which build it is (loader._try_load compares it with the name)
     files["ext_main.cc"] += f'\nextern "C" const char mx_roi_build_key[] = "{key}";\n'
     name = f"mx_roi_ext-mx{mx_version}-api{lib_version}-{key}.so"
@@ -149,10 +148,11 @@ def _plan():
 def _compile(lib_path, files, include, lib_api, flags, ops):
     """Compile each translation unit in a private folder next to ``lib_path``, link, and
     rename the library into place atomically (as loader._compile_host)."""
+    from .unicode_table import header
     cxx = loader.host_compiler()
     tmpdir = tempfile.mkdtemp(prefix="build-ext-", dir=os.path.dirname(lib_path))
     try:
-        for name, text in files.items():
+        for name, text in dict(files, **{"ext_unicode.h": header()}).items():
             with open(os.path.join(tmpdir, name), "w", encoding="utf-8") as f:
                 f.write(text)
         shutil.copy(loader.SHIM, os.path.join(tmpdir, "host_shim.h"))

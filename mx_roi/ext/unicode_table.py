@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import unicodedata
 
-__all__ = ["header"]
+__all__ = ["header", "key"]
 
 
 def _ranges(points):
@@ -34,8 +34,18 @@ def _array(name, values):
     return f"static const unsigned {name}[] = {{{body}}};\n"
 
 
+def key() -> str:
+    """What :func:`header`'s text depends on, without computing it (a second of Python
+    over every code point, which ``import mx_roi`` would pay for the library's cache key):
+    this generator's source, the Unicode database's version and the interpreter whose
+    ``str`` methods it asks."""
+    with open(__file__, encoding="utf-8") as f:
+        return "\0".join((f.read(), unicodedata.unidata_version, str(sys.maxunicode),
+                          sys.version))
+
+
 def header() -> str:
-    """The text of ext_unicode.h."""
+    """The text of ext_unicode.h (made when the library is built)."""
     chars = range(sys.maxunicode + 1)
     space = [c for c in chars if chr(c).isspace()]
     zeros = [c for c in chars if unicodedata.category(chr(c)) == "Nd"
