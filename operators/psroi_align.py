@@ -37,8 +37,9 @@ class PSROIAlign(PositionSensitive):
     param_cls = PSROIAlignParam
     cuda_source = "psroi_align.cu"
     #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section)
-    native_gpu_kernels = (("roi_grid_geometry", ()), ("ps_channel_map_fill", ()),
-                          ("psroi_align_forward", ()), ("psroi_align_backward", ("A",)))
+    native_gpu_kernels = (("roi_grid_geometry", ()), ("roi_adaptive_bound", ()),
+                          ("ps_channel_map_fill", ()), ("psroi_align_forward", ()),
+                          ("psroi_align_backward", ("A",)))
     gluon_mode = "psalign"
     selftest_cases = (dict(pooled_size=2, output_dim=2, spatial_scale=0.5, sample_ratio=2),)
     kernel_tables = staticmethod(sample_grid_tables)

@@ -50,7 +50,8 @@ class ROIAlign(RoIOp):
     param_cls = ROIAlignParam
     cuda_source = "roi_align.cu"
     #: the native GPU path (the .cu file's MX_ROI_EXT_CUDA_LAUNCHER section)
-    native_gpu_kernels = (("roi_grid_geometry", ()), ("roi_align_forward_avg", ()),
+    native_gpu_kernels = (("roi_grid_geometry", ()), ("roi_adaptive_bound", ()),
+                          ("roi_align_forward_avg", ()),
                           ("roi_align_forward_max", ("unsigned char",)),
                           ("roi_align_backward_avg", ("A",)),
                           ("roi_align_backward_max_rescan", ("A",)))

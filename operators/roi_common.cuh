@@ -1626,6 +1626,27 @@ __device__ __forceinline__ bool value_bad(T x, double bound, bool use_bound) {
   return use_bound ? !(fabs(v) < (double)(A)bound) : !(v - v == 0);
 }
 
+// geometry.adaptive_samples_per_bin of one box: ceil(h * s / P) * ceil(w * s / Q) in
+// float64, over the box's sides (h, w) in image units and ``s`` the spatial scale as the
+// compute type holds it; a box over MAX_SAMPLES_PER_BIN is refused
+// (geometry.check_samples_per_bin: ROIAlign's and PSROIAlign's adaptive grid, RROIAlign's).
+constexpr double MAX_SAMPLES_PER_BIN = 1048576.0;  // geometry.MAX_SAMPLES_PER_BIN (2^20)
+
+__device__ __forceinline__ double adaptive_per_bin(double h, double w, double s, double P,
+                                                   double Q) {
+  return ceil(h * s / P) * ceil(w * s / Q);
+}
+
+// An axis-aligned roi's sides (y2 - y1, x2 - x1) in float64, a reversed (or NaN) side 0
+// (RoIOp._check_adaptive_grid's np.maximum(side, 0); a NaN roi is refused before)
+template <typename T>
+__device__ __forceinline__ void box_sides(const T* row, double* h, double* w) {
+  const double dh = (double)Traits<T>::load(row[4]) - (double)Traits<T>::load(row[2]);
+  const double dw = (double)Traits<T>::load(row[3]) - (double)Traits<T>::load(row[1]);
+  *h = dh > 0 ? dh : 0.0;
+  *w = dw > 0 ? dw : 0.0;
+}
+
 // Whether roi ``row`` (``columns`` values) has a NaN or infinite value (check_rois' code 1).
 template <typename T, typename A>
 __device__ __forceinline__ bool roi_nonfinite(const T* row, double bound, bool use_bound,
@@ -1785,6 +1806,27 @@ __global__ void roi_grid_geometry(const T* __restrict__ rois, int mode, int P, i
     for (int p = 0; p < P; ++p) over = over || y_count[r * P + p] > Gy;
     for (int q = 0; q < Q; ++q) over = over || x_count[r * Q + q] > Gx;
     mx_roi::geo::roi_verdict<T, A>(rois, r, N, bound, use_bound != 0, over, status, batch);
+  }
+}
+
+// The adaptive grid's samples-per-bin bound on the device (the native GPU path of ROIAlign
+// and PSROIAlign with sample_ratio <= 0, after roi_grid_geometry; the Custom door's
+// RoIOp._check_adaptive_grid on the host): a roi whose bins need more than
+// MAX_SAMPLES_PER_BIN samples is marked as padding in the tables (batch -1) and flagged in
+// status[1] = 3 (RROIAlign's rroi_align_safe_rois flags its own bound 2).  n = R.
+template <typename T, typename A>
+__global__ void roi_adaptive_bound(const T* __restrict__ rois, float spatial_scale, int P, int Q,
+                                   int* __restrict__ batch, unsigned long long* __restrict__ status,
+                                   long long n) {
+  const double s = (double)(A)spatial_scale;
+  const long long step = (long long)blockDim.x * (long long)gridDim.x;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += step) {
+    double h, w;
+    mx_roi::geo::box_sides(rois + r * 5, &h, &w);
+    if (mx_roi::geo::adaptive_per_bin(h, w, s, P, Q) > mx_roi::geo::MAX_SAMPLES_PER_BIN) {
+      status[1] = 3ULL;
+      batch[r] = -1;
+    }
   }
 }
 

@@ -419,8 +419,7 @@ __global__ void rroi_align_safe_rois(const T* __restrict__ rois, float spatial_s
     if (!bad && ratio <= 0) {
       const double w = fabs((double)(A)Tr::load(row[3]));
       const double h = fabs((double)(A)Tr::load(row[4]));
-      const double per_bin = ceil(h * s / (double)P) * ceil(w * s / (double)Q);
-      if (per_bin > (double)MX_ROI_MAX_ROTATED_SAMPLES) {
+      if (mx_roi::geo::adaptive_per_bin(h, w, s, P, Q) > mx_roi::geo::MAX_SAMPLES_PER_BIN) {
         status[1] = 2ULL;
         bad = true;
       }
@@ -481,7 +480,7 @@ __global__ void rroi_align_geometry(const T* __restrict__ rois, float spatial_sc
 
 namespace mx_roi_op {
 
-static_assert(MX_ROI_MAX_ROTATED_SAMPLES == (long long)mx_roi_ext::MAX_SAMPLES_PER_BIN,
+static_assert(MX_ROI_MAX_ROTATED_SAMPLES == (long long)mx_roi::geo::MAX_SAMPLES_PER_BIN,
               "the rotated tables clip where the box-size check refuses");
 
 struct RROIAlignOp {

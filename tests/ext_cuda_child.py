@@ -35,13 +35,13 @@ def step(name, call, ready=True):
     steps[name] = {"log": fake.fake_log().decode().splitlines(), "error": error}
 
 
-def forward(dtype="float32", stream=STREAM, R=R, ws=None, channels=C, **kw):
+def forward(dtype="float32", stream=STREAM, R=R, ws=None, channels=C, pooled=P, **kw):
     args = dict(spatial_scale=0.5, sample_ratio=-1, aligned=False, pool_mode="avg")
     args.update(kw)
-    bytes_ = cuda.roi_align_workspace(dtype, R, P, H, W, args["sample_ratio"],
+    bytes_ = cuda.roi_align_workspace(dtype, R, pooled, H, W, args["sample_ratio"],
                                       args.get("caffe", False)) if ws is None else ws
     return lambda: cuda.roi_align_forward(dtype, ptr["data"], ptr["rois"], ptr["out"],
-                                          (N, channels, H, W), R, P, workspace=ptr["ws"],
+                                          (N, channels, H, W), R, pooled, workspace=ptr["ws"],
                                           workspace_bytes=bytes_, stream=stream, **args)
 
 
@@ -89,6 +89,9 @@ plant(status, 0, 1)                             # a box the tables could not hol
 step("bad_overflow", forward())
 step("check_overflow", lambda: cuda.check("ROIAlign", STREAM, wait=False))
 step("check_clean", lambda: cuda.check("ROIAlign", STREAM, wait=False))
+plant(status, 0, 3)                             # a box over the samples-per-bin bound
+step("bad_bound", forward())
+step("check_bound", lambda: cuda.check("ROIAlign", STREAM, wait=False))
 step("other_stream", forward(stream=OTHER_STREAM))
 plant(status, ~0 & (2 ** 64 - 1))               # rois[0] bad on STREAM ...
 step("bad_rois0", forward())
@@ -97,6 +100,7 @@ step("report_rois0", forward())
 step("max", forward(pool_mode="max", sample_ratio=2, aligned=True))
 step("caffe", forward(caffe=True, sample_ratio=3, aligned=True))
 step("float16", forward("float16"))
+step("rect", forward(pooled=(P, 5)))            # a 7 x 5 pool (P and Q each in its place)
 step("float64", forward("float64"))
 step("no_rois", forward(R=0))
 step("small_workspace", forward(ws=cuda.roi_align_workspace("float32", R, P, H, W) - 1))

@@ -218,8 +218,14 @@ def python_binding(dtype, R_, C_, params, direction="forward", op_name="ROIAlign
             rec.forward("roi_safe_copy", R_, columns=op.rois_columns, **common)
         dev = types.SimpleNamespace(geo=types.SimpleNamespace(rois=table))
     else:
-        dev = device_geometry.build(rec, op.geometry_spec(), rois, N, *hw, empty=empty)
+        spec = op.geometry_spec()
+        dev = device_geometry.build(rec, spec, rois, N, *hw, empty=empty)
         status, table = bufs[0], bufs[1]
+        if spec.mode == "align_grid" and spec.sample <= 0:  # the launcher's own bound check
+            rec.forward("roi_adaptive_bound", R_, rois=rois,
+                        spatial_scale=float(np.float32(params["spatial_scale"])),
+                        P=spec.pooled_size[0], Q=spec.pooled_size[1],
+                        batch=rec.calls[-1][2]["batch"], status=status)
     base, end = table.ctypes.data, table.ctypes.data + table.nbytes
     roles = {id(rois): "rois", id(data): "data", id(status): "status"}
     if direction == "forward":
@@ -359,6 +365,7 @@ CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
     "max": ("float32", R, C, dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
     "caffe": ("float32", R, C, dict(BASE, sample_ratio=3, aligned=True, legacy="caffe")),
     "float16": ("float16", R, C, BASE),
+    "rect": ("float32", R, C, dict(BASE, pooled_size=(P, 5))),
     "float64": ("float64", R, C, BASE),
     "many_items": ("float32", 2000, C, BASE),
     "grid_cap": ("float32", 2000, 200, BASE),
@@ -379,6 +386,13 @@ BACKWARD_CASES = {  # child step -> (dtype, R, C, ROIAlign parameters)
     "mx_backward_float16": ("float16", R, C,
                             dict(BASE, sample_ratio=2, aligned=True, pool_mode="max")),
 }
+
+
+def adaptive(params):
+    """Whether an align grid is adaptive (sample_ratio <= 0, not a legacy grid): the
+    launcher then checks the samples-per-bin bound on the device (roi_adaptive_bound,
+    after the geometry)."""
+    return params.get("sample_ratio", -1) <= 0 and not params.get("legacy")
 
 
 def _check_launches(run, step, direction, dtype, R_, C_, params, op_name="ROIAlign",
@@ -458,8 +472,9 @@ def test_backward_launch_arguments_are_the_cupy_paths(run, step):
     """The backward's launches bind what the CuPy path's _backward_device binds (req
     write: the accumulator O is the gradient's own dtype, ``bottom`` MXNet's gradient,
     ``scale`` 1.0; the max modes rescan ``data``: no argmax is kept)."""
+    dtype, R_, C_, params = BACKWARD_CASES[step]
     got = _check_launches(run, step, "backward", *BACKWARD_CASES[step])
-    assert len(got) == 2
+    assert len(got) == 2 + adaptive(params)
 
 
 POOL = dict(pooled_size=(P, P), spatial_scale=0.5)
@@ -561,7 +576,11 @@ def test_position_sensitive_launch_arguments_are_the_cupy_paths(run, step):
     tag = step.split("_")[1] if step.startswith("mx_") else step.split("_")[0]
     got = _check_launches(run, step, direction, dtype, R, PS_CIN, params, op,
                           f"mx_{tag}_forward" if step.startswith("mx_") else f"{tag}_first")
-    assert [g[0].split("<")[0] for g in got][1] == "ps_channel_map_fill"
+    names = [g[0].split("<")[0] for g in got]
+    bound = op == "PSROIAlign" and adaptive(params)
+    assert names[:2 + bound] == ["roi_grid_geometry" if op == "PSROIAlign" else
+                                 "roi_bins_geometry"] + ["roi_adaptive_bound"] * bound + [
+                                     "ps_channel_map_fill"]
 
 
 def test_position_sensitive_status_channels_and_workspace(run):
@@ -578,7 +597,8 @@ def test_position_sensitive_status_channels_and_workspace(run):
     assert len(words) == 2 and run["status"] not in words
     shape = (N, PS_CIN, H, W)
     for op, tag in (("PSROIPooling", "psp"), ("PSROIAlign", "psa")):
-        assert s[f"{tag}_bad_bwd"]["error"] is None and len(launches(s[f"{tag}_bad_bwd"])) == 3
+        assert s[f"{tag}_bad_bwd"]["error"] is None and len(launches(s[f"{tag}_bad_bwd"])) == (
+            3 if op == "PSROIPooling" else 4)  # (PSROIAlign's adaptive grid: its bound check)
         assert s[f"{tag}_reported"]["error"] == (f"{op}: rois[3] has a NaN or infinite value; "
                                                  "coordinates must be finite" + WHERE)
         assert not launches(s[f"{tag}_reported"])
@@ -917,7 +937,7 @@ def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
     word's reset.  A workspace too small for the tables and float16's accumulator is
     refused before anything is queued."""
     s, status = run["steps"], run["status"]
-    assert s["bwd_bad"]["error"] is None and len(launches(s["bwd_bad"])) == 2
+    assert s["bwd_bad"]["error"] is None and len(launches(s["bwd_bad"])) == 3
     assert s["bwd_bad_busy"]["error"] is None and "cuEventQuery" not in calls(s["bwd_bad_busy"])
     assert s["bwd_bad_reported"]["error"] == ("ROIAlign: rois[2] has a NaN or infinite value; "
                                               "coordinates must be finite" + WHERE)
@@ -934,19 +954,21 @@ def test_backward_leaves_a_bad_roi_to_the_next_forward(run):
 
 
 def test_grid_is_capped(run):
-    expr, grid, *_ = parse_launch(launches(run["steps"]["grid_cap"])[1], ptx_params(run["image"]))
+    expr, grid, *_ = parse_launch(launches(run["steps"]["grid_cap"])[-1],
+                                  ptx_params(run["image"]))
     assert grid == (65535, 1, 1)  # 2000 * 200 * 49 items: the grid-stride loops take the rest
 
 
 def test_valid_calls_make_exactly_these_driver_calls(run):
     steps = run["steps"]
-    assert calls(steps["first"]) == [
+    assert calls(steps["first"]) == [  # (adaptive: the geometry, its bound, the op kernel)
         "cuInit", "cuCtxGetCurrent", "cuMemAlloc_v2", "cuMemHostAlloc", "cuEventCreate",
         "cuMemsetD8Async", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel",
-        "cuModuleGetFunction", "cuLaunchKernel", "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
+        "cuModuleGetFunction", "cuLaunchKernel", "cuModuleGetFunction", "cuLaunchKernel",
+        "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
     assert calls(steps["second"]) == [
         "cuCtxGetCurrent", "cuEventQuery", "cuLaunchKernel", "cuLaunchKernel",
-        "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
+        "cuLaunchKernel", "cuMemcpyDtoHAsync_v2", "cuEventRecord"]
     status = run["status"]
     first = steps["first"]["log"]
     assert f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}" in first
@@ -991,12 +1013,12 @@ def test_status_word_rule(run):
     reset = f"cuMemsetD8Async {status:x} 0 40 stream {STREAM:x}"
     # the bad call and a call while it still runs: no error, no wait, kernels queued
     assert s["bad"]["error"] is None and s["busy"]["error"] is None
-    assert "cuEventQuery e7 busy" in s["busy"]["log"] and len(launches(s["busy"])) == 2
+    assert "cuEventQuery e7 busy" in s["busy"]["log"] and len(launches(s["busy"])) == 3
     # the first call once it has finished reports it, launches nothing, queues the reset
     assert s["reported"]["error"] == ("ROIAlign: rois[3] has a NaN or infinite value; "
                                       "coordinates must be finite" + WHERE)
     assert s["reported"]["log"] == ["cuCtxGetCurrent", "cuEventQuery e7 ready", reset]
-    assert s["after_report"]["error"] is None and len(launches(s["after_report"])) == 2
+    assert s["after_report"]["error"] is None and len(launches(s["after_report"])) == 3
     # check(wait=True): the one host wait (cuEventSynchronize), then the report
     assert s["check_wait"]["error"] == (
         "ROIAlign: rois[1] has a batch index beyond the images of data (valid: 0..N-1; a "
@@ -1007,6 +1029,11 @@ def test_status_word_rule(run):
         "tables hold (a box far larger than the feature map); check the coordinates and "
         "spatial_scale, or run such boxes through the Custom door" + WHERE)
     assert s["check_clean"]["error"] is None and s["check_clean"]["log"] == ["cuCtxGetCurrent"]
+    # the adaptive grid's samples-per-bin bound (roi_adaptive_bound: word 1 = 3), in
+    # ROIAlign's parameter name (RROIAlign's word 1 = 2 names sampling_ratio)
+    assert s["check_bound"]["error"] == (
+        "ROIAlign: rois: a box needs more than 1048576 samples per bin with sample_ratio <= "
+        "0; check the box size and spatial_scale, or set sample_ratio" + WHERE)
     # channels are per stream: stream A's bad roi is not stream B's error
     assert s["other_stream"]["error"] is None and s["other_stream_again"]["error"] is None
     assert "cuMemAlloc_v2" in calls(s["other_stream"])  # a status word of its own

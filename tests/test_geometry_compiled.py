@@ -350,6 +350,56 @@ def test_rroi_safe_rois_kernel(ratio, dtype, kind):
     assert seen == ({"ok", "bad", "over", "edge"} if ratio <= 0 else {"ok", "bad", "edge"})
 
 
+@pytest.mark.parametrize("kind", [Kind.NATIVE, Kind.EMULATED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_roi_adaptive_bound_kernel(dtype, kind):
+    """``roi_adaptive_bound`` (the native GPU path's samples-per-bin bound of an adaptive
+    ROIAlign / PSROIAlign grid, after the geometry kernel) marks as padding (batch -1 in
+    the tables) exactly the rois whose bins ``RoIOp._check_adaptive_grid`` counts over
+    2^20 samples -- the edge, 1024 x 1024, accepted; one more column refused; reversed
+    boxes (side 0), padding rois and boxes far off the map alike -- and flags status word 1
+    = 3 iff there is one; the host check refuses the call iff the kernel flags it, naming
+    the first such roi."""
+    from mx_roi.cuda.backend import Launch
+    cls = get_op("ROIAlign")
+    op = cls(cls.param_cls.from_kwargs(pooled_size="(2, 3)", spatial_scale="0.5",
+                                       sample_ratio="-1"))
+    launch = Launch.on_host(op.cuda_source, kind, dtype)
+    rng = np.random.default_rng([DTYPES.index(dtype), 19])
+    # (height, width): ceil(h * 0.5 / 2) * ceil(w * 0.5 / 3) = 1024 * 1024 exactly, then
+    # 1025 * 1024 (6148: float16 holds it), 1024 * 1025, reversed, float16's largest
+    sides = [(4096.0, 6144.0), (4096.0, 6148.0), (4100.0, 6144.0), (-4100.0, -6148.0),
+             (65504.0, 4.0), (65504.0, 65504.0), (8.0, 9.0)]
+    seen = set()
+    for _ in range(300):
+        R = int(rng.integers(1, 6))
+        rois = np.zeros((R, 5), dtype)
+        rois[:, 0] = rng.integers(-1, 2, R)
+        rois[:, 1:3] = rng.uniform(-50, 50, (R, 2))
+        rois[:, 3:5] = rois[:, 1:3] + rng.uniform(-5, 40, (R, 2))
+        for _ in range(int(rng.integers(0, 3))):
+            r, (h, w) = int(rng.integers(R)), sides[int(rng.integers(len(sides)))]
+            rois[r, 1:5] = (0, 0, w, h)
+        batch = np.full(R, 5, np.int32)
+        status = np.array([7, 0], np.uint64)
+        launch.forward("roi_adaptive_bound", R, rois=rois, spatial_scale=0.5, P=2, Q=3,
+                       batch=batch, status=status)
+        f = rois[:, 1:5].astype(np.float64)
+        per_bin = G.adaptive_samples_per_bin(np.maximum(f[:, 3:1:-1] - f[:, 1::-1], 0.0),
+                                             0.5, (2, 3), dtype)
+        over = per_bin > G.MAX_SAMPLES_PER_BIN
+        np.testing.assert_array_equal(batch, np.where(over, -1, 5), str(rois))
+        assert status[0] == 7 and status[1] == (3 if over.any() else 0)
+        try:
+            op._check_adaptive_grid(rois, np)
+            assert not over.any()
+        except ValueError as exc:
+            assert str(exc).startswith(f"ROIAlign: rois[{int(np.argmax(over))}] is a box of ")
+        seen |= {"over" if o else "edge" if b == G.MAX_SAMPLES_PER_BIN else "ok"
+                 for o, b in zip(over, per_bin)}
+    assert seen == {"ok", "edge", "over"}
+
+
 def _trans_status_message(op, status):
     """The offsets' message ext_cuda.h's status_error gives for status words 2..4."""
     at, value = int(status[2]) - 1, float(status[4:5].view(np.float64)[0])

@@ -809,7 +809,6 @@ inline void check_group(const Kwargs& kw, long long gh, long long gw) {
 const long long MAX_ELEMENTS = (1LL << 31) - 2;
 const char* const SIZE_WHY = "2^31 - 2, the most elements of an MXNet array";
 const long long MAX_SAMPLES_PER_SIDE = 1024;  // isqrt(geometry.MAX_ROTATED_SAMPLES = 2^20)
-constexpr double MAX_SAMPLES_PER_BIN = 1048576.0;  // geometry.MAX_SAMPLES_PER_BIN (2^20)
 const long long MAX_SAMPLES_PER_AXIS_PARAM = 1LL << 22;
 
 // ---- threads of a native launch (mx_roi.parallel.num_threads, loader.native_threads) --

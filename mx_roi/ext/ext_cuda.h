@@ -265,9 +265,10 @@ inline Channel& channel(const std::string& op, CUcontext ctx, CUstream stream) {
 }
 
 // The message of a reported status ``w`` (word 0: the first bad roi by check_rois' rule;
-// word 1: 1 a box the device tables could not hold, 2 a box over the adaptive grid's
-// samples-per-bin bound of an op whose kernels derive their samples from the rois; words
-// 2..4: a bad offset, reported after the rois as the Custom door checks them).
+// word 1: 1 a box the device tables could not hold, 2 (3) a box over the adaptive grid's
+// samples-per-bin bound -- RROIAlign's sampling_ratio (ROIAlign's and PSROIAlign's
+// sample_ratio); words 2..4: a bad offset, reported after the rois as the Custom door
+// checks them).
 inline std::string status_error(const std::string& op, const unsigned long long* w) {
   const std::string found =
       " (found on the GPU by the device check of an earlier call of this op on this stream, ";
@@ -283,9 +284,11 @@ inline std::string status_error(const std::string& op, const unsigned long long*
     return op + ": rois[" + std::to_string(key) +
            "] has a NaN or infinite value; coordinates must be finite" + where;
   }
-  if (w[1] == 2)
-    return op + ": rois: a box needs more than 1048576 samples per bin with sampling_ratio "
-                "<= 0; check the box size and spatial_scale, or set sampling_ratio" + where;
+  if (w[1] == 2 || w[1] == 3) {
+    const std::string ratio = w[1] == 2 ? "sampling_ratio" : "sample_ratio";
+    return op + ": rois: a box needs more than 1048576 samples per bin with " + ratio +
+           " <= 0; check the box size and spatial_scale, or set " + ratio + where;
+  }
   if (w[1])
     return op + ": rois: a box needs more sample points per bin side than the device tables "
                 "hold (a box far larger than the feature map); check the coordinates and "

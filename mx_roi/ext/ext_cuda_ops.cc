@@ -214,8 +214,10 @@ inline GridLayout sample_layout(const std::string& op, int dtype, int mode, long
 
 // A sample grid's device tables over one workspace (the align ops'); geometry()
 // queues roi_grid_geometry, which fills them and marks a bad roi (as padding, in the
-// channel's status word).  ``sample``, ``aligned``: the geometry kernel's (0 where the
-// mode has none).
+// channel's status word), then for an adaptive align grid (sample <= 0)
+// roi_adaptive_bound, which marks a box over the samples-per-bin bound the same way
+// (RoIOp._check_adaptive_grid's rule).  ``sample``, ``aligned``: the geometry kernel's (0
+// where the mode has none).
 struct SampleGrid {
   int mode, sample, aligned;
   GridLayout g;
@@ -236,6 +238,10 @@ struct SampleGrid {
     for (int k = 0; k < 12; ++k) geo(tb[k]);
     geo(call.ch.status)(R);
     call.run(image, "roi_grid_geometry" + call.ta() + ">", R, geo);
+    if (mode != MODE_ALIGN_GRID || sample > 0) return;
+    Args bound;
+    bound(rois)(spatial_scale)(P)(Q)(tb[0])(call.ch.status)(R);
+    call.run(image, "roi_adaptive_bound" + call.ta() + ">", R, bound);
   }
 
   // the op kernels' table arguments: batch .. x_wh, then the divisor where ``divisor``

@@ -113,8 +113,8 @@ void check_samples_per_bin(const std::string& op, const char* ratio_name, long l
   for (long long r = 0; r < R; ++r) {
     double h = 0, w = 0;
     sides(rois + r * columns, &h, &w);
-    const double per_bin = std::ceil(h * s / (double)P) * std::ceil(w * s / (double)Q);
-    if (per_bin > MAX_SAMPLES_PER_BIN) {
+    const double per_bin = mx_roi::geo::adaptive_per_bin(h, w, s, (int)P, (int)Q);
+    if (per_bin > mx_roi::geo::MAX_SAMPLES_PER_BIN) {
       double a = 0, b = 0;
       shown(rois + r * columns, &a, &b);
       char text[160];
@@ -122,7 +122,7 @@ void check_samples_per_bin(const std::string& op, const char* ratio_name, long l
                     per_bin);
       throw OpError(op + ": rois[" + std::to_string(r) + "] " + text + " with " +
                     ratio_name + " <= 0, more than " +
-                    std::to_string((long long)MAX_SAMPLES_PER_BIN) +
+                    std::to_string((long long)mx_roi::geo::MAX_SAMPLES_PER_BIN) +
                     "; check the box size and spatial_scale, or set " + ratio_name);
     }
   }
@@ -136,12 +136,7 @@ void check_adaptive_grid(const std::string& op, long long P, long long Q, double
                          const T* rois, long long R, long long N) {
   if (R == 0) return;
   check_rois_status<T, A>(op, rois, R, 5, N);
-  auto sides = [](const T* row, double* h, double* w) {
-    const double dh = to_double(row[4]) - to_double(row[2]);
-    const double dw = to_double(row[3]) - to_double(row[1]);
-    *h = dh > 0 ? dh : 0.0;  // np.maximum(d, 0): d finite here (or inf)
-    *w = dw > 0 ? dw : 0.0;
-  };
+  auto sides = [](const T* row, double* h, double* w) { mx_roi::geo::box_sides(row, h, w); };
   auto shown = [&](const T* row, double* a, double* b) { sides(row, b, a); };
   check_samples_per_bin<T, A>(op, "sample_ratio", P, Q, spatial_scale, rois, R, 5, sides,
                               shown);
