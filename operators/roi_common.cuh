@@ -1637,8 +1637,9 @@ __device__ __forceinline__ double adaptive_per_bin(double h, double w, double s,
   return ceil(h * s / P) * ceil(w * s / Q);
 }
 
-// An axis-aligned roi's sides (y2 - y1, x2 - x1) in float64, a reversed (or NaN) side 0
-// (RoIOp._check_adaptive_grid's np.maximum(side, 0); a NaN roi is refused before)
+// An axis-aligned roi's sides (y2 - y1, x2 - x1) in float64, a reversed side 0
+// (RoIOp._check_adaptive_grid's np.maximum(side, 0); a NaN side 0 too, where NumPy keeps
+// NaN: never over the bound either way, and the roi check refuses the roi)
 template <typename T>
 __device__ __forceinline__ void box_sides(const T* row, double* h, double* w) {
   const double dh = (double)Traits<T>::load(row[4]) - (double)Traits<T>::load(row[2]);

@@ -113,7 +113,7 @@ void check_samples_per_bin(const std::string& op, const char* ratio_name, long l
   for (long long r = 0; r < R; ++r) {
     double h = 0, w = 0;
     sides(rois + r * columns, &h, &w);
-    const double per_bin = mx_roi::geo::adaptive_per_bin(h, w, s, (int)P, (int)Q);
+    const double per_bin = mx_roi::geo::adaptive_per_bin(h, w, s, (double)P, (double)Q);
     if (per_bin > mx_roi::geo::MAX_SAMPLES_PER_BIN) {
       double a = 0, b = 0;
       shown(rois + r * columns, &a, &b);
@@ -959,7 +959,6 @@ struct GpuCallbacks {
     return G::forward(p, data, rois, out, ws, bytes, res.get_cuda_stream(), err, len);
   }
 
-  template <typename E = Extra>
   static int run_forward(std::true_type, const typename Op::Params& p, const MXTensor& data,
                          const MXTensor& rois, const MXTensor* extra, MXTensor& out,
                          const OpResource& res, char* err, size_t len) {
@@ -978,7 +977,6 @@ struct GpuCallbacks {
                        res.get_cuda_stream(), err, len);
   }
 
-  template <typename E = Extra>
   static int run_backward(std::true_type, const typename Op::Params& p, const MXTensor& grad,
                           const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
                           std::vector<MXTensor>& outputs, const OpResource& res, char* err,
