@@ -23,7 +23,12 @@ GPU is reported, not a failure):
 * ``cuda``           needs CuPy and a GPU: the kernels on ``mx.gpu(0)`` against the NumPy
                      backend on the CPU, and the built-ins on the GPU; where MXNet is a
                      CPU build, the kernels on CuPy arrays standing in for GPU NDArrays
-                     (:mod:`mx_roi.cuda.cupy_arrays`) and no built-ins.
+                     (:mod:`mx_roi.cuda.cupy_arrays`) and no built-ins;
+* ``native-gpu``     the native GPU path's launcher (:mod:`mx_roi.ext.cuda`, opt-in; needs
+                     g++ and NVRTC to build): built, and with CuPy and a GPU ROIAlign's
+                     forward launched through it on CuPy memory and a CuPy stream, bit for
+                     bit against ``emulated-cuda`` (skipped without a GPU, saying whether
+                     the launcher builds).
 
 Below the table, the GPU setup: driver, MXNet GPU build, CuPy, the NVRTC library CuPy
 loads, ``cuda_fp16.h`` -- each OK or MISSING with the command that fixes it
@@ -215,6 +220,60 @@ def check_extension(quick=False):
             f"{door_summary()}")
 
 
+def check_native_gpu(quick=False):
+    """The native GPU path's launcher library (:mod:`mx_roi.ext.cuda`): built here, then
+    with CuPy and a GPU, ROIAlign's forward (every dtype unless ``quick``, the op's
+    selftest cases) launched through it on CuPy memory and a stream, bit-equal to
+    ``emulated-cuda``, its status word checked (``check(wait=True)``)."""
+    from . import gpucheck
+    from .cuda import loader, nvrtc
+    from .ext import cuda as ext_cuda
+    if not loader.host_compiler():
+        raise Skip("no C++ compiler (g++) to build the launcher")
+    try:
+        nvrtc.version()
+    except nvrtc.NvrtcError as e:
+        raise Skip(f"no NVRTC to build the launcher's PTX ({e})".splitlines()[0][:120])
+    ext_cuda.library_path()  # (a build failure here is a FAIL)
+    built = (f"the launcher builds ({len(ext_cuda.gpu_ops())} ops, PTX "
+             f"compute_{ext_cuda.ptx_arch()}; opt-in: mx_roi.ext.cuda.enable())")
+    if gpucheck.cupy_gpu_count() == 0:
+        raise Skip(f"no GPU for CuPy; {built}")
+    import cupy
+    import mxnet as mx
+    from .backends import get
+    n = 0
+    for dtype in _dtypes(quick):
+        for name, params in CASES:
+            if name != "ROIAlign":
+                continue
+            op = _op(name, params)
+            p = op.param
+            data, rois, grad, _ = _problem(op, dtype)
+            want, _ = _run(get("emulated-cuda"), op, data, rois, grad, mx.cpu())
+            caffe = p.legacy == "caffe"
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                x, r = cupy.asarray(data), cupy.asarray(rois)
+                out = cupy.full(op.out_shape(data.shape, rois.shape), np.nan, dtype)
+                ws = cupy.empty(max(ext_cuda.roi_align_workspace(
+                    dtype, rois.shape[0], p.pooled_size, data.shape[2], data.shape[3],
+                    p.sample_ratio, caffe), 16), cupy.uint8)
+                stream.synchronize()
+                ext_cuda.roi_align_forward(dtype, x.data.ptr, r.data.ptr, out.data.ptr,
+                                           data.shape, rois.shape[0], p.pooled_size,
+                                           p.spatial_scale, p.sample_ratio, p.aligned,
+                                           p.pool_mode, caffe, ws.data.ptr, ws.nbytes,
+                                           stream.ptr)
+            ext_cuda.check("ROIAlign", stream.ptr, wait=True)
+            got = cupy.asnumpy(out)
+            if not np.array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8)):
+                raise AssertionError(f"native GPU ROIAlign {params} {np.dtype(dtype).name}: "
+                                     "not bit-equal to emulated-cuda")
+            n += 1
+    return f"{built}; {n} ROIAlign forwards through it on the GPU, bit-equal to emulated-cuda"
+
+
 def door_summary() -> str:
     """Which door ``mx_roi.nd`` / ``sym`` / Gluon take on the CPU here, per op, and why
     (:mod:`mx_roi.ext.door`): ``'door: native for A, B; Custom for C, D (reason)'``, the
@@ -242,7 +301,8 @@ def run_checks(quick=False, archs=(70,)):
                          ("emulated-cuda", check_emulated, {}),
                          ("nvrtc-compile", check_nvrtc, {"archs": archs}),
                          ("cuda", check_cuda, {}),
-                         ("native-ops", check_extension, {})):
+                         ("native-ops", check_extension, {}),
+                         ("native-gpu", check_native_gpu, {})):
         t0 = time.perf_counter()
         try:
             detail = fn(quick=quick, **kw)
