@@ -815,10 +815,10 @@ def test_deformable_status_offsets_and_workspace(run):
     launched by the reporting call, the five words reset; a bad roi is reported before a
     bad offset of the same calls (the Custom door's order), and the report clears both.
     Refused before anything is queued: too few data channels, K not dividing output_dim,
-    a plane over 2^31 elements, a short workspace.  No roi: nothing launched (the backward
+    a plane over 2^31 elements, a non-positive parameter, a short workspace.  No roi: nothing launched (the backward
     zeroes the data gradient); an empty map: the checks, then zeros.  Without an offsets'
-    gradient pointer the backward skips it.  MXNet's callbacks check trans's shape and
-    dtype first and take the workspace of the entries' size."""
+    gradient pointer the backward skips it.  MXNet's callbacks check trans's presence,
+    shape and dtype first and take the workspace of the entries' size."""
     from mx_roi.ext import cuda
     s, p = run["steps"], run["ptr"]
     status = next(int(x.split()[2], 16) for x in s["dp_first"]["log"]
@@ -850,7 +850,9 @@ def test_deformable_status_offsets_and_workspace(run):
                            "output_dim = 2 is not a multiple of K",
                "dp_huge_plane": "DeformablePSROIPooling: a feature map of 65536x32768 has "
                                 "2^31 or more elements per channel, more than the CUDA "
-                                "kernels index"}
+                                "kernels index",
+               "dp_bad_params": "DeformablePSROIPooling: output_dim, group_size, "
+                                "pooled_size, part and sample_per_part must be positive"}
     need = cuda.deformable_psroi_pooling_workspace("float16", (N, DP_CIN, H, W), R, DP_K, 3,
                                                    True)
     # the checked copy (4 x 5 halves: 48), the scratch (16), the offsets' float32
@@ -890,6 +892,7 @@ def test_deformable_status_offsets_and_workspace(run):
                                   "offset classes, got (4, 4, 3, 2)"),
             ("mx_dp_trans_dtype", "DeformablePSROIPooling: data and trans must have the "
                                   "same dtype, got data float32 and trans float64"),
+            ("mx_dp_trans_missing", "DeformablePSROIPooling: the trans input is missing"),
             ("mx_dp_deterministic", "DeformablePSROIPooling: deterministic=True: the native "
                                     "GPU path has no deterministic backward yet; use the "
                                     "Custom door on GPU contexts for it")):
