@@ -3,7 +3,8 @@
 # README's "GPU runs" were made): installs the MXNet 1.9.1 CPU wheel found in .devrun/
 # (pip download --no-deps mxnet==1.9.1 -d .devrun) into /tmp/site, makes it importable under
 # NumPy 2 / Python 3.12 with tools/gpu_device/sitecustomize.py, then runs the selftest with
-# the GPU checklist, the CuPy-array GPU tests, the native GPU launcher's test
+# the GPU checklist (its native-gpu row launches through the native GPU launcher), the
+# CuPy-array GPU tests, the native GPU launcher's test
 # (tests/test_ext_cuda_gpu.py) and the GPU bench.  Logs go to $OUT (or /tmp).
 export PYTHONUNBUFFERED=1
 export PATH="$PATH:/usr/local/cuda/bin"  # compute-sanitizer (not on PATH there)
@@ -19,14 +20,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
     .devrun/mxnet-*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD/tools/gpu_device:$PWD
 export MX_ROI_CACHE=${MX_ROI_CACHE:-/tmp/mx_roi_cache}
+# the NVRTC the native GPU launcher builds its PTX with (the selftest's native-gpu row and
+# tests/test_ext_cuda_gpu.py): the one on the loader path, else a wheel's
+NVRTC_LIB=${MX_ROI_NVRTC:-$(python3 -c "from mx_roi.cuda import nvrtc as n; print(n.find_library() \
+    or n.wheel_library('libnvrtc.so.13') or n.wheel_library('libnvrtc.so.12') or '')")}
 step selftest
-timeout ${T_SELF:-300} python3 -m mx_roi.selftest --gpu 2>&1 | tee $OUT/selftest.txt | tail -40
+MX_ROI_NVRTC=$NVRTC_LIB timeout ${T_SELF:-300} python3 -m mx_roi.selftest --gpu 2>&1 \
+    | tee $OUT/selftest.txt | tail -40
 step pytest
 timeout ${T_PYTEST:-200} python3 -m pytest -m gpu tests/test_gpu_cupy.py -q -p no:cacheprovider \
     -rf 2>&1 | tee $OUT/pytest.txt | tail -20
 step "native GPU launcher (mx_roi.ext.cuda through ctypes on CuPy memory and a CuPy stream)"
-NVRTC_LIB=${MX_ROI_NVRTC:-$(python3 -c "from mx_roi.cuda import nvrtc as n; print(n.find_library() \
-    or n.wheel_library('libnvrtc.so.13') or n.wheel_library('libnvrtc.so.12') or '')")}
 MX_ROI_NVRTC=$NVRTC_LIB timeout ${T_EXTCUDA:-200} python3 -m pytest -m gpu \
     tests/test_ext_cuda_gpu.py -q -p no:cacheprovider -rf 2>&1 | tee $OUT/ext_cuda.txt | tail -20
 step "memcheck (all but the 2^31 test)"
