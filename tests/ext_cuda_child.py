@@ -73,6 +73,21 @@ def plant(address, word0, word1=0, trans=None):
     (ctypes.c_uint64 * 5).from_address(address)[:] = [word0, word1] + words
 
 
+def dtype_steps(tag, make):
+    """An op's first steps on STREAM: ``{tag}_first`` (the float32 forward, which makes the
+    op's channel), the forward in float64 and float16, then the backward in each dtype
+    (``{tag}_bwd``, ``_bwd_f64``, ``_bwd_f16``); ``make(direction, dtype)`` gives a call.
+    Returns the channel's status word."""
+    step(f"{tag}_first", make("forward", "float32"))
+    for name, direction, dtype in (("fwd_f64", "forward", "float64"),
+                                   ("fwd_f16", "forward", "float16"),
+                                   ("bwd", "backward", "float32"),
+                                   ("bwd_f64", "backward", "float64"),
+                                   ("bwd_f16", "backward", "float16")):
+        step(f"{tag}_{name}", make(direction, dtype))
+    return status_ptr(steps[f"{tag}_first"])
+
+
 step("first", forward())
 status = status_ptr(steps["first"])
 step("second", forward())
@@ -134,13 +149,7 @@ def pool(direction="forward", dtype="float32", R=R, ws=None, hw=(H, W)):
                                              rois_grad=ptr["rois_grad"], **common)
 
 
-step("pool_first", pool())
-pool_status = status_ptr(steps["pool_first"])
-step("pool_fwd_f64", pool(dtype="float64"))
-step("pool_fwd_f16", pool(dtype="float16"))
-step("pool_bwd", pool("backward"))
-step("pool_bwd_f64", pool("backward", "float64"))
-step("pool_bwd_f16", pool("backward", "float16"))
+pool_status = dtype_steps("pool", pool)
 step("pool_tiny_map", pool(hw=(1, 2)))           # bins' cell bound: the map's 2 cells
 plant(pool_status, ~1 & (2 ** 64 - 1))          # the backward's geometry finds rois[1] bad
 step("pool_bad_bwd", pool("backward"))
@@ -174,13 +183,7 @@ def ps(op, direction="forward", dtype="float32", R=R, ws=None, channels=PS_CIN, 
 
 ps_status = {}
 for op, tag in (("PSROIPooling", "psp"), ("PSROIAlign", "psa")):
-    step(f"{tag}_first", ps(op))
-    ps_status[op] = status_ptr(steps[f"{tag}_first"])
-    step(f"{tag}_fwd_f64", ps(op, dtype="float64"))
-    step(f"{tag}_fwd_f16", ps(op, dtype="float16"))
-    step(f"{tag}_bwd", ps(op, "backward"))
-    step(f"{tag}_bwd_f64", ps(op, "backward", "float64"))
-    step(f"{tag}_bwd_f16", ps(op, "backward", "float16"))
+    ps_status[op] = dtype_steps(tag, lambda direction, dtype, op=op: ps(op, direction, dtype))
     plant(ps_status[op], ~3 & (2 ** 64 - 1))     # the backward's geometry finds rois[3] bad
     step(f"{tag}_bad_bwd", ps(op, "backward"))
     step(f"{tag}_reported", ps(op))
@@ -211,13 +214,8 @@ def rroi(direction="forward", dtype="float32", R=R, ws=None, **kw):
                                             **common)
 
 
-step("rra_first", rroi())
-rra_status = status_ptr(steps["rra_first"])
-step("rra_fwd_f64", rroi(dtype="float64"))
-step("rra_fwd_f16", rroi(dtype="float16"))
+rra_status = dtype_steps("rra", rroi)
 step("rra_fixed", rroi(sampling_ratio=2, aligned=True, clockwise=True))
-step("rra_bwd", rroi("backward"))
-step("rra_bwd_f16", rroi("backward", "float16"))
 step("rra_bwd_fixed_f64", rroi("backward", "float64", sampling_ratio=3, clockwise=True))
 plant(rra_status, 0, 2)                         # a box over the samples-per-bin bound
 step("rra_bad_bwd", rroi("backward"))
@@ -241,13 +239,7 @@ def prroi(direction="forward", dtype="float32", R=R, ws=None, rois_grad=True):
         rois_grad=ptr["rois_grad"] if rois_grad else 0, **common)
 
 
-step("prp_first", prroi())
-prp_status = status_ptr(steps["prp_first"])
-step("prp_fwd_f64", prroi(dtype="float64"))
-step("prp_fwd_f16", prroi(dtype="float16"))
-step("prp_bwd", prroi("backward"))
-step("prp_bwd_f64", prroi("backward", "float64"))
-step("prp_bwd_f16", prroi("backward", "float16"))
+prp_status = dtype_steps("prp", prroi)
 step("prp_bwd_no_rois_grad", prroi("backward", rois_grad=False))
 plant(prp_status, ~((1 << 62) + 2) & (2 ** 64 - 1))  # rois[2]'s batch index out of range
 step("prp_bad_bwd", prroi("backward"))
@@ -282,14 +274,8 @@ def deform(direction="forward", dtype="float32", R=R, ws=None, trans=True, K=DP_
         **common)
 
 
-step("dp_first", deform())
-dp_status = status_ptr(steps["dp_first"])
-step("dp_fwd_f64", deform(dtype="float64"))
-step("dp_fwd_f16", deform(dtype="float16"))
+dp_status = dtype_steps("dp", deform)
 step("dp_no_trans", deform(trans=False))
-step("dp_bwd", deform("backward"))
-step("dp_bwd_f64", deform("backward", "float64"))
-step("dp_bwd_f16", deform("backward", "float16"))
 step("dp_bwd_no_trans", deform("backward", trans=False))
 step("dp_bwd_no_trans_grad", deform("backward", trans_grad=False))
 # the offsets' gradient fused into the data gradient's pass (K = output_dim, part = pooled

@@ -640,7 +640,8 @@ RROI_FIXED = dict(RROI, sampling_ratio=2, aligned=True, clockwise=True)
 RROI_CASES = {  # child step -> (direction, dtype, parameters)
     "rra_first": ("forward", "float32", RROI), "rra_fwd_f64": ("forward", "float64", RROI),
     "rra_fwd_f16": ("forward", "float16", RROI), "rra_fixed": ("forward", "float32", RROI_FIXED),
-    "rra_bwd": ("backward", "float32", RROI), "rra_bwd_f16": ("backward", "float16", RROI),
+    "rra_bwd": ("backward", "float32", RROI), "rra_bwd_f64": ("backward", "float64", RROI),
+    "rra_bwd_f16": ("backward", "float16", RROI),
     "rra_bwd_fixed_f64": ("backward", "float64", dict(RROI, sampling_ratio=3, clockwise=True)),
     "mx_rra_forward": ("forward", "float32", dict(RROI_FIXED, aligned=False)),
     "mx_rra_backward": ("backward", "float32", dict(RROI_FIXED, aligned=False)),
