@@ -42,6 +42,18 @@ NATIVE = CudaBackend(Kind.NATIVE)
 EMU = CudaBackend(Kind.EMULATED)
 REF = NumpyBackend()
 
+
+def use_variant_build(monkeypatch, cache, flags):
+    """Run the native backend's kernels as built with the extra compiler ``flags`` (a
+    lowered threshold, another vector width; built into ``cache``): on its checked path,
+    whose launches use the host build of each op's kernels.  Its default path calls the
+    extension library (mx_roi.cuda.library_calls), loaded once per process with the
+    default flags: a variant flag would change nothing that the test runs."""
+    monkeypatch.setenv("MX_ROI_CACHE", str(cache))
+    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
+    monkeypatch.setattr(loader, "_MODULES", {})
+    monkeypatch.setattr(NATIVE, "library_calls", False)
+
 #: (rtol, atol) per dtype for native vs NumPy where the summation order differs;
 #: atol is scaled by max(1, max |expected|)
 TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}
@@ -934,9 +946,7 @@ def test_ps_align_forward_past_the_tap_limit_takes_the_item_loop(tmp_path, monke
     rng = np.random.default_rng(5)
     data = rng.standard_normal((2, 12, 9, 11)).astype(np.float32)
     rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3]], np.float32)
-    monkeypatch.setenv("MX_ROI_CACHE", str(tmp_path))
-    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_PS_MAX_TAPS=4")
-    monkeypatch.setattr(loader, "_MODULES", {})
+    use_variant_build(monkeypatch, tmp_path, "-DMX_ROI_PS_MAX_TAPS=4")
     for ratio in (3, 2):
         op = make_op("PSROIAlign", dict(pooled_size=2, output_dim=3, spatial_scale=1.0,
                                         sample_ratio=ratio))
@@ -969,24 +979,17 @@ def variant_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("variant-builds")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-@pytest.mark.parametrize("name", ["PSROIAlign", "PSROIPooling"])
-def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype):
-    """With at least 8 output channels and enough reads per input cell (PSROIAlign:
-    MX_ROI_PS_LANES_READS = 0.5 sample taps; PSROIPooling: MX_ROI_PSP_LANES_READS = 0.05
-    cells, both per cell a bin's copy costs), the position-sensitive native forwards copy
-    each bin's planes channels-last (one walk, ps_forward_channels_last) and take a roi's
-    bin for 8 channels at a time; else they walk plane by plane.  Builds with the
-    threshold at 0 (every call with 8+ channels copies), the default and 1e30 (never) run
-    both on the same problems -- 8, 9, 10 and 21 channels (a partial last pass), group
-    grids other than the pooled one, adaptive and fixed samples, aligned boxes,
-    legacy='rfcn' samples, rois off the map (empty bins) and skipped ones, NaN and
-    infinite cells, the output pre-filled with garbage -- on 1 and 3 threads: the
-    emulation's bits every time."""
+def _ps_forward_builds_agree(monkeypatch, cache, name, dtype, channels, flag_sets):
+    """The position-sensitive forward ``name`` built with each of ``flag_sets``, on
+    problems of each output-channel count in ``channels`` (group grids other than the
+    pooled one, adaptive and fixed samples, aligned boxes, legacy='rfcn' samples, rois
+    off the map (empty bins) and skipped ones, NaN and infinite cells, few and many rois,
+    the output pre-filled with garbage), on 1 and 3 threads: the emulation's bits every
+    time."""
     rng = np.random.RandomState(11)
     cases = []
-    for trial, (C, group) in enumerate(((8, (0, 0)), (9, (2, 3)), (21, (0, 0)), (8, (1, 1)),
-                                        (10, (0, 0)))):
+    for trial, C in enumerate(channels):
+        group = ((0, 0), (2, 3), (0, 0), (1, 1), (0, 0))[trial % 5]
         x, rois = _lane_case(rng, 1, ties=False)
         P = (3, 2) if trial % 2 else (2, 2)
         gh, gw = group if group != (0, 0) else P
@@ -996,14 +999,11 @@ def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype
         x[rng.rand(*x.shape) < 0.02] = -np.inf
         many = np.tile(rois, (40, 1))  # many reads per cell: the copy at the default
         many[:, 1:] += rng.uniform(-8, 8, many[:, 1:].shape)
-        kw = _ps_walk_kwargs(name, trial, P, C, group)
+        kw = _ps_walk_kwargs(name, trial % 5, P, C, group)
         cases += [(kw, x.astype(dtype), rois.astype(dtype)),
                   (kw, x.astype(dtype), many.astype(dtype))]
-    monkeypatch.setenv("MX_ROI_CACHE", str(variant_cache))
-    flag = PS_WALK_FLAG[name]
-    for flags in (f"-D{flag}=0", "", f"-D{flag}=1e30"):
-        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags)
-        monkeypatch.setattr(loader, "_MODULES", {})
+    for flags in flag_sets:
+        use_variant_build(monkeypatch, cache, flags)
         for kw, x, rois in cases:
             op = make_op(name, kw)
             grad = np.ones(op.out_shape(x.shape, rois.shape), dtype)
@@ -1019,6 +1019,35 @@ def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype
                 np.testing.assert_array_equal(np.isnan(got), np.isnan(want), where)
                 identical(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want),
                           where)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("name", ["PSROIAlign", "PSROIPooling"])
+def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype):
+    """With at least 8 output channels and enough reads per input cell (PSROIAlign:
+    MX_ROI_PS_LANES_READS = 0.5 sample taps; PSROIPooling: MX_ROI_PSP_LANES_READS = 0.05
+    cells, both per cell a bin's copy costs), the position-sensitive native forwards copy
+    each bin's planes channels-last (one walk, ps_forward_channels_last) and take a roi's
+    bin for 8 channels at a time; else they walk plane by plane.  Builds with the
+    threshold at 0 (every call with 8+ channels copies), the default and 1e30 (never) run
+    both on the same problems -- 8, 9, 10 and 21 channels (a partial last pass) -- with
+    the emulation's bits (_ps_forward_builds_agree)."""
+    flag = PS_WALK_FLAG[name]
+    _ps_forward_builds_agree(monkeypatch, variant_cache, name, dtype, (8, 9, 21, 8, 10),
+                             (f"-D{flag}=0", "", f"-D{flag}=1e30"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_ps_align_forward_direct_and_taps_plane_walks(variant_cache, monkeypatch, dtype):
+    """PSROIAlign's plane-by-plane forward takes each sample straight from the tables
+    with at most MX_ROI_PS_DIRECT_CHANNELS (2) output channels, else builds each bin's
+    taps once for its channels.  Builds with the bound at -1 (always the taps), the
+    default, and 30 (direct for every count here, past the channels-last walk's 8) run
+    both on the same problems -- 1, 2, 3 and 9 channels -- with the emulation's bits
+    (_ps_forward_builds_agree)."""
+    _ps_forward_builds_agree(monkeypatch, variant_cache, "PSROIAlign", dtype, (1, 2, 3, 1, 9),
+                             ("-DMX_ROI_PS_DIRECT_CHANNELS=-1", "",
+                              "-DMX_ROI_PS_DIRECT_CHANNELS=30"))
 
 
 @pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
@@ -1043,9 +1072,7 @@ def test_align_backward_roi_sample_table_and_direct_paths(variant_cache, monkeyp
     # adaptive: 2x2, 1x1, 1x2 and 2x1 samples per bin on one padded 2x2 grid
     small = np.array([[0, 0, 0, 3, 3], [1, 1, 1, 2, 2], [0, 4, 2, 7, 4], [1, 1, 0, 2, 3]],
                      np.float32)
-    monkeypatch.setenv("MX_ROI_CACHE", str(variant_cache))
-    monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", "-DMX_ROI_ROI_SAMPLE_TABLE=16" + vec)
-    monkeypatch.setattr(loader, "_MODULES", {})
+    use_variant_build(monkeypatch, variant_cache, "-DMX_ROI_ROI_SAMPLE_TABLE=16" + vec)
     if mode == "max-rescan":
         monkeypatch.setattr(cuda_backend, "ARGMAX_KEEP_MAX_ELEMENTS", 0)
     for ratio, aligned, boxes in ((2, False, rois), (3, False, rois), (2, True, rois),
@@ -1101,7 +1128,7 @@ def _float_vector_widths():
     return widths
 
 
-def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
+def test_float_lanes_bits_at_both_vector_widths(variant_cache, monkeypatch):
     """The float lanes are 8-wide vectors in a build for AVX and 4-wide otherwise, with
     the same operations per lane: both builds give the emulation's bits -- ROIPooling
     (training and inference forward: the latter scans without an argmax),
@@ -1152,9 +1179,8 @@ def test_float_lanes_bits_at_both_vector_widths(monkeypatch):
         # every position-sensitive call with 8+ channels takes the channels-last walk; the
         # staged bins go in chunks of 12 (15 bins: a chunk with a tile and leftovers, then
         # one of leftovers only)
-        monkeypatch.setenv("MX_ROI_HOST_CXXFLAGS", flags + " -DMX_ROI_PS_LANES_READS=0"
-                           " -DMX_ROI_PSP_LANES_READS=0 -DMX_ROI_STAGED_BINS=12")
-        monkeypatch.setattr(loader, "_MODULES", {})
+        use_variant_build(monkeypatch, variant_cache, flags + " -DMX_ROI_PS_LANES_READS=0"
+                          " -DMX_ROI_PSP_LANES_READS=0 -DMX_ROI_STAGED_BINS=12")
         for src in ("roi_pooling.cu", "roi_align.cu", "psroi_align.cu", "psroi_pooling.cu",
                     "rroi_align.cu", "prroi_pool.cu"):
             lib = loader.get_module(src, Kind.NATIVE, 0)._lib
