@@ -160,7 +160,8 @@ def fuzz(seed: int, cases: int) -> dict:
     counts = dict(cases=0, raised=0, wrong_message=0, silent=0, wrong_numbers=0, wrong_grad=0,
                   valid=0)
     blocks = {}
-    names = list(DEFECTS) + list(VALID) + ["empty-map", "env-backend", "env-threads"]
+    names = list(DEFECTS) + list(VALID) + ["empty-map", "env-backend", "env-threads",
+                                           "env-min-items"]
     bad_log = []
     for _ in range(cases):
         op_type = list(OPS)[g.integers(0, len(OPS))]
@@ -200,6 +201,9 @@ def fuzz(seed: int, cases: int) -> dict:
         elif name == "env-threads":
             env, pattern, r, p = ({"MX_ROI_BACKEND": "native", "MX_ROI_NUM_THREADS": "abc"},
                                   "MX_ROI_NUM_THREADS='abc'", rois, params)
+        elif name == "env-min-items":
+            env, pattern, r, p = ({"MX_ROI_BACKEND": "native", "MX_ROI_MIN_ITEMS_PER_THREAD":
+                                   "0"}, "MX_ROI_MIN_ITEMS_PER_THREAD='0'", rois, params)
         else:
             fn, pattern = DEFECTS[name]
             r = fn(rois, g) if fn else rois

@@ -43,7 +43,7 @@ TOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 2e-5, np.dtype(np.float
 
 @pytest.fixture(autouse=True)
 def _threads_even_for_small_launches(monkeypatch):
-    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
+    monkeypatch.setenv("MX_ROI_MIN_ITEMS_PER_THREAD", "1")
     monkeypatch.setenv("MX_ROI_NUM_THREADS", "2")
 
 

@@ -38,7 +38,7 @@ RESCAN = {"ROIPooling": "roi_pooling_backward_rescan",
 
 @pytest.fixture(autouse=True)
 def _threads_even_for_small_launches(monkeypatch):
-    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
+    monkeypatch.setenv("MX_ROI_MIN_ITEMS_PER_THREAD", "1")
 
 
 def make_op(name, params):

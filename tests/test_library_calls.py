@@ -10,6 +10,7 @@ map; a bad roi raises the checked path's message, and the next call works.  The 
 prove the call is one: no kernel launched from Python, one library call per forward and
 per backward.
 """
+import ctypes
 import threading
 import types
 
@@ -335,7 +336,7 @@ def test_the_launcher_reads_the_thread_count_per_call(backends, monkeypatch):
     """``MX_ROI_NUM_THREADS`` read by the library at each call: 1 and 2 threads give the
     same bits (whole channels per thread), and both run in the library."""
     library, checked = backends
-    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
+    monkeypatch.setenv("MX_ROI_MIN_ITEMS_PER_THREAD", "1")
     op = make_op(*CASES[6])
     data, rois, grad = problem(op, np.float32)
     results = []
@@ -346,6 +347,32 @@ def test_the_launcher_reads_the_thread_count_per_call(backends, monkeypatch):
         assert library._native.calls == calls + 2
     for a, b in zip(*results):
         identical(a, b, "1 vs 2 threads")
+
+
+@pytest.mark.parametrize("value", ["", "1", "1000", "0012", "0", "-5", "abc", " 7", "1e3",
+                                   "\u0663", "99999999999999999999999"])
+def test_the_launcher_splits_items_as_the_loader_does(monkeypatch, value):
+    """The library's threads of a launch over n items (ext_common.h's native_threads) are
+    loader.native_threads': at most MX_ROI_NUM_THREADS, none with fewer than
+    $MX_ROI_MIN_ITEMS_PER_THREAD items -- a value Python refuses (ValueError naming the
+    variable) leaves the library at the default 2^16."""
+    fn = ctypes.CDLL(ext.library_path()).mx_roi_ext_native_threads
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_longlong]
+    monkeypatch.setenv("MX_ROI_NUM_THREADS", "4")
+    monkeypatch.setenv(loader.MIN_ITEMS_ENV, value)
+    try:
+        want = [loader.native_threads(n, 4) for n in ITEMS]
+    except ValueError as exc:
+        assert str(exc).startswith(f"{loader.MIN_ITEMS_ENV}={value!r}: expected a whole "
+                                   "number >= 1"), exc
+        monkeypatch.delenv(loader.MIN_ITEMS_ENV)
+        want = [loader.native_threads(n, 4) for n in ITEMS]
+        monkeypatch.setenv(loader.MIN_ITEMS_ENV, value)
+    assert [fn(n) for n in ITEMS] == want
+
+
+#: launch sizes around the thread splits of the values above
+ITEMS = [0, 1, 999, 1000, 2500, 3999, 4000, 2 ** 16 - 1, 2 ** 16, 3 * 2 ** 16, 10 ** 9]
 
 
 def test_arrays_of_other_shapes_never_reach_the_library(backends):

@@ -34,8 +34,9 @@ from tests.ops.base import adversarial_rois, make_data, random_rois
 @pytest.fixture(autouse=True)
 def _threads_even_for_small_launches(monkeypatch):
     """The test problems are small; without this every launch would run on one thread
-    (loader.NATIVE_MIN_ITEMS_PER_THREAD) and the thread-count tests would test nothing."""
-    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1)
+    (loader.min_items_per_thread, which the extension library's launcher reads too) and
+    the thread-count tests would test nothing."""
+    monkeypatch.setenv("MX_ROI_MIN_ITEMS_PER_THREAD", "1")
 
 
 NATIVE = CudaBackend(Kind.NATIVE)
@@ -632,7 +633,7 @@ def test_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch):
 
 
 def test_native_threads_skips_threads_for_small_launches(monkeypatch):
-    monkeypatch.setattr(loader, "NATIVE_MIN_ITEMS_PER_THREAD", 1000)
+    monkeypatch.setenv("MX_ROI_MIN_ITEMS_PER_THREAD", "1000")
     assert loader.native_threads(0, 4) == 1
     assert loader.native_threads(999, 4) == 1
     assert loader.native_threads(2500, 4) == 2
@@ -688,7 +689,7 @@ from mx_roi import registry
 from mx_roi.cuda import loader
 from mx_roi.cuda.backend import Launch
 from mx_roi.ndio import Kind
-loader.NATIVE_MIN_ITEMS_PER_THREAD = 1
+os.environ["MX_ROI_MIN_ITEMS_PER_THREAD"] = "1"
 os.environ["MX_ROI_NUM_THREADS"] = "{threads}"
 cls = registry.get_op("{op_name}")
 op = cls(cls.param_cls.from_kwargs({params}))

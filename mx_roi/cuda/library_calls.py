@@ -145,6 +145,7 @@ class LibraryCalls:
         """One call of ``op``'s launcher on ``inputs`` / ``outputs`` (``(address, shape,
         dtype)`` each); True when it ran, False when the checked path must run it."""
         parallel.num_threads()  # (a bad MX_ROI_NUM_THREADS: the Custom door's ValueError)
+        loader.min_items_per_thread()  # (and a bad MX_ROI_MIN_ITEMS_PER_THREAD)
         # the op's host build: the native backend's own (its checked path, and its errors
         # -- no compiler, a cache entry that must not be loaded -- raised at the first call
         # as without the library; memoised, a dict lookup after that)

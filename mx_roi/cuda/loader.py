@@ -66,8 +66,11 @@ SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_shim.h")
 HOST_FLAGS = ("-O2", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
               "-w")
 #: a native launch uses no more threads than items // this: starting a thread (~0.1 ms
-#: here) costs more than it saves on fewer items
+#: here) costs more than it saves on fewer items.  ``MX_ROI_MIN_ITEMS_PER_THREAD`` (read
+#: per launch, here and by the extension library's launcher: ext_common.h) sets another
+#: value -- the tests' way to run several threads on small problems
 NATIVE_MIN_ITEMS_PER_THREAD = 1 << 16
+MIN_ITEMS_ENV = "MX_ROI_MIN_ITEMS_PER_THREAD"
 # -ffp-contract=off: no fused multiply-adds, the operation order of MXNet's CPU kernels
 NATIVE_FLAGS = ("-O3", "-std=c++14", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
                 "-fno-fast-math", "-DMX_ROI_HOST_NATIVE", "-w")
@@ -241,10 +244,25 @@ class KernelModule:
         return launch
 
 
+def min_items_per_thread() -> int:
+    """The fewest items a thread of a native launch gets: ``$MX_ROI_MIN_ITEMS_PER_THREAD``
+    (ASCII digits, at least 1), else :data:`NATIVE_MIN_ITEMS_PER_THREAD`.  ValueError
+    naming the variable for any other value (the extension library's launcher, which
+    cannot raise, takes the default then)."""
+    value = os.environ.get(MIN_ITEMS_ENV, "")
+    if not value:
+        return NATIVE_MIN_ITEMS_PER_THREAD
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise ValueError(f"{MIN_ITEMS_ENV}={value!r}: expected a whole number >= 1 (the "
+                         "fewest items per thread of a native launch; unset: "
+                         f"{NATIVE_MIN_ITEMS_PER_THREAD})")
+    return int(value)
+
+
 def native_threads(items: int, available: int) -> int:
     """Threads of a native launch over ``items``: at most ``available``, and none that
-    would get fewer than :data:`NATIVE_MIN_ITEMS_PER_THREAD` items."""
-    return max(1, min(int(available), int(items) // max(1, NATIVE_MIN_ITEMS_PER_THREAD)))
+    would get fewer than :func:`min_items_per_thread` items."""
+    return max(1, min(int(available), int(items) // min_items_per_thread()))
 
 
 #: struct codes of the scalar parameter types (each value gets an 8-byte cell)

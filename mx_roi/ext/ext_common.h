@@ -835,9 +835,23 @@ inline int num_threads() {
   return cores < 1 ? 1 : (cores > 8 ? 8 : cores);
 }
 
-// loader.NATIVE_MIN_ITEMS_PER_THREAD
+// loader.min_items_per_thread: $MX_ROI_MIN_ITEMS_PER_THREAD when it is ASCII digits and
+// at least 1 (Python refuses any other value; here, with no one to tell, it is ignored),
+// else loader.NATIVE_MIN_ITEMS_PER_THREAD = 2^16.  Read per launch, as Python reads it.
+inline long long min_items_per_thread() {
+  const char* env = std::getenv("MX_ROI_MIN_ITEMS_PER_THREAD");
+  if (env && *env) {
+    long long v = 0;
+    const char* c = env;
+    for (; *c >= '0' && *c <= '9'; ++c) v = v > (1LL << 40) ? v : v * 10 + (*c - '0');
+    if (*c == 0 && v >= 1) return v;
+  }
+  return 1LL << 16;
+}
+
+// loader.native_threads
 inline int native_threads(long long items) {
-  const long long by_items = items >> 16;
+  const long long by_items = items / min_items_per_thread();
   const long long t = num_threads() < by_items ? num_threads() : by_items;
   return t < 1 ? 1 : (int)t;
 }

@@ -101,6 +101,13 @@ extern "C" void mx_roi_ext_huge_page_range(unsigned long long addr, unsigned lon
   mx_roi_ext::huge_page_range(addr, bytes, start, len);
 }
 
+// mx_roi_ext::native_threads (a CPU launch's threads over ``items`` items, with
+// $MX_ROI_NUM_THREADS and $MX_ROI_MIN_ITEMS_PER_THREAD as they are now;
+// tests/test_library_calls.py compares it with loader.native_threads).
+extern "C" int mx_roi_ext_native_threads(long long items) {
+  return mx_roi_ext::native_threads(items);
+}
+
 // Parses op's parameters as its extension op does: writes "name=value;..." (the parsed
 // values as params.ParamBase.to_kwargs spells them) or the error message into out;
 // returns 0 (parsed), 1 (an error), -1 (no such op), -2 (out too small).
