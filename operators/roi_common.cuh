@@ -243,16 +243,34 @@ __device__ __forceinline__ long long plane_offset(int b, int ch, int C, int H, i
 // The wrap takes no division: two 64-bit divisions per hint (one per roi and bin, or per
 // item in the generic loops) were half of a small PSROIAlign forward's kernel time.
 // The per-channel ops reuse one plane for all R*P*Q items of a channel and gained
-// nothing.  Nothing on a GPU or in the emulation, nor with -DMX_ROI_NO_PREFETCH (to
+// nothing.  No hints where an image's Cin planes take at most MX_ROI_HINT_MIN_BYTES: such
+// a map stays in the core's cache, and working the hints out cost more than they saved
+// (the bench's small call, 16 rois 7x7 on a 49-plane 19x25 map, one thread, the native
+// door's callbacks in a loop of training steps: PSROIPooling 14-15 -> 12-14 us forward,
+// 17-18 -> 14 us backward; PSROIAlign 25-30 -> 21-26 us forward, 24-30 -> 21-25
+// backward).  Nothing on a GPU or in the emulation, nor with -DMX_ROI_NO_PREFETCH (to
 // measure it).
+#ifndef MX_ROI_HINT_MIN_BYTES
+#define MX_ROI_HINT_MIN_BYTES (256 << 10)
+#endif
+#ifdef MX_ROI_HOST_NATIVE
+// whether an image's Cin planes of H x W elements of ``bytes`` take more than
+// MX_ROI_HINT_MIN_BYTES (in double: no product overflows)
+inline bool hint_map(int Cin, int H, int W, size_t bytes) {
+  return (double)Cin * H * W * (double)bytes > (double)(MX_ROI_HINT_MIN_BYTES);
+}
+#endif
+
 template <typename T>
 struct PlaneHint {
   long long off = 0, off2 = 0;  // the two lines' element offsets in a plane
-  __device__ PlaneHint(long long r, int H, int W) {
+  bool on = false;              // a map of more than MX_ROI_HINT_MIN_BYTES: hints
+  __device__ PlaneHint(long long r, int Cin, int H, int W) {
 #if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
     const long long line = 64 / (long long)sizeof(T);
     const unsigned long long lines = (unsigned long long)((long long)H * W / line);
-    if (lines < 2) return;  // (a plane of under two lines: its first line)
+    on = hint_map(Cin, H, W, sizeof(T));
+    if (!on || lines < 2) return;  // (a plane of under two lines: its first line)
     // line i of the plane's whole lines, i taken modulo up = the smallest power of two >=
     // lines; an i >= lines folds back by up / 2 (< lines): every line is some roi's
     const unsigned long long up = 2ULL << (63 - __builtin_clzll(lines - 1));
@@ -264,6 +282,7 @@ struct PlaneHint {
     off2 = wrap(2 * (unsigned long long)r + 1);
 #else
     (void)r;
+    (void)Cin;
     (void)H;
     (void)W;
 #endif
@@ -271,6 +290,7 @@ struct PlaneHint {
   // ``write``: the plane is a gradient plane the next bin's items will update
   __device__ __forceinline__ void operator()(const T* plane, bool write) const {
 #if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
+    if (!on) return;
     if (write) {
       __builtin_prefetch(plane + off, 1);
       __builtin_prefetch(plane + off2, 1);
@@ -289,7 +309,7 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
                                                     const Item& it, int C, int Cin, int H,
                                                     int W, int P, int Q, int b, bool write) {
 #if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
-  if (!channel_map) return;
+  if (!channel_map || !hint_map(Cin, H, W, sizeof(T))) return;
   Item nx = it;  // the next bin in (c, p, q) order; the last one re-hints itself
   if (++nx.q == Q) {
     nx.q = 0;
@@ -299,8 +319,8 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
     }
   }
   if (nx.c >= C) nx = it;
-  PlaneHint<T>(it.r, H, W)(base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W),
-                           write);
+  PlaneHint<T>(it.r, Cin, H, W)(
+      base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W), write);
 #endif
 }
 
@@ -717,10 +737,10 @@ void ps_forward_native(const T* data, const int* batch, const int* channel_map, 
       [&](long long r, int b, int p, int q, long long k, T* o) {
         const long long kn = k + 1 < plane_out ? k + 1 : k;  // the next bin
         const auto value = bin(r, p, q, k);
-        const PlaneHint<T> hint(r, H, W);
+        const PlaneHint<T> hint(r, Cin, H, W);
         for (int c = 0; c < C; ++c) {
           const int* cm = channel_map + (long long)c * plane_out;
-          hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
+          if (hint.on) hint(data + plane_offset(b, cm[kn], Cin, H, W), false);
           o[c] = Traits<T>::store(value(data + plane_offset(b, cm[k], Cin, H, W)));
         }
       });

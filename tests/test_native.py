@@ -1030,12 +1030,13 @@ def test_ps_forward_lanes_and_plane_walk(variant_cache, monkeypatch, name, dtype
     cells, both per cell a bin's copy costs), the position-sensitive native forwards copy
     each bin's planes channels-last (one walk, ps_forward_channels_last) and take a roi's
     bin for 8 channels at a time; else they walk plane by plane.  Builds with the
-    threshold at 0 (every call with 8+ channels copies), the default and 1e30 (never) run
+    threshold at 0 (every call with 8+ channels copies), the default and 1e30 (never; and
+    the plane walk's prefetch hints on for any map size: MX_ROI_HINT_MIN_BYTES=0) run
     both on the same problems -- 8, 9, 10 and 21 channels (a partial last pass) -- with
     the emulation's bits (_ps_forward_builds_agree)."""
     flag = PS_WALK_FLAG[name]
     _ps_forward_builds_agree(monkeypatch, variant_cache, name, dtype, (8, 9, 21, 8, 10),
-                             (f"-D{flag}=0", "", f"-D{flag}=1e30"))
+                             (f"-D{flag}=0", "", f"-D{flag}=1e30 -DMX_ROI_HINT_MIN_BYTES=0"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
