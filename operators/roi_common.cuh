@@ -245,11 +245,10 @@ __device__ __forceinline__ long long plane_offset(int b, int ch, int C, int H, i
 // The per-channel ops reuse one plane for all R*P*Q items of a channel and gained
 // nothing.  No hints where an image's Cin planes take at most MX_ROI_HINT_MIN_BYTES: such
 // a map stays in the core's cache, and working the hints out cost more than they saved
-// (the bench's small call, 16 rois 7x7 on a 49-plane 19x25 map, one thread, the native
-// door's callbacks in a loop of training steps: PSROIPooling 14-15 -> 12-14 us forward,
-// 17-18 -> 14 us backward; PSROIAlign 25-30 -> 21-26 us forward, 24-30 -> 21-25
-// backward).  Nothing on a GPU or in the emulation, nor with -DMX_ROI_NO_PREFETCH (to
-// measure it).
+// (the bench's small call, 16 rois 7x7 on a 49-plane 19x25 map, 93 KB, one thread, the
+// native door's callbacks in a loop of training steps: PSROIPooling 14-15 -> 10-12 us
+// forward, 17-18 -> 10-12 us backward; PSROIAlign ~25 -> 19-23 us each way).  Nothing on
+// a GPU or in the emulation, nor with -DMX_ROI_NO_PREFETCH (to measure it).
 #ifndef MX_ROI_HINT_MIN_BYTES
 #define MX_ROI_HINT_MIN_BYTES (256 << 10)
 #endif
