@@ -308,7 +308,9 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
                                                     const Item& it, int C, int Cin, int H,
                                                     int W, int P, int Q, int b, bool write) {
 #if defined(MX_ROI_HOST_NATIVE) && !defined(MX_ROI_NO_PREFETCH)
-  if (!channel_map || !hint_map(Cin, H, W, sizeof(T))) return;
+  if (!channel_map) return;
+  const PlaneHint<T> hint(it.r, Cin, H, W);
+  if (!hint.on) return;
   Item nx = it;  // the next bin in (c, p, q) order; the last one re-hints itself
   if (++nx.q == Q) {
     nx.q = 0;
@@ -318,8 +320,7 @@ __device__ __forceinline__ void prefetch_next_plane(const T* base, const int* ch
     }
   }
   if (nx.c >= C) nx = it;
-  PlaneHint<T>(it.r, Cin, H, W)(
-      base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W), write);
+  hint(base + plane_offset(b, in_channel(channel_map, nx, P, Q), Cin, H, W), write);
 #endif
 }
 
