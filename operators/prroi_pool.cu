@@ -314,7 +314,7 @@ bool prroi_pool_rois_backward_lanes(const T* grad, const T* data, const T* rois,
   // the images the thread's rois read, all channels channels-last: each made once per
   // launch and thread (a launch hands a thread several blocks of rois), slot[b] its place
   static thread_local std::vector<long long> slot;
-  static thread_local std::vector<A> cells;
+  static thread_local mx_roi::LaneBuffer<A> cells;
   static thread_local std::vector<const T*> planes;
   static thread_local unsigned long long launch = 0;
   static thread_local int images = 0;
