@@ -173,70 +173,108 @@ struct AvgBackwardLanes<T, A, A> {
                   const int* x_low, const int* x_high, const A* x_wl, const A* x_wh,
                   const A* divisor, int C, int H, int W, int P, int Q, int Gy, int Gx,
                   A* bottom, long long n) {
-    const int L = mx_roi::LANES, c0 = mx_roi_c_begin, nc = mx_roi_c_end - mx_roi_c_begin;
-    const int ncp = mx_roi::padded_lanes(nc);
+    const int L = mx_roi::LANES, GL = AVG_GROUP * L, c0 = mx_roi_c_begin;
+    const int nc = mx_roi_c_end - mx_roi_c_begin, ncp = mx_roi::padded_lanes(nc);
     const long long plane_out = (long long)P * Q;
     const long long R = C * plane_out > 0 ? n / (C * plane_out) : 0;
     if (R <= 0 || nc <= 0) return true;
     const mx_roi::GradBlock<A> block(batch, R, H, W);
-    A g[16];
     const long long K = (long long)Gy * Gx;
-    const bool roi_table = ncp > L && plane_out * K <= MX_ROI_ROI_SAMPLE_TABLE;
+    const bool roi_table = ncp > GL && plane_out * K <= MX_ROI_ROI_SAMPLE_TABLE;
     static thread_local std::vector<CellTaps<A>> roi_samples;  // (p * Q + q) * K + k
     if (roi_table) roi_samples.resize((size_t)(plane_out * K));
-    CellTaps<A>* const rs = roi_samples.data();
+    const Roi a{y_count, y_low, y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl, x_wh,
+                divisor, P, Q, Gy, Gx, W, ncp, roi_table ? roi_samples.data() : nullptr};
     for (long long r = 0; r < R; ++r) {
       if (batch[r] < 0) continue;
       A* img = block.image(batch[r]);
       if (roi_table)
-        roi_cell_taps(rs, r, P, Q, Gy, Gx, W, ncp, y_low, y_high, y_wl, y_wh, x_low, x_high,
+        roi_cell_taps(a.rs, r, P, Q, Gy, Gx, W, ncp, y_low, y_high, y_wl, y_wh, x_low, x_high,
                       x_wl, x_wh);
-      // a 16-channel pass over all the roi's bins touches the same few cells again and
-      // again (they stay in L1); per channel the order is still bin, sample, tap
-      for (int cc = 0; cc < ncp; cc += L) {
-        const int lanes = nc - cc < L ? nc - cc : L;
-        mx_roi::PassRows<T, A> rows(grad + (r * C + c0 + cc) * plane_out, plane_out, lanes);
-        for (int p = 0; p < P; ++p) {
-          for (int q = 0; q < Q; ++q) {
-            const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
-            const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
-            const A d = divisor[(r * P + p) * Q + q];
-            const long long o = p * Q + q;
-            const A* const gk = rows.at(o);
-            for (int c = 0; c < L; ++c) g[c] = gk[c] / d;  // (vectorised)
-            if (roi_table) {
-              A* const lane = img + cc;
-              for (int iy = 0; iy < ny; ++iy) {
-                const CellTaps<A>* t = rs + o * K + (long long)iy * Gx;
-                for (int ix = 0; ix < nx; ++ix, ++t) {
-                  add_lanes(lane + t->o1, g, t->w1);
-                  add_lanes(lane + t->o2, g, t->w2);
-                  add_lanes(lane + t->o3, g, t->w3);
-                  add_lanes(lane + t->o4, g, t->w4);
-                }
-              }
-              continue;
-            }
-            for (int iy = 0; iy < ny; ++iy) {
-              for (int ix = 0; ix < nx; ++ix) {
-                const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high,
-                                                              y_wl, y_wh, x_low, x_high, x_wl,
-                                                              x_wh);
-                A* row_l = img + (size_t)s.yl * W * ncp + cc;
-                A* row_h = img + (size_t)s.yh * W * ncp + cc;
-                add_lanes(row_l + (size_t)s.xl * ncp, g, s.w1);
-                add_lanes(row_l + (size_t)s.xh * ncp, g, s.w2);
-                add_lanes(row_h + (size_t)s.xl * ncp, g, s.w3);
-                add_lanes(row_h + (size_t)s.xh * ncp, g, s.w4);
-              }
-            }
-          }
+      // a group of up to AVG_GROUP 16-channel passes over all the roi's bins touches the
+      // same few cells again and again (they stay in L1); per channel the order is still
+      // bin, sample, tap.  The group's passes add to their lanes of a cell side by side:
+      // one pass alone made each tap's add wait for the previous add to the same cell
+      // (store, reload), 2 vectors at a time.
+      for (int cc = 0; cc < ncp; cc += GL) {
+        const int left = (ncp - cc) / L, passes = left < AVG_GROUP ? left : AVG_GROUP;
+        mx_roi::PassRows<T, A> rows[AVG_GROUP];
+        for (int k = 0; k < passes; ++k) {
+          const int ck = cc + k * L, lanes = nc - ck < L ? nc - ck : L;
+          rows[k] = mx_roi::PassRows<T, A>(grad + (r * C + c0 + ck) * plane_out, plane_out,
+                                           lanes, k);
+        }
+        switch (passes) {
+          case 1: a.template passes<1>(r, img + cc, rows); break;
+          case 2: a.template passes<2>(r, img + cc, rows); break;
+          case 3: a.template passes<3>(r, img + cc, rows); break;
+          default: a.template passes<4>(r, img + cc, rows); break;
         }
       }
     }
     block.add_to(bottom, C, H, W, 1.0);
     return true;
   }
+
+  // One roi's tables, and its bins' walk for a group of NP passes
+  struct Roi {
+    const int *y_count, *y_low, *y_high;
+    const A *y_wl, *y_wh;
+    const int *x_count, *x_low, *x_high;
+    const A *x_wl, *x_wh, *divisor;
+    int P, Q, Gy, Gx, W, ncp;
+    CellTaps<A>* rs;  // the roi's CellTaps, or null: the tables are read per sample
+
+    // the bins of roi r for the NP passes whose lanes start at ``lane`` (the group's
+    // first lane of cell 0) and whose out-grad rows are rows[0..NP)
+    template <int NP>
+    void passes(long long r, A* lane, mx_roi::PassRows<T, A>* rows) const {
+      const int L = mx_roi::LANES;
+      const long long K = (long long)Gy * Gx;
+      A g[NP][16];
+      // the group's lanes of one cell += g * w, pass by pass
+      auto add = [&](A* cell, A w) {
+        for (int k = 0; k < NP; ++k) add_lanes(cell + k * L, g[k], w);
+      };
+      for (int p = 0; p < P; ++p) {
+        for (int q = 0; q < Q; ++q) {
+          const int ny = y_count[r * P + p], nx = x_count[r * Q + q];
+          const A d = divisor[(r * P + p) * Q + q];
+          const long long o = p * Q + q;
+          for (int k = 0; k < NP; ++k) {
+            const A* const gk = rows[k].at(o);
+            for (int c = 0; c < L; ++c) g[k][c] = gk[c] / d;  // (vectorised)
+          }
+          if (rs) {
+            for (int iy = 0; iy < ny; ++iy) {
+              const CellTaps<A>* t = rs + o * K + (long long)iy * Gx;
+              for (int ix = 0; ix < nx; ++ix, ++t) {
+                add(lane + t->o1, t->w1);
+                add(lane + t->o2, t->w2);
+                add(lane + t->o3, t->w3);
+                add(lane + t->o4, t->w4);
+              }
+            }
+            continue;
+          }
+          const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
+          for (int iy = 0; iy < ny; ++iy) {
+            for (int ix = 0; ix < nx; ++ix) {
+              const mx_roi::Sample<A> s = mx_roi::sample_at(yb, xb, iy, ix, y_low, y_high,
+                                                            y_wl, y_wh, x_low, x_high, x_wl,
+                                                            x_wh);
+              A* row_l = lane + (size_t)s.yl * W * ncp;
+              A* row_h = lane + (size_t)s.yh * W * ncp;
+              add(row_l + (size_t)s.xl * ncp, s.w1);
+              add(row_l + (size_t)s.xh * ncp, s.w2);
+              add(row_h + (size_t)s.xl * ncp, s.w3);
+              add(row_h + (size_t)s.xh * ncp, s.w4);
+            }
+          }
+        }
+      }
+    }
+  };
   // dst[c] += g[c] * w for the 16 lanes (no contraction: a product, then a sum)
   static void add_lanes(A* dst, const A* g, A w) { mx_roi::AddLanes<A>::run(dst, g, w); }
 };
