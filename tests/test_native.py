@@ -1059,16 +1059,17 @@ def test_align_backward_roi_sample_table_and_direct_paths(variant_cache, monkeyp
                                                           vec):
     """The native ROIAlign backwards read a roi's samples once into a table of block
     offsets (CellTaps) when it has at most MX_ROI_ROI_SAMPLE_TABLE (2^14) of them -- the
-    average backward only with more than one 16-channel pass --, else directly (max: per
-    lane).  A build with the limit lowered to 16 runs both (2x2 bins x 2x2 samples: the
-    table; 3x3 samples: direct; 20 channels: two passes), aligned and not, adaptive bins
-    of fewer samples than the padded grid (the table's row stride), max with the kept
-    argmax and rescanning, on 1 and 3 threads: the emulation's bits.  The max backwards
-    add a pass's bin as vectors per winning sample (WinnerLanes); built with
-    MX_ROI_MAX_VEC_SAMPLES=0 they take the scalar walk per lane, tested the same way."""
+    average backward only with more than one group of 16-channel passes (4 in the AVX
+    build, 1 with SSE) --, else directly (max: per lane).  A build with the limit lowered
+    to 16 runs both (2x2 bins x 2x2 samples: the table; 3x3 samples: direct; 70 channels:
+    five passes, a group of four and one more), aligned and not, adaptive bins of fewer
+    samples than the padded grid (the table's row stride), max with the kept argmax and
+    rescanning, on 1 and 3 threads: the emulation's bits.  The max backwards add a pass's
+    bin as vectors per winning sample (WinnerLanes); built with MX_ROI_MAX_VEC_SAMPLES=0
+    they take the scalar walk per lane, tested the same way."""
     from mx_roi.cuda import backend as cuda_backend
     rng = np.random.default_rng(8)
-    data = rng.standard_normal((2, 20, 9, 11)).astype(np.float32)
+    data = rng.standard_normal((2, 70, 9, 11)).astype(np.float32)
     rois = np.array([[0, -2, -3, 8, 7], [1, 1, 1, 6, 7], [-1, 0, 0, 3, 3], [1, 2, 0, 9, 5]],
                     np.float32)
     # adaptive: 2x2, 1x1, 1x2 and 2x1 samples per bin on one padded 2x2 grid
