@@ -409,7 +409,6 @@ __device__ __forceinline__ void sample_backward(O* plane, int W, const Sample<A>
 // order as the generic kernel, so the same bits (-ffp-contract=off, no fast-math).
 }  // namespace mx_roi
 #include <algorithm>
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -437,13 +436,11 @@ struct LineAligned {
   template <typename U>
   LineAligned(const LineAligned<U>&) {}
   T* allocate(size_t n) {
-    void* p = malloc(n * sizeof(T) + 64);
-    if (!p) throw std::bad_alloc();
-    void** a = (void**)(((uintptr_t)p + 64) & ~(uintptr_t)63);
-    a[-1] = p;
-    return reinterpret_cast<T*>(a);
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, n ? n * sizeof(T) : 1) != 0) throw std::bad_alloc();
+    return static_cast<T*>(p);
   }
-  void deallocate(T* p, size_t) { free(((void**)p)[-1]); }
+  void deallocate(T* p, size_t) { free(p); }
   template <typename U>
   bool operator==(const LineAligned<U>&) const { return true; }
   template <typename U>
@@ -608,6 +605,13 @@ struct StagedToPlanes<float> {
 #define MX_ROI_STAGED_BINS 256
 #endif
 
+// GradBlock::add_to moves a block of at least this many lanes a cell to the gradient
+// planes in tiles, a narrower one plane by plane (measured there).
+// -DMX_ROI_ADD_TILED_LANES=1000000: always plane by plane (a test).
+#ifndef MX_ROI_ADD_TILED_LANES
+#define MX_ROI_ADD_TILED_LANES 32
+#endif
+
 // A backward's out-grad of one roi's 16-channel pass, bin-major and loaded as A: at(k)
 // points at bin k's LANES values, channel c at at(k)[c] = go[c * plane_out + k] for c <
 // lanes, copied MX_ROI_STAGED_BINS bins at a time with ChannelsLast's tiles as the bins
@@ -690,12 +694,25 @@ struct GradBlock {
   A* image(int b) const { return cells + (size_t)b * HW * ncp; }
   template <typename O>
   void add_to(O* bottom, int C, int H, int W, double scale) const {
-    // 8 channels x 256 cells at a time moved to planes in L1 (StagedToPlanes' tiles),
-    // then added to the 8 gradient planes.  Read lane by lane from the block, each value
-    // was a load 16 lanes away from the last: ROIAlign's small backward (64 channels x
-    // 475 cells) 17 of its 75 us; on the 38 x 50 bench's blocks (32 channels x 1900 cells)
-    // tiles of 64 cells were slower than that, 256 as fast or faster.  The same grad_add
-    // of the same values in the same order per element.
+    if (ncp < MX_ROI_ADD_TILED_LANES) {
+      // one 16-channel pass: plane by plane, the block's lines read in order (on the 38 x
+      // 50 bench's backwards on two threads, 16-channel blocks, the tiles below were up to
+      // 20% slower: ROIAlign max; python -m mx_roi.bench.kernel_ab)
+      for (int b = 0; b < images; ++b) {
+        const A* img = image(b);
+        for (int c = 0; c < nc; ++c) {
+          O* plane = bottom + plane_offset(b, c0 + c, C, H, W);
+          for (long long k = 0; k < HW; ++k) grad_add(plane + k, img[k * ncp + c], scale);
+        }
+      }
+      return;
+    }
+    // more lanes: 8 channels x 256 cells at a time moved to planes in L1 (StagedToPlanes'
+    // tiles), then added to the 8 gradient planes.  Plane by plane, each value was a load
+    // ncp lanes away from the last: ROIAlign's small backward (64 channels x 475 cells)
+    // spent 17 of its 75 us on it, the bench's on one thread (64-channel blocks) ~5% more
+    // than with the tiles.  Either way the same grad_add of the same values in the same
+    // order per element.
     const int TC = 8, TK = 256;
     static thread_local LaneBuffer<A> tile;  // (TC, TK)
     tile.resize((size_t)TC * TK);

@@ -1054,7 +1054,9 @@ def test_ps_align_forward_direct_and_taps_plane_walks(variant_cache, monkeypatch
 
 @pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
                                       ("max-argmax", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
-                                      ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0")])
+                                      ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
+                                      ("avg", " -DMX_ROI_ADD_TILED_LANES=1000000"),
+                                      ("max-rescan", " -DMX_ROI_ADD_TILED_LANES=1000000")])
 def test_align_backward_roi_sample_table_and_direct_paths(variant_cache, monkeypatch, mode,
                                                           vec):
     """The native ROIAlign backwards read a roi's samples once into a table of block
@@ -1066,7 +1068,9 @@ def test_align_backward_roi_sample_table_and_direct_paths(variant_cache, monkeyp
     samples than the padded grid (the table's row stride), max with the kept argmax and
     rescanning, on 1 and 3 threads: the emulation's bits.  The max backwards add a pass's
     bin as vectors per winning sample (WinnerLanes); built with MX_ROI_MAX_VEC_SAMPLES=0
-    they take the scalar walk per lane, tested the same way."""
+    they take the scalar walk per lane, tested the same way.  GradBlock::add_to moves a
+    block of 70 channels (80 lanes) to the planes in tiles; MX_ROI_ADD_TILED_LANES=10^6
+    runs its plane-by-plane loop (a 16-lane block's) instead."""
     from mx_roi.cuda import backend as cuda_backend
     rng = np.random.default_rng(8)
     data = rng.standard_normal((2, 70, 9, 11)).astype(np.float32)
