@@ -234,13 +234,19 @@ __global__ void roi_pooling_backward(
 // cell k's lanes start at lane0 + k * ncp.  The bin is the cells (h0 + i, w0 + j), i < hl,
 // j < wl, of a map W cells wide.
 template <typename A>
+inline void add_to_winners_by_lane(A* lane0, int ncp, const mx_roi::MaxLanes<A>& m, int lanes,
+                                   const A* g) {
+  for (int c = 0; c < lanes; ++c) {
+    const int cell = m.template index<int>(c);
+    if (cell >= 0) lane0[(size_t)cell * ncp + c] += g[c];
+  }
+}
+
+template <typename A>
 struct WinnersAdd {
   static void run(A* lane0, int ncp, const mx_roi::MaxLanes<A>& m, int lanes, const A* g, int,
                   int, int, int, int) {
-    for (int c = 0; c < lanes; ++c) {
-      const int cell = m.template index<int>(c);
-      if (cell >= 0) lane0[(size_t)cell * ncp + c] += g[c];
-    }
+    add_to_winners_by_lane(lane0, ncp, m, lanes, g);
   }
 };
 
@@ -259,10 +265,7 @@ struct WinnersAdd<float> {
   static void run(float* lane0, int ncp, const mx_roi::MaxLanes<float>& m, int lanes,
                   const float* g, int h0, int hl, int w0, int wl, int W) {
     if (hl * wl > WINNERS_BY_CELL) {
-      for (int c = 0; c < lanes; ++c) {
-        const int cell = m.template index<int>(c);
-        if (cell >= 0) lane0[(size_t)cell * ncp + c] += g[c];
-      }
+      add_to_winners_by_lane(lane0, ncp, m, lanes, g);
       return;
     }
     using mx_roi::VN;
