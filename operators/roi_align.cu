@@ -59,6 +59,7 @@ __forceinline__ void roi_align_avg_bin_lanes(const A* img, int cc, int ncp, int 
 // inlined).  tests/test_native.py's vector widths test compares both builds bit for bit,
 // NaN cells included, with one to four passes per group.
 const int AVG_GROUP = mx_roi::VW == 8 ? 4 : 1;
+static_assert(AVG_GROUP <= mx_roi::PASS_ROWS_SLOTS, "a PassRows slot per pass of a group");
 
 template <typename T, typename A>
 void roi_align_forward_avg_native(const T* data, const int* batch, const int* y_count,

@@ -887,27 +887,9 @@ struct LaneWalk {
   }
   bool empty() const { return R <= 0 || nc <= 0; }  // (cells is null when no roi reads)
   const A* image(int b) const { return b >= 0 ? cells + (size_t)b * HW * ncp : nullptr; }
-  // f(r, cc, lanes, p, q, img, o) for every 16-channel pass cc (0, 16, ...; its lanes
-  // real channels) over every bin of every roi: roi by roi, then pass by pass, so that a
-  // pass's cells (a 64-byte line per cell) stay in L1 from bin to bin instead of being
-  // fetched again for every pass; o points into the (R, C, P, Q) array ``out`` (the
-  // output, or a backward's out-grad) at channel c0 + cc of the bin (channel c0 + cc + c
-  // at o[c * plane_out]).
-  template <typename U, typename F>
-  void each_pass(const int* batch, int C, int P, int Q, U* out, F&& f) const {
-    if (empty()) return;
-    for (long long r = 0; r < R; ++r) {
-      const A* img = image(batch[r]);
-      for (int cc = 0; cc < ncp; cc += LANES) {
-        const int lanes = nc - cc < LANES ? nc - cc : LANES;
-        U* o = out + (r * C + c0 + cc) * plane_out;
-        for (int p = 0; p < P; ++p)
-          for (int q = 0; q < Q; ++q) f(r, cc, lanes, p, q, img, o + p * Q + q);
-      }
-    }
-  }
-  // each_pass for a forward, over groups of up to GROUP passes, with the bins' outputs
-  // staged.  f(r, cc, passes, lanes, p, q, img, s, a) gets the group's first channel cc,
+  // For a forward, every bin of every roi over groups of up to GROUP 16-channel passes
+  // (roi by roi, then group by group: a group's cells stay in L1 from bin to bin), with
+  // the bins' outputs staged.  f(r, cc, passes, lanes, p, q, img, s, a) gets the group's first channel cc,
   // its 16-channel passes (1..GROUP) and real channels (lanes <= 16 * passes), so that a
   // kernel takes a sample's taps once for the group's channels instead of once per pass
   // (a group of 4, 64 channels or 4 lines a cell, still stays in L1 from bin to bin for
@@ -947,7 +929,7 @@ struct LaneWalk {
       }
     }
   }
-  // each_pass, staged: f(r, cc, lanes, p, q, img, s, a) as each_group_staged's f
+  // each_group_staged with groups of one pass: f(r, cc, lanes, p, q, img, s, a)
   template <typename U, typename V, typename F>
   void each_pass_staged(const int* batch, int C, int P, int Q, U* out, V* aux, F&& f) const {
     each_group_staged<1>(batch, C, P, Q, out, aux,

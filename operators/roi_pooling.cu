@@ -231,8 +231,7 @@ __global__ void roi_pooling_backward(
 #ifdef MX_ROI_HOST_NATIVE
 // A bin's gradient g[c] (16 lanes) to its winners -- m's argmax for the first ``lanes``
 // lanes: a cell's plane offset, or -1 (none) -- in a channels-last gradient block whose
-// cell k's lanes start at lane0 + k * ncp.  The bin is the cells (h0 + i, w0 + j), i < hl,
-// j < wl, of a map W cells wide.
+// cell k's lanes start at lane0 + k * ncp: one scalar add per winning lane.
 template <typename A>
 inline void add_to_winners_by_lane(A* lane0, int ncp, const mx_roi::MaxLanes<A>& m, int lanes,
                                    const A* g) {
@@ -242,6 +241,8 @@ inline void add_to_winners_by_lane(A* lane0, int ncp, const mx_roi::MaxLanes<A>&
   }
 }
 
+// The same for a bin of the cells (h0 + i, w0 + j), i < hl, j < wl, of a map W cells
+// wide (float: below).
 template <typename A>
 struct WinnersAdd {
   static void run(A* lane0, int ncp, const mx_roi::MaxLanes<A>& m, int lanes, const A* g, int,
@@ -289,7 +290,7 @@ struct WinnersAdd<float> {
 #endif
 
 // Native host build of the rescanning backward: the forward's walk (the thread's channel
-// block channels-last, 16 channels per pass, roi by roi) finds each bin's winners again
+// block channels-last, 16 channels per pass, roi by roi; LaneWalk's block and images) finds each bin's winners again
 // -- candidates numbered by their plane offset, so no decoding -- and adds the bin's
 // gradient (its 16 channels bin-major: mx_roi::PassRows) to them in a channels-last
 // gradient block (mx_roi::GradBlock, WinnersAdd), then to the planes; per channel in
