@@ -1052,6 +1052,55 @@ def test_ps_align_forward_direct_and_taps_plane_walks(variant_cache, monkeypatch
                               "-DMX_ROI_PS_DIRECT_CHANNELS=30"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_ps_pooling_small_and_large_map_walks(variant_cache, monkeypatch, dtype):
+    """PSROIPooling's native kernels walk a map whose image takes at most
+    MX_ROI_HINT_MIN_BYTES roi by roi -- the forward in the output's order, the backward in
+    the flat index's order (ps_items_by_roi) -- and a larger one bin by bin with prefetch
+    hints.  The default build (every map here is small) and one with
+    MX_ROI_HINT_MIN_BYTES=0 (every map large) on the same problems -- 1, 2, 3, 7 and 9
+    output channels, group grids other than the pooled one, empty and skipped rois, NaN
+    and infinite cells, output and gradient pre-filled with garbage -- on 1 and 3
+    threads: the forward is the emulation's bits in both builds; the backward is too on
+    the roi-by-roi walk (the emulation's order), and on the bin-by-bin walk wherever each
+    gradient cell takes its adds in the same order (the pooled grid as group grid; close
+    to it otherwise)."""
+    rng = np.random.RandomState(5)
+    cases = []
+    for trial, C in enumerate((1, 2, 3, 7, 9)):
+        group = ((0, 0), (2, 3), (1, 1), (0, 0), (2, 2))[trial]
+        x, rois = _lane_case(rng, 1, ties=False)
+        P = (3, 2) if trial % 2 else (2, 2)
+        gh, gw = group if group != (0, 0) else P
+        x = rng.randn(x.shape[0], C * gh * gw, x.shape[2], x.shape[3])
+        x[rng.rand(*x.shape) < 0.03] = np.nan
+        x[rng.rand(*x.shape) < 0.02] = -np.inf
+        kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group)
+        cases.append((kw, group == (0, 0), x.astype(dtype), rois.astype(dtype)))
+    for flags, small in (("", True), ("-DMX_ROI_HINT_MIN_BYTES=0", False)):
+        use_variant_build(monkeypatch, variant_cache, flags)
+        for kw, pooled_grid, x, rois in cases:
+            op = make_op("PSROIPooling", kw)
+            grad = rng.randn(*op.out_shape(x.shape, rois.shape)).astype(dtype)
+            monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
+            want, want_g = run(EMU, op, x, rois, grad)
+            for t in (1, 3):
+                monkeypatch.setenv("MX_ROI_NUM_THREADS", str(t))
+                got, got_g = run(NATIVE, op, x, rois, grad,
+                                 init_out=np.full(want.shape, 7, dtype),
+                                 init_grad=np.full(x.shape, -3, dtype))
+                where = f"{flags or 'default'}, {kw}, {len(rois)} rois, {t} threads"
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), where)
+                identical(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want),
+                          "forward: " + where)
+                np.testing.assert_array_equal(np.isnan(got_g), np.isnan(want_g), where)
+                g, w = np.where(np.isnan(got_g), 0, got_g), np.where(np.isnan(want_g), 0, want_g)
+                if small or pooled_grid:
+                    identical(g, w, "backward: " + where)
+                else:
+                    close(g, w, dtype, "backward: " + where)
+
+
 @pytest.mark.parametrize("mode,vec", [("avg", ""), ("max-argmax", ""), ("max-rescan", ""),
                                       ("max-argmax", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
                                       ("max-rescan", " -DMX_ROI_MAX_VEC_SAMPLES=0"),
