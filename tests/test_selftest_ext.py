@@ -94,3 +94,19 @@ def test_ext_bench_markdown_marks_the_cost_above_the_extension_floor():
                          "0.050 | <= 0.05 | yes |")
     assert lines[-2].endswith("| 0.210 | **>** 0.2 | **no** |")
     assert lines[-1].endswith("| - | 0.200 | 0.050 | - | - |")
+
+
+@pytest.mark.parametrize("affinity,said", [(1, True), (2, False), (None, False)])
+def test_ext_bench_markdown_says_when_the_process_is_pinned(monkeypatch, affinity, said):
+    """A run under ``taskset`` (fewer usable cores than the machine has) says so in the
+    table's header: on a VM, a call's hand-off between MXNet's threads costs less when
+    both share one vCPU, so the floors of a pinned run are not those of a free one."""
+    from mx_roi.bench import machine
+    from mx_roi.ext import bench
+    info = dict(git="abc1234", date="2026-11-30 01:00 UTC", cpu="Some CPU", cpu_count=2,
+                cpu_affinity=affinity, loadavg=[0.1, 0.2, 0.3])
+    monkeypatch.setattr(machine, "machine_info", lambda ctx: info)
+    head = bench.markdown([], 5).splitlines()[0]
+    assert ("Some CPU (2 logical cores, the process pinned to 1 of them), load" in head) \
+        == said, head
+    assert ("Some CPU (2 logical cores), load" in head) == (not said), head

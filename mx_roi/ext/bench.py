@@ -36,8 +36,11 @@ def markdown(rows, repeat: int) -> str:
     from ..bench.machine import machine_info
     from ..bench.report import fixed_cost_legend, format_fixed_cost_markdown
     m = machine_info("cpu")
+    cores = f"{m['cpu_count']} logical cores"
+    if m["cpu_affinity"] and m["cpu_affinity"] < (m["cpu_count"] or 0):
+        cores += f", the process pinned to {m['cpu_affinity']} of them"
     lines = [f"`python -m mx_roi.ext.bench --repeat {repeat} --markdown` at git {m['git']}, "
-             f"{m['date']}, {m['cpu']} ({m['cpu_count']} logical cores), load "
+             f"{m['date']}, {m['cpu']} ({cores}), load "
              f"{m['loadavg']}; default threads; {fixed_cost_legend()}.", ""]
     return "\n".join(lines + format_fixed_cost_markdown(rows))
 
