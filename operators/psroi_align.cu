@@ -213,6 +213,17 @@ __global__ void psroi_align_backward(
     const int* __restrict__ x_high, const A* __restrict__ x_wl, const A* __restrict__ x_wh,
     const A* __restrict__ divisor, int C, int Cin, int H, int W, int P, int Q, int Gy, int Gx,
     O* __restrict__ bottom, double scale, long long n) {
+#ifdef MX_ROI_HOST_NATIVE
+  if (!mx_roi::hint_map(Cin, H, W, sizeof(O))) {  // a map that fits in cache
+    mx_roi::ps_items_by_roi(n, C, P, Q, [&](const mx_roi::Item& it) {
+      mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, channel_map, y_count, y_low,
+                                               y_high, y_wl, y_wh, x_count, x_low, x_high,
+                                               x_wl, x_wh, divisor, C, Cin, H, W, P, Q, Gy,
+                                               Gx, bottom, scale);
+    });
+    return;
+  }
+#endif
   MX_ROI_ITEM_LOOP(it, n, C, P, Q, true) {
     mx_roi::align_avg_backward_item<T, A, O>(it, grad, batch, channel_map, y_count, y_low,
                                              y_high, y_wl, y_wh, x_count, x_low, x_high, x_wl,

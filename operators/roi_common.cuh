@@ -784,13 +784,13 @@ void ps_bins_staged(const int* batch, int C, int P, int Q, T* out, long long n, 
 
 // The items of the calling thread's channel block [mx_roi_c_begin, mx_roi_c_end) in the
 // flat index's order -- roi, channel, bin, as the GPU and the emulation number them --:
-// ``f(it)`` for each.  PSROIPooling's backward walks them so on a map that fits in cache
-// (hint_map false), where ItemLoop's bin-major order and its hints only cost time
-// (measured, one thread, the bench's small backward -- 16 rois 7x7 on a 49-channel 19x25
-// map, one output channel: 7.2-8.1 -> 5.8-6.5 us; PSROIAlign's, whose items take 16
-// taps each, ran no faster: 7.9-8.6 us either way).  The threads still own whole
-// channels, and each input-gradient cell still takes its adds in one order (roi, then
-// bin) whatever their count.
+// ``f(it)`` for each.  The position-sensitive backwards walk them so on a map that fits
+// in cache (hint_map false), where ItemLoop's bin-major order and its hints only cost
+// time (measured, one thread, the bench's small backward -- 16 rois 7x7 on a 49-channel
+// 19x25 map, one output channel: PSROIPooling 7.2-8.1 -> 5.8-6.5 us, PSROIAlign with 2x2
+// samples a bin 13.7-14.0 -> 12.2-12.8 us).  The threads still own whole channels, and
+// each input-gradient cell still takes its adds in one order (roi, then bin) whatever
+// their count.
 template <typename F>
 void ps_items_by_roi(long long n, int C, int P, int Q, F&& f) {
   const long long plane_out = (long long)P * Q, per_roi = C * plane_out;

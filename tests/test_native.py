@@ -1053,16 +1053,18 @@ def test_ps_align_forward_direct_and_taps_plane_walks(variant_cache, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_ps_pooling_small_and_large_map_walks(variant_cache, monkeypatch, dtype):
-    """PSROIPooling's native kernels walk a map whose image takes at most
-    MX_ROI_HINT_MIN_BYTES roi by roi -- the forward in the output's order, the backward in
-    the flat index's order (ps_items_by_roi) -- and a larger one bin by bin with prefetch
-    hints.  The default build (every map here is small) and one with
+@pytest.mark.parametrize("name", ["PSROIAlign", "PSROIPooling"])
+def test_ps_small_and_large_map_walks(variant_cache, monkeypatch, name, dtype):
+    """The position-sensitive backwards (and PSROIPooling's forward, in the output's
+    order) walk a map whose image takes at most MX_ROI_HINT_MIN_BYTES roi by roi -- the
+    backward in the flat index's order (ps_items_by_roi) -- and a larger one bin by bin
+    with prefetch hints.  The default build (every map here is small) and one with
     MX_ROI_HINT_MIN_BYTES=0 (every map large) on the same problems -- 1, 2, 3, 7 and 9
-    output channels, group grids other than the pooled one, empty and skipped rois, NaN
-    and infinite cells, output and gradient pre-filled with garbage -- on 1 and 3
-    threads: the forward is the emulation's bits in both builds; the backward is too on
-    the roi-by-roi walk (the emulation's order), and on the bin-by-bin walk wherever each
+    output channels, group grids other than the pooled one, PSROIAlign's adaptive and
+    fixed samples, aligned boxes and legacy='rfcn' grid, empty and skipped rois, NaN and
+    infinite cells, output and gradient pre-filled with garbage -- on 1 and 3 threads:
+    the forward is the emulation's bits in both builds; the backward is too on the
+    roi-by-roi walk (the emulation's order), and on the bin-by-bin walk wherever each
     gradient cell takes its adds in the same order (the pooled grid as group grid; close
     to it otherwise)."""
     rng = np.random.RandomState(5)
@@ -1075,12 +1077,12 @@ def test_ps_pooling_small_and_large_map_walks(variant_cache, monkeypatch, dtype)
         x = rng.randn(x.shape[0], C * gh * gw, x.shape[2], x.shape[3])
         x[rng.rand(*x.shape) < 0.03] = np.nan
         x[rng.rand(*x.shape) < 0.02] = -np.inf
-        kw = dict(pooled_size=P, output_dim=C, spatial_scale=0.0625, group_size=group)
+        kw = _ps_walk_kwargs(name, trial, P, C, group)
         cases.append((kw, group == (0, 0), x.astype(dtype), rois.astype(dtype)))
     for flags, small in (("", True), ("-DMX_ROI_HINT_MIN_BYTES=0", False)):
         use_variant_build(monkeypatch, variant_cache, flags)
         for kw, pooled_grid, x, rois in cases:
-            op = make_op("PSROIPooling", kw)
+            op = make_op(name, kw)
             grad = rng.randn(*op.out_shape(x.shape, rois.shape)).astype(dtype)
             monkeypatch.setenv("MX_ROI_NUM_THREADS", "1")
             want, want_g = run(EMU, op, x, rois, grad)
