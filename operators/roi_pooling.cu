@@ -49,6 +49,42 @@ inline void scan_int_bin_lanes(M& m, const A* img, int cc, int ncp, int W, int h
 }  // namespace mx_roi
 
 #ifdef MX_ROI_HOST_NATIVE
+// The maxima of bin [h0, h0 + hl) x [w0, w0 + wl) for NP 16-channel passes of a
+// channels-last image at once (pass k's lanes to o[16k, 16k + 16), as
+// LaneWalk::each_group_staged stages them): each cell's lanes of every pass read as the
+// cell is reached, per lane MaxValueLanes' scan in its order (the same maxima).  Walked a
+// pass at a time, a small roi's bins were scanned once per pass, their few cells each
+// time (measured, one thread, the bench's small inference forward -- 16 rois 7x7 on a
+// 64-channel 19x25 map: see the commit).
+template <int NP, typename T, typename A>
+inline void roi_pool_max_bin_group(const A* img, int cc, int ncp, int W, int h0, int hl, int w0,
+                                   int wl, T* o) {
+  const int L = mx_roi::LANES;
+  mx_roi::MaxValueLanes<A> m0, m1, m2, m3;  // named, as roi_align_avg_bin_lanes' sums
+  m0.init();
+  if (NP > 1) m1.init();
+  if (NP > 2) m2.init();
+  if (NP > 3) m3.init();
+  for (int i = 0; i < hl; ++i) {
+    const A* row = img + ((size_t)(h0 + i) * W + w0) * ncp + cc;
+    for (int j = 0; j < wl; ++j) {
+      const A* v = row + (size_t)j * ncp;
+      m0.step(v, 0);
+      if (NP > 1) m1.step(v + L, 0);
+      if (NP > 2) m2.step(v + 2 * L, 0);
+      if (NP > 3) m3.step(v + 3 * L, 0);
+    }
+  }
+  mx_roi::store_lanes<T>(m0, o);
+  if (NP > 1) mx_roi::store_lanes<T>(m1, o + L);
+  if (NP > 2) mx_roi::store_lanes<T>(m2, o + 2 * L);
+  if (NP > 3) mx_roi::store_lanes<T>(m3, o + 3 * L);
+}
+
+// Passes per group of an inference forward: 4 in the 8-wide (AVX) build (8 vector
+// registers of maxima), 1 in the 4-wide build (as roi_align.cu's AVG_GROUP)
+const int MAX_GROUP = mx_roi::VW == 8 ? 4 : 1;
+
 // Native host build of the forward: the thread's channel block copied channels-last
 // (mx_roi::channels_last_block), then, 16 channels at a time (LaneWalk::each_pass_staged),
 // every bin of a roi scanned cell by cell in row-major order (mx_roi::MaxLanes: strict
@@ -62,22 +98,34 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
-  // the output staged, the argmax stored directly (a null a: inference, nothing kept)
-  walk.each_pass_staged(batch, C, P, Q, out, store_argmax ? argmax : nullptr, [&](
+  if (!store_argmax) {  // inference: the maxima alone, a group of passes a bin
+    walk.template each_group_staged<MAX_GROUP>(batch, C, P, Q, out, (int*)nullptr, [&](
+        long long r, int cc, int passes, int lanes, int p, int q, const A* img, T* o, int*) {
+      const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
+      const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
+      if (!img || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0
+        for (int c = 0; c < lanes; ++c) o[c] = mx_roi::Traits<T>::store((A)0);
+        return;
+      }
+      switch (passes) {
+        case 1: roi_pool_max_bin_group<1, T, A>(img, cc, ncp, W, h0, hl, w0, wl, o); break;
+        case 2: roi_pool_max_bin_group<2, T, A>(img, cc, ncp, W, h0, hl, w0, wl, o); break;
+        case 3: roi_pool_max_bin_group<3, T, A>(img, cc, ncp, W, h0, hl, w0, wl, o); break;
+        default: roi_pool_max_bin_group<4, T, A>(img, cc, ncp, W, h0, hl, w0, wl, o); break;
+      }
+    });
+    return;
+  }
+  // training: the output staged, the argmax stored directly
+  walk.each_pass_staged(batch, C, P, Q, out, argmax, [&](
       long long r, int cc, int lanes, int p, int q, const A* img, T* o, I* a) {
     const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
     const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;
     if (!img || hl <= 0 || wl <= 0) {  // empty bin or skipped roi: 0, no argmax
       for (int c = 0; c < lanes; ++c) {
         o[c] = mx_roi::Traits<T>::store((A)0);
-        if (a) a[c * plane_out] = mx_roi::index_store<I>(-1);
+        a[c * plane_out] = mx_roi::index_store<I>(-1);
       }
-      return;
-    }
-    if (!a) {  // inference: the maxima alone
-      mx_roi::MaxValueLanes<A> m;
-      mx_roi::scan_int_bin_lanes(m, img, cc, ncp, W, h0, hl, w0, wl, 0, wl);
-      mx_roi::store_lanes<T>(m, o);
       return;
     }
     mx_roi::MaxLanes<A> m;

@@ -808,13 +808,16 @@ def _lane_case(rng, channels, ties):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
-    """The native ROIPooling forward scans channels-last in lanes of 16 channels: bit for
-    bit the emulated GPU kernel's output and gradient (hence its argmax) for channel counts
-    around the lane width, NaN / -inf / ties in the bins, skipped rois (batch -1), empty
-    bins, several images, 1 and 3 threads."""
+    """The native ROIPooling forward scans channels-last in lanes of 16 channels (a
+    training forward a pass at a time with its argmax, an inference forward up to
+    MAX_GROUP passes a cell): bit for bit the emulated GPU kernel's output and gradient
+    (hence its argmax) and its inference output, for channel counts around the lane width
+    and groups of one to four passes and past them (70: 4 + 1), NaN / -inf / ties in the
+    bins, skipped rois (batch -1), empty bins, several images, 1 and 3 threads."""
     rng = np.random.RandomState(5)
-    for trial in range(12):
-        x, rois = _lane_case(rng, (1, 5, 15, 16, 17, 33)[trial % 6], ties=True)
+    widths = (1, 5, 15, 16, 17, 33, 50, 64, 70)
+    for trial in range(len(widths) + 3):
+        x, rois = _lane_case(rng, widths[trial % len(widths)], ties=True)
         R, C = rois.shape[0], x.shape[1]
         pooled = (rng.randint(1, 8), rng.randint(1, 8))
         og = rng.randn(R, C, *pooled)
@@ -823,15 +826,19 @@ def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
             monkeypatch.setenv("MX_ROI_BACKEND", backend)
             monkeypatch.setenv("MX_ROI_NUM_THREADS", threads)
             d = mx.nd.array(x, dtype=dtype)
+            r = mx.nd.array(rois, dtype=dtype)
             d.attach_grad()
             with autograd.record():
-                o = mx.nd.Custom(d, mx.nd.array(rois, dtype=dtype), op_type="ROIPooling",
-                                 pooled_size=pooled, spatial_scale=0.0625)
+                o = mx.nd.Custom(d, r, op_type="ROIPooling", pooled_size=pooled,
+                                 spatial_scale=0.0625)
             o.backward(mx.nd.array(og, dtype=dtype))
-            results.append((o.asnumpy(), d.grad.asnumpy()))
-        for out, grad in results[1:]:
+            inference = mx.nd.Custom(d, r, op_type="ROIPooling", pooled_size=pooled,
+                                     spatial_scale=0.0625)
+            results.append((o.asnumpy(), d.grad.asnumpy(), inference.asnumpy()))
+        for out, grad, inf in results[1:]:
             np.testing.assert_array_equal(out, results[0][0])
             np.testing.assert_array_equal(grad, results[0][1])
+            np.testing.assert_array_equal(inf, results[0][2])
 
 
 @pytest.mark.parametrize("aligned", [False, True])
