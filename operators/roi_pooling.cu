@@ -55,7 +55,7 @@ inline void scan_int_bin_lanes(M& m, const A* img, int cc, int ncp, int W, int h
 // cell is reached, per lane MaxValueLanes' scan in its order (the same maxima).  Walked a
 // pass at a time, a small roi's bins were scanned once per pass, their few cells each
 // time (measured, one thread, the bench's small inference forward -- 16 rois 7x7 on a
-// 64-channel 19x25 map: see the commit).
+// 64-channel 19x25 map: 23-26 -> 16-17 us).
 template <int NP, typename T, typename A>
 inline void roi_pool_max_bin_group(const A* img, int cc, int ncp, int W, int h0, int hl, int w0,
                                    int wl, T* o) {
