@@ -82,6 +82,33 @@ struct PsLanes<float> {
   }
 };
 
+// The sum of a bin's ny x nx samples from one plane, each sample's taps and weights read
+// from the tables where it is taken (sample_at's products, sample_value's operations in
+// its order); NY, NX > 0: the counts known at compile time (then ny, nx are those).
+template <int NY, int NX, typename T, typename A>
+inline A ps_align_direct_sum(const T* plane, int W, int ny, int nx, long long yb, long long xb,
+                             const int* y_low, const int* y_high, const A* y_wl, const A* y_wh,
+                             const int* x_low, const int* x_high, const A* x_wl, const A* x_wh) {
+  const int my = NY > 0 ? NY : ny, mx = NX > 0 ? NX : nx;
+  A sum = 0;
+  for (int iy = 0; iy < my; ++iy) {
+    const A wyl = y_wl[yb + iy], wyh = y_wh[yb + iy];
+    const T* lo = plane + (long long)y_low[yb + iy] * W;
+    const T* hi = plane + (long long)y_high[yb + iy] * W;
+    for (int ix = 0; ix < mx; ++ix) {
+      const int xl = x_low[xb + ix], xh = x_high[xb + ix];
+      const A wxl = x_wl[xb + ix], wxh = x_wh[xb + ix];
+      const A w1 = wyl * wxl, w2 = wyl * wxh, w3 = wyh * wxl, w4 = wyh * wxh;
+      const A v1 = mx_roi::Traits<T>::load(lo[xl]);
+      const A v2 = mx_roi::Traits<T>::load(lo[xh]);
+      const A v3 = mx_roi::Traits<T>::load(hi[xl]);
+      const A v4 = mx_roi::Traits<T>::load(hi[xh]);
+      sum += (w1 * v1 + w2 * v2) + w3 * v3 + w4 * v4;
+    }
+  }
+  return sum;
+}
+
 template <typename T, typename A>
 bool psroi_align_forward_native(const T* data, const int* batch, const int* channel_map,
                                 const int* y_count, const int* y_low, const int* y_high,
@@ -128,22 +155,14 @@ bool psroi_align_forward_native(const T* data, const int* batch, const int* chan
           const long long yb = (r * P + p) * (long long)Gy, xb = (r * Q + q) * (long long)Gx;
           const A d = divisor[r * plane_out + k];
           return [=](const T* plane) {
-            A sum = 0;
-            for (int iy = 0; iy < ny; ++iy) {
-              const A wyl = y_wl[yb + iy], wyh = y_wh[yb + iy];
-              const T* lo = plane + (long long)y_low[yb + iy] * W;
-              const T* hi = plane + (long long)y_high[yb + iy] * W;
-              for (int ix = 0; ix < nx; ++ix) {
-                const int xl = x_low[xb + ix], xh = x_high[xb + ix];
-                const A wxl = x_wl[xb + ix], wxh = x_wh[xb + ix];
-                const A w1 = wyl * wxl, w2 = wyl * wxh, w3 = wyh * wxl, w4 = wyh * wxh;
-                const A v1 = mx_roi::Traits<T>::load(lo[xl]);
-                const A v2 = mx_roi::Traits<T>::load(lo[xh]);
-                const A v3 = mx_roi::Traits<T>::load(hi[xl]);
-                const A v4 = mx_roi::Traits<T>::load(hi[xh]);
-                sum += (w1 * v1 + w2 * v2) + w3 * v3 + w4 * v4;
-              }
-            }
+            // a 2 x 2 grid (sample_ratio=2, the bench's) unrolled: 12.4 -> 9.8 us
+            const A sum = ny == 2 && nx == 2
+                              ? ps_align_direct_sum<2, 2, T, A>(plane, W, ny, nx, yb, xb, y_low,
+                                                                y_high, y_wl, y_wh, x_low,
+                                                                x_high, x_wl, x_wh)
+                              : ps_align_direct_sum<0, 0, T, A>(plane, W, ny, nx, yb, xb, y_low,
+                                                                y_high, y_wl, y_wh, x_low,
+                                                                x_high, x_wl, x_wh);
             return sum / d;
           };
         });
