@@ -104,29 +104,13 @@ __global__ void psroi_pooling_forward(
         });
     return;
   }
-  if (!mx_roi::hint_map(Cin, H, W, sizeof(T))) {
-    // A map that fits in cache: the thread's channels roi by roi in the output's order,
-    // each row of bins' bounds read once, no hints, no staging (measured, one thread, the
-    // bench's small call -- 16 rois 7x7 on a 49-channel 19x25 map, one output channel:
-    // 6.6-7.6 -> 4.5-5.3 us; the same order through ps_forward_native's bin lambdas ran
-    // 7.2 us, and PSROIAlign's direct walk that way 9 -> 11 us)
-    for (long long r = 0; r < R; ++r) {
-      const int b = batch[r];
-      for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
-        T* const o = out + (r * C + c) * plane_out;
-        const int* const cm = channel_map + c * plane_out;
-        for (int p = 0; p < P; ++p) {
-          const int hs = hstart[r * P + p], he = hend[r * P + p];
-          for (int q = 0; q < Q; ++q) {
-            A sum = 0;
-            if (b >= 0)
-              sum = bin_mean<T, A>(data + mx_roi::plane_offset(b, cm[p * Q + q], Cin, H, W),
-                                   hs, he, wstart[r * Q + q], wend[r * Q + q], W);
-            o[p * Q + q] = mx_roi::Traits<T>::store(sum);
-          }
-        }
-      }
-    }
+  if (!mx_roi::hint_map(Cin, H, W, sizeof(T))) {  // a map that fits in cache
+    mx_roi::ps_forward_small_map<T, A>(
+        data, batch, channel_map, C, Cin, H, W, P, Q, out, n,
+        [&](long long r, int p, int q, const T* plane) {
+          return bin_mean<T, A>(plane, hstart[r * P + p], hend[r * P + p], wstart[r * Q + q],
+                                wend[r * Q + q], W);
+        });
     return;
   }
   // bin by bin, roi by roi, all channels (mx_roi::ps_forward_native); per item the loop
