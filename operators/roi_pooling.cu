@@ -81,15 +81,21 @@ inline void roi_pool_max_bin_group(const A* img, int cc, int ncp, int W, int h0,
   if (NP > 3) mx_roi::store_lanes<T>(m3, o + 3 * L);
 }
 
-// Passes per group of an inference forward: 4 in the 8-wide (AVX) build (8 vector
-// registers of maxima), 1 in the 4-wide build (as roi_align.cu's AVG_GROUP)
-const int MAX_GROUP = mx_roi::VW == 8 ? 4 : 1;
+// Passes per group of an inference forward: 4 for float lanes in the 8-wide (AVX) build
+// (8 vector registers of maxima), else 1: the 4-wide build's maxima would take 16, and
+// four groups of scalar lanes (float64) spill (its small inference forward, one thread:
+// 70 us a pass at a time, 94 us four at once)
+template <typename A>
+constexpr int max_group() {
+  return std::is_same<A, float>::value && mx_roi::VW == 8 ? 4 : 1;
+}
 
 // Native host build of the forward: the thread's channel block copied channels-last
 // (mx_roi::channels_last_block), then, 16 channels at a time (LaneWalk::each_pass_staged),
 // every bin of a roi scanned cell by cell in row-major order (mx_roi::MaxLanes: strict
-// '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit; an
-// inference call, which keeps no argmax, takes mx_roi::MaxValueLanes: the same maxima).
+// '>' per lane, the generic kernel's first maximum and NaN rule, bit for bit).  An
+// inference call, which keeps no argmax, scans each cell for a group of up to
+// max_group<A>() passes at once (roi_pool_max_bin_group, mx_roi::MaxValueLanes: the same maxima).
 template <typename T, typename A, typename I>
 void roi_pooling_forward_native(const T* data, const int* batch, const int* hstart,
                                 const int* hend, const int* wstart, const int* wend, int C,
@@ -99,7 +105,7 @@ void roi_pooling_forward_native(const T* data, const int* batch, const int* hsta
   const long long plane_out = walk.plane_out;
   const int ncp = walk.ncp;
   if (!store_argmax) {  // inference: the maxima alone, a group of passes a bin
-    walk.template each_group_staged<MAX_GROUP>(batch, C, P, Q, out, (int*)nullptr, [&](
+    walk.template each_group_staged<max_group<A>()>(batch, C, P, Q, out, (int*)nullptr, [&](
         long long r, int cc, int passes, int lanes, int p, int q, const A* img, T* o, int*) {
       const int h0 = hstart[r * P + p], hl = hend[r * P + p] - h0;
       const int w0 = wstart[r * Q + q], wl = wend[r * Q + q] - w0;

@@ -810,7 +810,7 @@ def _lane_case(rng, channels, ties):
 def test_roi_pooling_channel_lanes_match_the_emulation(dtype, monkeypatch):
     """The native ROIPooling forward scans channels-last in lanes of 16 channels (a
     training forward a pass at a time with its argmax, an inference forward up to
-    MAX_GROUP passes a cell): bit for bit the emulated GPU kernel's output and gradient
+    max_group passes a cell): bit for bit the emulated GPU kernel's output and gradient
     (hence its argmax) and its inference output, for channel counts around the lane width
     and groups of one to four passes and past them (70: 4 + 1), NaN / -inf / ties in the
     bins, skipped rois (batch -1), empty bins, several images, 1 and 3 threads."""
