@@ -35,7 +35,7 @@ from ..cuda import source as S
 __all__ = ["ExtLibraryError", "library_path", "load", "load_if_cached", "loaded_ops",
            "unavailable_reason", "op_sources",
            "mxnet_extension_files", "LAUNCHER_MACRO", "add_safe", "parse_params",
-           "callback_timing", "callback_times"]
+           "callback_timing", "callback_times", "geometry_reuse"]
 
 #: the macro of an op's extension section in its ``.cu`` file
 LAUNCHER_MACRO = "MX_ROI_EXT_LAUNCHER"
@@ -385,6 +385,18 @@ def callback_times() -> dict:
     _loaded_library().mx_roi_ext_callback_times(out)
     return dict(fwd_ms=out[0] / 1e6, fwd_calls=int(out[1]), bwd_ms=out[2] / 1e6,
                 bwd_calls=int(out[3]))
+
+
+def geometry_reuse() -> dict:
+    """How the loaded library's CPU backwards got their tables (the grid or bins the
+    forward builds from the rois), counted since it loaded, every native op and thread:
+    ``built`` (checked and built again) or ``reused`` (the forward's, kept on its thread:
+    the same parameters, data shape and rois, byte for byte, and no tables built since).
+    Ops whose kernels read the rois themselves (PrRoIPool, RROIAlign,
+    DeformablePSROIPooling) count in neither."""
+    out = (ctypes.c_longlong * 2)()
+    _loaded_library().mx_roi_ext_geometry_reuse(out)
+    return dict(built=int(out[0]), reused=int(out[1]))
 
 
 def add_safe(x, name=None):

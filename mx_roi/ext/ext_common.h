@@ -88,6 +88,11 @@ struct CallbackTimer {
   }
 };
 
+// ---- the backwards' tables (mx_roi_ext_geometry_reuse) ------------------------------
+// Every backward that could take its forward's kept tables (ext_launch.h's KeptGeometry)
+// counts once: built (0) or reused (1).  Defined in ext_main.cc.
+void count_geometry_reuse(bool reused);
+
 // A parameter, shape or input problem: its what() is the whole message (op name first).
 struct OpError : std::runtime_error {
   explicit OpError(const std::string& m) : std::runtime_error(m) {}

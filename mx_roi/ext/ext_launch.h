@@ -35,9 +35,17 @@ const double GUARD_BOUND = 3.0e38;
 enum { MODE_POOL_BINS = 0, MODE_PS_POOL_BINS = 1, MODE_ALIGN_GRID = 2, MODE_CAFFE_GRID = 3,
        MODE_RFCN_GRID = 4 };
 
+// How many times this thread has laid tables over scratch slot 0 (KeptGeometry: the kept
+// tables are there until the next time).
+inline unsigned long long& tables_generation() {
+  static thread_local unsigned long long n = 0;
+  return n;
+}
+
 // A per-thread scratch buffer (slot: tables 0, a float16 backward's float32 gradient 1).
 inline unsigned char* scratch(int slot, size_t bytes) {
   static thread_local std::vector<unsigned char> buf[2];
+  if (slot == 0) ++tables_generation();
   if (buf[slot].size() < bytes) buf[slot].resize(bytes);
   return buf[slot].data();
 }
@@ -390,6 +398,44 @@ struct PooledOp {
   static long long out_channels(const Params&, long long C) { return C; }
 };
 
+// The tables of this thread's last forward of an op (per dtype pair), kept for the backward
+// of the same call: MXNet runs the backward on the thread of the forward (its one CPU
+// worker) with the same parameters, data shape and rois, and building the tables again
+// there took a fifth of the bench's small PSROIAlign backward (callbacks 16.5-21.0 us,
+// 14.1-15.3 with the forward's; CHANGELOG).  A backward
+// takes them only when its parameters (the Callbacks memo's serial of the attribute map),
+// data shape and rois (byte for byte) are the forward's and the op's scratch slot 0 has
+// held no other tables since (tables_generation); else it builds and checks its own, as
+// before.  Only tables laid over the scratch are kept (Grid, Bins: KeepsTables); a forward
+// always builds its own (a forward that failed keeps nothing).
+template <typename G>
+struct KeepsTables : std::false_type {};
+template <typename A>
+struct KeepsTables<Grid<A>> : std::true_type {};
+template <>
+struct KeepsTables<Bins> : std::true_type {};
+
+template <typename G>
+struct KeptGeometry {
+  bool valid = false;
+  unsigned long long generation = 0, params = 0;
+  std::vector<int64_t> shape;
+  std::vector<unsigned char> rois;
+  G g;
+  bool matches(unsigned long long serial, const MXTensor& data, const unsigned char* r,
+               size_t bytes) const {
+    return valid && generation == tables_generation() && params == serial &&
+           shape == data.shape && rois.size() == bytes &&
+           (bytes == 0 || std::memcmp(rois.data(), r, bytes) == 0);
+  }
+};
+
+// A call's place in that: which parameters (0: none, nothing kept or taken) and direction
+struct KeepKey {
+  unsigned long long params = 0;
+  bool backward = false;
+};
+
 // One call of ``Op`` (an op as Callbacks wants, with geometry<T, A>(p, data, rois)): data
 // (N, Cin, H, W), C = Op::out_channels (the channel count checked first), the P x Q grid,
 // n = R * C * P * Q output items, then g, the geometry (rois checked; built even for n = 0,
@@ -402,11 +448,39 @@ struct Call {
   int C, Cin, H, W, P, Q;
   long long n;
   Geometry g;
-  Call(const typename Op::Params& p, const MXTensor& data, const MXTensor& rois)
+  Call(const typename Op::Params& p, const MXTensor& data, const MXTensor& rois,
+       KeepKey key = KeepKey())
       : C((int)Op::out_channels(p, data.shape[1])), Cin((int)data.shape[1]),
         H((int)data.shape[2]), W((int)data.shape[3]), P((int)p.P), Q((int)p.Q),
         n(rois.shape[0] * (long long)C * p.P * p.Q),
-        g(Op::template geometry<T, A>(p, data, rois)) {}
+        g(geometry(KeepsTables<Geometry>(), p, data, rois, key)) {}
+
+  static Geometry geometry(std::false_type, const typename Op::Params& p, const MXTensor& data,
+                           const MXTensor& rois, KeepKey) {
+    return Op::template geometry<T, A>(p, data, rois);
+  }
+  // KeptGeometry: a forward keeps its tables, a backward takes them when they are its own
+  static Geometry geometry(std::true_type, const typename Op::Params& p, const MXTensor& data,
+                           const MXTensor& rois, KeepKey key) {
+    if (!key.params) return Op::template geometry<T, A>(p, data, rois);
+    static thread_local KeptGeometry<Geometry> kept;
+    const unsigned char* r = (const unsigned char*)rois.data_ptr;
+    const size_t bytes = (size_t)numel(rois.shape) * sizeof(T);
+    if (key.backward) {
+      const bool hit = kept.matches(key.params, data, r, bytes);
+      ::mx_roi_ext::count_geometry_reuse(hit);
+      return hit ? kept.g : Op::template geometry<T, A>(p, data, rois);
+    }
+    kept.valid = false;
+    const Geometry g = Op::template geometry<T, A>(p, data, rois);  // (throws: none kept)
+    kept.g = g;
+    kept.generation = tables_generation();
+    kept.params = key.params;
+    kept.shape = data.shape;
+    kept.rois.assign(r, r + bytes);
+    kept.valid = true;
+    return g;
+  }
 
   // ``kernel()`` on the native backend's threads, the C output channels split among them
   template <typename F>
@@ -609,16 +683,23 @@ struct Callbacks {
   // FCompute: six parses of ~3 us each).  The last few maps are kept whole and compared
   // with == (no copy, sort or allocation on a hit: the sorted-text key this replaced cost
   // ~0.5 us a callback, 3-6 us a small fwd+bwd).  Errors are not kept: a bad value is
-  // parsed, and reported, each time.
-  static typename Op::Params params(const Attrs& attrs) {
-    static thread_local std::vector<std::pair<Attrs, typename Op::Params>> memo;
+  // parsed, and reported, each time.  Each entry has a serial of its own (never reused,
+  // on any thread): KeptGeometry's name for the parameters.
+  struct Parsed {
+    typename Op::Params p;
+    unsigned long long serial;
+  };
+  static Parsed parsed(const Attrs& attrs) {
+    static thread_local std::vector<std::pair<Attrs, Parsed>> memo;
+    static std::atomic<unsigned long long> serials(0);
     for (size_t i = memo.size(); i-- > 0;)
       if (memo[i].first == attrs) return memo[i].second;
-    const typename Op::Params p = Op::parse(attrs);
+    const Parsed x = {Op::parse(attrs), ++serials};
     if (memo.size() >= 16) memo.erase(memo.begin());  // the oldest goes
-    memo.emplace_back(attrs, p);
-    return p;
+    memo.emplace_back(attrs, x);
+    return x;
   }
+  static typename Op::Params params(const Attrs& attrs) { return parsed(attrs).p; }
 
   static MXReturnValue parse_attrs(const Attrs& attrs, int* num_in, int* num_out) {
     MX_ROI_EXT_CALL(*num_in = ExtraInput<Op>::count(params(attrs)); *num_out = 1;)
@@ -669,14 +750,15 @@ struct Callbacks {
   // inputs: data, rois[, extra]; outputs: the output.  Throws for a bad input.
   static void forward_checked(const Attrs& attrs, std::vector<MXTensor>* inputs,
                               std::vector<MXTensor>* outputs) {
-    const typename Op::Params p = params(attrs);
+    const Parsed x = parsed(attrs);
+    const typename Op::Params& p = x.p;
     const MXTensor &data = (*inputs)[0], &rois = (*inputs)[1];
     check(data, rois);
     advise_fresh(*outputs);
     dispatch_dtype(Op::OP, data.dtype, [&](auto* t, auto* a) {
       typedef typename std::remove_pointer<decltype(t)>::type T;
       typedef typename std::remove_pointer<decltype(a)>::type A;
-      run_forward<T, A>(ExtraInput<Op>(), p, data, rois,
+      run_forward<T, A>(ExtraInput<Op>(), p, {x.serial, false}, data, rois,
                         inputs->size() > 2 ? &(*inputs)[2] : nullptr, (*outputs)[0]);
     });
   }
@@ -733,19 +815,21 @@ struct Callbacks {
   }
 
   template <typename T, typename A>
-  static void run_forward(std::false_type, const typename Op::Params& p, const MXTensor& data,
-                          const MXTensor& rois, const MXTensor*, MXTensor& out) {
+  static void run_forward(std::false_type, const typename Op::Params& p, KeepKey key,
+                          const MXTensor& data, const MXTensor& rois, const MXTensor*,
+                          MXTensor& out) {
     if (rois.shape[0] > 0 && empty_map<T, A>(data, rois)) {
       std::memset(out.data_ptr, 0, (size_t)numel(out.shape) * sizeof(T));
     } else if (rois.shape[0] > 0) {
-      const Call<Op, T, A> c(p, data, rois);
+      const Call<Op, T, A> c(p, data, rois, key);
       if (c.n > 0) Op::template forward<T, A>(p, c, data, out);
     }
   }
 
   template <typename T, typename A>
-  static void run_forward(std::true_type, const typename Op::Params& p, const MXTensor& data,
-                          const MXTensor& rois, const MXTensor* extra, MXTensor& out) {
+  static void run_forward(std::true_type, const typename Op::Params& p, KeepKey,
+                          const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
+                          MXTensor& out) {
     Op::template forward<T, A>(p, data, rois, extra, out);
   }
 
@@ -805,7 +889,8 @@ struct Callbacks {
   static void backward_checked(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                std::vector<MXTensor>* outputs) {
     {
-      const typename Op::Params p = params(attrs);
+      const Parsed x = parsed(attrs);
+      const typename Op::Params& p = x.p;
       const MXTensor &grad = (*inputs)[0], &data = (*inputs)[1], &rois = (*inputs)[2];
       const bool has_extra = outputs->size() > 2;
       const MXTensor* extra = has_extra ? &(*inputs)[3] : nullptr;
@@ -825,8 +910,8 @@ struct Callbacks {
         A* bottom = direct ? (A*)data_grad.data_ptr
                            : (A*)scratch(1, (size_t)size * sizeof(A) + 16);
         std::memset(bottom, 0, (size_t)size * sizeof(A));
-        run_backward<T, A>(ExtraInput<Op>(), p, grad, data, rois, extra, bottom, rois_grad,
-                           extra_grad);
+        run_backward<T, A>(ExtraInput<Op>(), p, {x.serial, true}, grad, data, rois, extra,
+                           bottom, rois_grad, extra_grad);
         if (!direct) {
           T* out = (T*)data_grad.data_ptr;
           for (long long i = 0; i < size; ++i) out[i] = mx_roi::Traits<T>::store(bottom[i]);
@@ -836,11 +921,11 @@ struct Callbacks {
   }
 
   template <typename T, typename A>
-  static void run_backward(std::false_type, const typename Op::Params& p, const MXTensor& grad,
-                           const MXTensor& data, const MXTensor& rois, const MXTensor*, A* bottom,
-                           MXTensor& rois_grad, MXTensor*) {
+  static void run_backward(std::false_type, const typename Op::Params& p, KeepKey key,
+                           const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
+                           const MXTensor*, A* bottom, MXTensor& rois_grad, MXTensor*) {
     if (rois.shape[0] > 0 && !empty_map<T, A>(data, rois)) {
-      const Call<Op, T, A> c(p, data, rois);
+      const Call<Op, T, A> c(p, data, rois, key);
       if (c.n > 0) Op::template backward<T, A>(p, c, grad, data, bottom);
       // an op that differentiates its rois (PrRoIPool) writes their gradient over the
       // zeros
@@ -849,9 +934,9 @@ struct Callbacks {
   }
 
   template <typename T, typename A>
-  static void run_backward(std::true_type, const typename Op::Params& p, const MXTensor& grad,
-                           const MXTensor& data, const MXTensor& rois, const MXTensor* extra,
-                           A* bottom, MXTensor&, MXTensor* extra_grad) {
+  static void run_backward(std::true_type, const typename Op::Params& p, KeepKey,
+                           const MXTensor& grad, const MXTensor& data, const MXTensor& rois,
+                           const MXTensor* extra, A* bottom, MXTensor&, MXTensor* extra_grad) {
     Op::template backward<T, A>(p, grad, data, rois, extra, bottom, extra_grad);
   }
 };

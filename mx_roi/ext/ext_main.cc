@@ -89,6 +89,19 @@ extern "C" void mx_roi_ext_callback_times(long long* out) {
   }
 }
 
+namespace mx_roi_ext {
+std::atomic<long long> geometry_reuse[2];
+void count_geometry_reuse(bool reused) {
+  geometry_reuse[reused ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace mx_roi_ext
+
+// The backwards' tables since the library loaded: out[0] built, out[1] reused (the
+// forward's, kept).
+extern "C" void mx_roi_ext_geometry_reuse(long long* out) {
+  for (int i = 0; i < 2; ++i) out[i] = mx_roi_ext::geometry_reuse[i].load();
+}
+
 // The messages MXNet would print now (tests: the list holds one message per failure).
 extern "C" int mx_roi_ext_message_count() {
   return MXerrorMsgs::get()->size();
