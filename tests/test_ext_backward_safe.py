@@ -7,13 +7,10 @@ the pool's old memory with no error.  The native backward therefore never fails 
 the forward checks the same way (ext_launch.h, Callbacks::backward): it writes zero
 gradients.  Seen before that rule: 5 of 60 valid steps wrong (output and gradient)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.child import child_result
 
 CHILD = r'''
 import json, sys, time
@@ -75,16 +72,7 @@ print("RESULT " + json.dumps(res))
     ("PSROIPooling", {"pooled_size": "2", "spatial_scale": "1.0", "output_dim": "2"}),
 ])
 def test_failed_step_leaves_the_next_valid_step_intact(op, params):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MX_ROI_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-c", CHILD, op, json.dumps(params)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-2000:],
-                                           proc.stderr[-3000:])
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = child_result(CHILD, op, json.dumps(params), drop=("MX_ROI_BACKEND",), timeout=600)
     assert res["steps"] == 60 and res["raised"] == 60, res
     assert res["wrong"] == 0 and res["wrong_grad"] == 0 and res["good_raised"] == 0, res
     assert set(res["grad_after_error"]) <= {"zeros", "raised"}, res

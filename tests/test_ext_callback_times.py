@@ -3,7 +3,6 @@
 ``mx_roi_<Op>`` operator to give MXNet's share of it.  Each forward and backward callback
 counts once, only while timing is on; starting zeroes the totals; the times are inside the
 profiler's own span of the operator."""
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import textwrap
 import pytest
 
 from mx_roi import ext
+from tests.child import child_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,12 +65,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def times():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return child_result(CHILD)
 
 
 def test_counts_each_callback_while_on(times):

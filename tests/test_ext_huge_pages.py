@@ -10,18 +10,14 @@ the Custom door and ran up to 1.4x slower (docs/native_ops.md, issue 42's detect
   output (forward) and data gradient (backward) carry ``hg`` (VM_HUGEPAGE, set only by
   madvise(MADV_HUGEPAGE)), while a same-sized array MXNet wrote by itself does not."""
 import ctypes
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from mx_roi import ext, scratch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.child import child_result
 
 pytestmark = pytest.mark.skipif(bool(ext.unavailable_reason()),
                                 reason="no extension library here: "
@@ -133,13 +129,7 @@ def test_native_calls_advise_their_fresh_memory_onto_huge_pages():
     if not scratch.advise_huge_pages(probe):
         pytest.skip("madvise(MADV_HUGEPAGE) fails here (a kernel without THP): nothing "
                     "to advise")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MX_ROI_NATIVE_OPS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stdout + proc.stderr
-    res = json.loads(line[0][len("RESULT "):])
+    res = child_result(CHILD, env={"MX_ROI_NATIVE_OPS": "1"})
     assert res["process"] == [], res["process"]  # (the controls: see CHILD)
     assert res["gradient_before"] and not any("hg" in f for f in res["gradient_before"]), \
         res["gradient_before"]

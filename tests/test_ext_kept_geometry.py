@@ -6,17 +6,12 @@ over the op's scratch since (the same op in float64 between a float32 forward an
 backward: every other key equal).  Each case's gradient is bit for bit the Custom path's
 (native backend, kernels launched from Python), with the gradient buffer garbage-filled
 first.  In a child process: a backward on stale tables would read wrong indices."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from mx_roi import ext
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.child import child_result
 
 pytestmark = pytest.mark.skipif(bool(ext.unavailable_reason()),
                                 reason="no extension library here: "
@@ -101,12 +96,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return child_result(CHILD, timeout=600)
 
 
 @pytest.mark.parametrize("case", ["same call", "same call, float64", "same call, float16"])
