@@ -192,8 +192,7 @@ class DeformWalk {
  public:
   DeformWalk(long long n, int C, int P, int Q, int K, const T* rois)
       : C_(C), P_(P), Q_(Q), per_(K > 0 && C / K > 0 ? C / K : 1) {
-    const long long per_roi = (long long)C * P * Q;
-    R_ = per_roi > 0 ? n / per_roi : 0;
+    R_ = mx_roi::launch_rois(n, C, P, Q);
     if (mx_roi_c_begin < mx_roi_c_end && R_ > 0) {
       std::vector<int> batch((size_t)R_);
       order_.resize((size_t)R_);

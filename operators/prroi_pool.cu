@@ -118,8 +118,7 @@ struct PreciseRoi {
 template <typename T, typename A>
 void prroi_pool_forward_native(const T* data, const T* rois, float spatial_scale, int C, int H,
                                int W, int P, int Q, T* out, long long n) {
-  const long long per_roi = (long long)C * P * Q;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long R = mx_roi::launch_rois(n, C, P, Q);
   const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 5);
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const int ncp = walk.ncp;

@@ -116,8 +116,8 @@ bool psroi_align_forward_native(const T* data, const int* batch, const int* chan
                                 const int* x_low, const int* x_high, const A* x_wl,
                                 const A* x_wh, const A* divisor, int C, int Cin, int H, int W,
                                 int P, int Q, int Gy, int Gx, T* out, long long n) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
+  const long long plane_out = (long long)P * Q, R = mx_roi::launch_rois(n, C, P, Q);
+  const long long HW = (long long)H * W;
   const long long K = (long long)Gy * Gx;
   if (K > MX_ROI_PS_MAX_TAPS) return false;
   static thread_local std::vector<PsTap<A>> taps;

@@ -74,8 +74,7 @@ __global__ void psroi_pooling_forward(
     const int* __restrict__ hend, const int* __restrict__ wstart, const int* __restrict__ wend,
     int C, int Cin, int H, int W, int P, int Q, T* __restrict__ out, long long n) {
 #ifdef MX_ROI_HOST_NATIVE
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long plane_out = (long long)P * Q, R = mx_roi::launch_rois(n, C, P, Q);
   double reads = 0;  // cells read per channel, all bins of all rois
   for (long long r = 0; r < R && C >= 8; ++r) {
     if (batch[r] < 0) continue;

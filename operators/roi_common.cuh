@@ -108,6 +108,12 @@ __device__ __forceinline__ Item unravel(long long i, int C, int P, int Q) {
   return it;
 }
 
+// The rois of a launch of n items: (R, C, P, Q) outputs, R = 0 for an empty C x P x Q.
+__device__ __forceinline__ long long launch_rois(long long n, int C, int P, int Q) {
+  const long long per_roi = (long long)C * P * Q;
+  return per_roi > 0 ? n / per_roi : 0;
+}
+
 // The same in 32-bit unsigned arithmetic (a 64-bit div/mod costs several times a 32-bit one
 // on a GPU); only for indices that fit, see ItemLoop.
 __device__ __forceinline__ Item unravel32(unsigned i, unsigned C, unsigned P, unsigned Q) {
@@ -166,8 +172,7 @@ class ItemLoop {
  public:
   ItemLoop(long long n, int C, int P, int Q, bool plane_per_bin)
       : C_(C), P_(P), Q_(Q), roi_inner_(plane_per_bin) {
-    const long long per_roi = (long long)C * P * Q;
-    R_ = per_roi > 0 ? n / per_roi : 0;
+    R_ = launch_rois(n, C, P, Q);
     it_.c = mx_roi_c_begin;
     it_.r = 0;
     it_.p = 0;
@@ -759,8 +764,7 @@ void staged_to_output(const T* staged, long long R, int C, long long plane_out, 
 template <typename T, typename A, typename AtBin, typename AtRoi>
 void ps_bins_staged(const int* batch, int C, int P, int Q, T* out, long long n, AtBin&& at_bin,
                     AtRoi&& at_roi) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long plane_out = (long long)P * Q, R = launch_rois(n, C, P, Q);
   if (R <= 0) return;
   const long long k0 = mx_roi_c_begin * plane_out / C, k1 = mx_roi_c_end * plane_out / C;
   if (k1 <= k0) return;
@@ -793,8 +797,7 @@ void ps_bins_staged(const int* batch, int C, int P, int Q, T* out, long long n, 
 // their count.
 template <typename F>
 void ps_items_by_roi(long long n, int C, int P, int Q, F&& f) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long plane_out = (long long)P * Q, R = launch_rois(n, C, P, Q);
   Item it;
   for (it.r = 0; it.r < R; ++it.r)
     for (it.c = mx_roi_c_begin; it.c < mx_roi_c_end; ++it.c) {
@@ -817,8 +820,8 @@ template <typename T, typename A, typename Value>
 void ps_forward_small_map(const T* data, const int* batch, const int* channel_map, int C,
                           int Cin, int H, int W, int P, int Q, T* out, long long n,
                           Value&& value) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
+  const long long plane_out = (long long)P * Q, R = launch_rois(n, C, P, Q);
+  const long long HW = (long long)H * W;
   for (long long r = 0; r < R; ++r) {
     const int b = batch[r];
     for (int c = mx_roi_c_begin; c < mx_roi_c_end; ++c) {
@@ -881,8 +884,8 @@ template <typename T, typename A, typename RoiBin>
 void ps_forward_channels_last(const T* data, const int* batch, const int* channel_map, int C,
                               int Cin, int H, int W, int P, int Q, T* out, long long n,
                               RoiBin&& roi_bin) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0, HW = (long long)H * W;
+  const long long plane_out = (long long)P * Q, R = launch_rois(n, C, P, Q);
+  const long long HW = (long long)H * W;
   if (R <= 0) return;
   const int images = images_read(batch, R);
   static thread_local std::vector<char> used;  // the images a roi reads
@@ -933,10 +936,9 @@ struct LaneWalk {
   int c0, nc, ncp;
   const A* cells;
   LaneWalk(const T* data, const int* batch, int C, int H, int W, int P, int Q, long long n)
-      : plane_out((long long)P * Q), R(0), HW((long long)H * W), c0(mx_roi_c_begin),
-        nc(mx_roi_c_end - mx_roi_c_begin), ncp(padded_lanes(nc)), cells(nullptr) {
-    const long long per_roi = C * plane_out;
-    R = per_roi > 0 ? n / per_roi : 0;
+      : plane_out((long long)P * Q), R(launch_rois(n, C, P, Q)), HW((long long)H * W),
+        c0(mx_roi_c_begin), nc(mx_roi_c_end - mx_roi_c_begin), ncp(padded_lanes(nc)),
+        cells(nullptr) {
     if (R > 0 && nc > 0) cells = channels_last_block<T, A>(data, batch, R, C, H, W);
   }
   bool empty() const { return R <= 0 || nc <= 0; }  // (cells is null when no roi reads)

@@ -177,8 +177,7 @@ void roi_pooling_backward_native(const T* grad, const int* batch, const int* hst
                                  const int* hend, const int* wstart, const int* wend,
                                  const I* argmax, int C, int H, int W, int P, int Q, O* bottom,
                                  double scale, long long n) {
-  const long long plane_out = (long long)P * Q, per_roi = C * plane_out;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long plane_out = (long long)P * Q, R = mx_roi::launch_rois(n, C, P, Q);
   // a roi with more bin cells (e.g. one 1x1 bin over a 300x300 map) decodes each
   // winner by division instead (detector rois have a few thousand at most)
   const long long kMaxCells = 1 << 16;

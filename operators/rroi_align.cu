@@ -237,8 +237,7 @@ template <typename T, typename A>
 void rroi_align_forward_native(const T* data, const T* rois, float spatial_scale, int ratio,
                                int aligned, int clockwise, int C, int H, int W, int P, int Q,
                                T* out, long long n) {
-  const long long per_roi = (long long)C * P * Q;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long R = mx_roi::launch_rois(n, C, P, Q);
   const int* batch = mx_roi::rois_batch_column<T, A>(rois, R, 6);
   const mx_roi::LaneWalk<T, A> walk(data, batch, C, H, W, P, Q, n);
   const int ncp = walk.ncp;
@@ -325,8 +324,7 @@ void rroi_align_backward_native(const T* grad, const T* rois, float spatial_scal
   if (RotatedBackwardLanes<T, A, O>::run(grad, rois, spatial_scale, ratio, aligned, clockwise,
                                           C, H, W, P, Q, bottom, n))
     return;
-  const long long per_roi = (long long)C * P * Q;
-  const long long R = per_roi > 0 ? n / per_roi : 0;
+  const long long R = mx_roi::launch_rois(n, C, P, Q);
   for (long long r = 0; r < R; ++r) {
     const mx_roi::RotatedBox<A> b = mx_roi::rotated_box<T, A>(rois + r * 6, spatial_scale, P,
                                                               Q, ratio, aligned, clockwise);
